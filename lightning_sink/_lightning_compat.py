@@ -1,0 +1,105 @@
+"""Every use of a private Lightning attribute, in one place.
+
+Lightning's fit loop assumes that one Lightning batch is one optimizer step (or one micro-batch of its own
+accumulation). The sink strategies decide themselves when an update happens, so they tell the loop through the
+functions below. ``tests/test_lightning_compat.py`` fails loudly when a Lightning release moves any of these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.trainer import call
+
+__all__ = [
+    "install_loop_overrides",
+    "remove_loop_overrides",
+    "is_last_batch_of_epoch",
+    "record_optimizer_update",
+    "finish_lightning_batch",
+    "run_before_optimizer_step",
+]
+
+# Names of the instance attributes we shadow on the epoch loop; deleting them restores Lightning's methods.
+_SHADOWED = ("_should_accumulate", "update_lr_schedulers")
+
+
+def _epoch_loop(trainer: pl.Trainer) -> Any:
+    return trainer.fit_loop.epoch_loop
+
+
+def install_loop_overrides(trainer: pl.Trainer, batch_has_no_update: Callable[[], bool]) -> None:
+    """Hand the decisions 'is this an optimizer step' and 'step the LR schedulers' to the strategy.
+
+    ``batch_has_no_update`` answers, for the Lightning batch in flight, whether it performs no optimizer update.
+    Lightning asks ``_should_accumulate()`` before and after the optimizer hook, before logging and before
+    zeroing gradients for validation; answering from the strategy keeps all of those consistent. Step-interval
+    LR schedulers are stepped by the strategy after each real update, so the loop's own call is dropped.
+    """
+    loop = _epoch_loop(trainer)
+    original_update = type(loop).update_lr_schedulers.__get__(loop)
+
+    def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
+        if interval == "step" and not update_plateau_schedulers:
+            return  # stepped by the strategy, once per real optimizer update
+        if interval == "step" and batch_has_no_update():
+            return
+        original_update(interval, update_plateau_schedulers)
+
+    loop._should_accumulate = batch_has_no_update
+    loop.update_lr_schedulers = update_lr_schedulers
+    # The strategy runs backward itself inside its step programs; Lightning's closure must not zero the
+    # gradients or run a second backward.
+    trainer.fit_loop._skip_backward = True
+
+
+def remove_loop_overrides(trainer: pl.Trainer) -> None:
+    loop = _epoch_loop(trainer)
+    for name in _SHADOWED:
+        loop.__dict__.pop(name, None)
+    trainer.fit_loop._skip_backward = False
+
+
+def is_last_batch_of_epoch(trainer: pl.Trainer) -> bool:
+    """Whether the Lightning batch in flight is the last one of this epoch (known before it runs)."""
+    return bool(type(_epoch_loop(trainer))._num_ready_batches_reached(_epoch_loop(trainer)))
+
+
+def _step_progress(trainer: pl.Trainer) -> Any:
+    return _epoch_loop(trainer).automatic_optimization.optim_progress.optimizer.step
+
+
+def record_optimizer_update(trainer: pl.Trainer) -> None:
+    """Count one optimizer update now, so that ``trainer.global_step`` is true inside a Lightning batch."""
+    progress = _step_progress(trainer)
+    for tracker in (progress.total, progress.current):
+        tracker.ready += 1
+        tracker.completed += 1
+
+
+def finish_lightning_batch(trainer: pl.Trainer, updates: int) -> None:
+    """Undo the one update Lightning itself counts for a batch that performed ``updates >= 1`` updates.
+
+    Lightning counted ``ready`` before the optimizer hook and will count ``completed`` right after it; the
+    updates were already recorded one by one. The logging step is set so that, after Lightning's own
+    increment at the end of the batch, it equals ``global_step`` (as in stock Lightning without accumulation).
+    """
+    if updates == 0:
+        return
+    progress = _step_progress(trainer)
+    for tracker in (progress.total, progress.current):
+        tracker.ready -= 1
+        tracker.completed -= 1
+    _epoch_loop(trainer)._batches_that_stepped = progress.total.completed
+
+
+def run_before_optimizer_step(trainer: pl.Trainer, optimizer: Any) -> None:
+    """Call the ``on_before_optimizer_step`` hooks and clip gradients, as Lightning does after its closure."""
+    module = trainer.lightning_module
+    trainer.strategy.precision_plugin._after_closure(module, optimizer)
+
+
+def call_lightning_module_hook(trainer: pl.Trainer, name: str, *args: Any) -> Any:
+    return call._call_lightning_module_hook(trainer, name, *args)

@@ -1,0 +1,128 @@
+"""Gradient accumulation state: fp32 buffers, the window position, and the partial-window rule.
+
+This is MindSpore's ``accu_grads`` (seed 000, ``TrainAccuStepsCell``) for PyTorch: one flat fp32 tensor holds the
+gradient sum of the current window for every trainable parameter. fp32 parameters let autograd add straight into
+their slice of it (``param.grad`` is a view), so accumulating costs no extra copy; low-precision parameters get a
+fresh gradient each micro-step that is added in fp32, so 64 bf16 micro-steps lose nothing to bf16 rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn import Parameter
+
+__all__ = ["PARTIAL_WINDOW_MODES", "MicroStep", "plan_micro_step", "GradientAccumulator"]
+
+PARTIAL_WINDOW_MODES = ("scale", "drop", "carry")
+
+
+class MicroStep(Enum):
+    """What the strategy does with one micro-batch."""
+
+    ACCUMULATE = "accumulate"  # forward, backward, add into the buffers
+    UPDATE = "update"  # the same, then reduce, clip, optimizer step, clear
+    ACCUMULATE_THEN_DROP = "accumulate_then_drop"  # the epoch ends inside a window under "drop": discard it
+
+
+def plan_micro_step(window_position: int, accumulation_steps: int, is_last: bool, partial_window: str) -> MicroStep:
+    """Decide what happens to the next micro-batch.
+
+    Args:
+        window_position: micro-steps already accumulated in the current window.
+        accumulation_steps: N, micro-steps per full window.
+        is_last: whether this micro-batch is the last one of the epoch.
+        partial_window: ``"scale"``, ``"drop"`` or ``"carry"`` (see ``SinkStrategy``). Under ``"drop"`` the
+            strategy already shortens sized loaders to whole windows; this rule covers the rest (unsized loaders,
+            ``limit_train_batches``).
+    """
+    if window_position + 1 == accumulation_steps:
+        return MicroStep.UPDATE
+    if not is_last or partial_window == "carry":
+        return MicroStep.ACCUMULATE
+    return MicroStep.UPDATE if partial_window == "scale" else MicroStep.ACCUMULATE_THEN_DROP
+
+
+def _unique_trainable(params: Iterable[Parameter]) -> list[Parameter]:
+    seen: set[int] = set()
+    unique = []
+    for param in params:
+        if param.requires_grad and id(param) not in seen:
+            seen.add(id(param))
+            unique.append(param)
+    return unique
+
+
+class GradientAccumulator:
+    """The fp32 gradient sum of one window, for the parameters of one optimizer."""
+
+    def __init__(self, params: Iterable[Parameter]) -> None:
+        self.params = _unique_trainable(params)
+        if not self.params:
+            raise ValueError("GradientAccumulator(params=...) got no trainable parameters; the optimizer is empty.")
+        device = self.params[0].device
+        total = sum(p.numel() for p in self.params)
+        self.flat = torch.zeros(total, dtype=torch.float32, device=device)
+        self.views: list[Tensor] = []
+        offset = 0
+        for param in self.params:
+            self.views.append(self.flat[offset : offset + param.numel()].view_as(param))
+            offset += param.numel()
+        self._aliased = [p.dtype == torch.float32 and p.device == device for p in self.params]
+        self.micro_steps = 0
+
+    def begin_micro_step(self) -> None:
+        """Point fp32 gradients at their buffer slice (Lightning hooks may have set them to ``None``)."""
+        for param, view, aliased in zip(self.params, self.views, self._aliased):
+            if aliased:
+                if param.grad is not view:
+                    param.grad = view
+            else:
+                param.grad = None
+
+    def end_micro_step(self) -> None:
+        """Add this micro-step's low-precision gradients into the fp32 buffers."""
+        for param, view, aliased in zip(self.params, self.views, self._aliased):
+            if not aliased and param.grad is not None:
+                view.add_(param.grad)
+                param.grad = None
+        self.micro_steps += 1
+
+    def reduce(self, group: Any = None) -> None:
+        """Sum the window's gradients over all ranks: one collective for the whole model."""
+        dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=group)
+
+    def write_gradients(self, divisor: float) -> None:
+        """Turn the sum into the mean gradient of the window and hand it to the optimizer as ``param.grad``."""
+        if divisor != 1:
+            self.flat.div_(divisor)
+        for param, view, aliased in zip(self.params, self.views, self._aliased):
+            param.grad = view if aliased else view.to(param.dtype)
+
+    def clear(self) -> None:
+        self.flat.zero_()
+        self.micro_steps = 0
+        for param, aliased in zip(self.params, self._aliased):
+            if not aliased:
+                param.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The window position, and the buffer only when the window is open (it is all zeros otherwise)."""
+        return {"micro_steps": self.micro_steps, "buffer": self.flat.clone() if self.micro_steps else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        buffer = state.get("buffer")
+        self.flat.zero_()
+        if buffer is not None:
+            if buffer.numel() != self.flat.numel():
+                raise ValueError(
+                    f"Checkpoint accumulation buffer has {buffer.numel()} elements but the model's trainable"
+                    f" parameters have {self.flat.numel()}; was the checkpoint saved from a different model?"
+                )
+            self.flat.copy_(buffer)
+        self.micro_steps = int(state["micro_steps"])

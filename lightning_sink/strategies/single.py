@@ -1,0 +1,89 @@
+"""``SinkStrategy``: the step programs on one device."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.strategies.strategy import _StrategyRegistry
+from typing_extensions import override
+
+from lightning_sink.strategies.step_programs import StepProgramsMixin
+
+__all__ = ["SinkStrategy"]
+
+
+class SinkStrategy(StepProgramsMixin, SingleDeviceStrategy):
+    """Gradient accumulation with two step programs on a single device.
+
+    Args:
+        accumulation_steps: micro-batches per optimizer update (N). ``None`` takes
+            ``Trainer(accumulate_grad_batches=...)``; giving both with different values is an error.
+        partial_window: what the last, incomplete window of an epoch does. ``"scale"`` (default) updates with the
+            mean over its k micro-batches, exactly one batch of k*b; ``"drop"`` leaves those batches out of the
+            epoch; ``"carry"`` keeps the window open into the next epoch.
+        device: the device to train on; ``None`` takes the Trainer's accelerator (``cuda:0``, ``cpu``, ...).
+    """
+
+    strategy_name = "sink"
+
+    def __init__(
+        self,
+        accumulation_steps: int | None = None,
+        partial_window: str = "scale",
+        device: str | torch.device | None = None,
+        accelerator: Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
+        )
+        self._explicit_device = device is not None
+        self._init_step_programs(accumulation_steps, partial_window)
+
+    # The accelerator connector fills this in (like for parallel strategies) so that ``device=None`` follows
+    # ``Trainer(accelerator=..., devices=...)``.
+    @property
+    def parallel_devices(self) -> list[torch.device] | None:
+        return [self._root_device] if self._explicit_device else None
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device | int | str]) -> None:
+        if len(devices) != 1:
+            raise ValueError(
+                f"SinkStrategy runs on one device but the Trainer asks for {len(devices)} ({devices}); use"
+                " strategy='sink_ddp' (SinkDDPStrategy) for several devices."
+            )
+        self._root_device = torch.device(devices[0])
+
+    @override
+    def setup_environment(self) -> None:
+        expected = {"CPUAccelerator": "cpu", "CUDAAccelerator": "cuda", "MPSAccelerator": "mps"}.get(
+            type(self.accelerator).__name__
+        )
+        if expected is not None and self.root_device.type != expected:
+            raise ValueError(
+                f"SinkStrategy(device={str(self.root_device)!r}) does not match the Trainer's accelerator"
+                f" {type(self.accelerator).__name__}: pass a {expected} device, or device=None to follow the Trainer."
+            )
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._configure_accumulation(trainer)
+        super().setup(trainer)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name, cls, description="Two-step-program gradient accumulation on one device (lightning-sink)"
+        )
+
+    def __repr__(self) -> str:
+        return f"SinkStrategy(accumulation_steps={self.accumulation_steps}, partial_window={self.partial_window!r})"
+

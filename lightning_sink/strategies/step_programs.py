@@ -1,0 +1,307 @@
+"""The two step programs and the bookkeeping around them, shared by every sink strategy.
+
+MindSpore's ``TrainAccuStepsCell`` runs two graphs alternately: an accumulation graph (forward, backward,
+``accu_grads += grads``) and an update graph (forward, backward, reduce, optimizer, clear). Here they are
+``accumulate_step`` and ``update_step``: two separately callable methods, so that a later stage can compile or
+capture each one on its own. Everything Lightning-specific around them (which program a batch runs, counters,
+checkpoint state) lives in the same mixin so that ``SinkStrategy`` and ``SinkDDPStrategy`` stay thin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_sink import _lightning_compat as compat
+from lightning_sink.accumulation import PARTIAL_WINDOW_MODES, GradientAccumulator, MicroStep, plan_micro_step
+from lightning_sink.data import DataPosition, ResumableLoader
+
+__all__ = ["StepProgramsMixin", "CHECKPOINT_KEY"]
+
+CHECKPOINT_KEY = "lightning_sink"
+_STATE_VERSION = 1
+
+
+def validate_accumulation_args(accumulation_steps: int | None, partial_window: str) -> None:
+    if accumulation_steps is not None and (
+        isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1
+    ):
+        raise ValueError(
+            f"accumulation_steps={accumulation_steps!r} is not valid: pass an int >= 1 (micro-batches per optimizer"
+            " update), or None to take Trainer(accumulate_grad_batches=...)."
+        )
+    if partial_window not in PARTIAL_WINDOW_MODES:
+        raise ValueError(
+            f"partial_window={partial_window!r} is not valid: choose one of {', '.join(map(repr, PARTIAL_WINDOW_MODES))}."
+        )
+
+
+def _loss_of(output: STEP_OUTPUT) -> Tensor:
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, Tensor):
+        raise ValueError(
+            "training_step must return the loss tensor or a dict with a 'loss' tensor when a lightning-sink strategy"
+            f" accumulates; it returned {type(output).__name__}. Every micro-batch of a window needs a loss."
+        )
+    return loss
+
+
+def _detached(output: STEP_OUTPUT) -> STEP_OUTPUT:
+    if isinstance(output, Mapping):
+        return {key: value.detach() if isinstance(value, Tensor) else value for key, value in output.items()}
+    return output.detach()
+
+
+class StepProgramsMixin:
+    """Gradient accumulation as two step programs, mixed into a Lightning ``Strategy`` subclass."""
+
+    # Provided by the Strategy this is mixed into.
+    lightning_module: pl.LightningModule | None
+    precision_plugin: Any
+    optimizers: list[Optimizer]
+    world_size: int
+
+    def _init_step_programs(self, accumulation_steps: int | None, partial_window: str) -> None:
+        validate_accumulation_args(accumulation_steps, partial_window)
+        self._requested_accumulation_steps = accumulation_steps
+        self.accumulation_steps = accumulation_steps or 1
+        self.partial_window = partial_window
+        self._accumulator: GradientAccumulator | None = None
+        self._data_position = DataPosition()
+        self._pending_state: dict[str, Any] | None = None
+        self._planned: tuple[int, MicroStep] | None = None
+        self._updates_in_batch = 0
+
+    # ------------------------------------------------------------------ configuration
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        return True
+
+    @property
+    def _trainer(self) -> pl.Trainer:
+        assert self.lightning_module is not None
+        return self.lightning_module.trainer
+
+    @property
+    def _accumulating(self) -> bool:
+        """Whether the step programs run: automatic optimization is on (manual runs are passed through)."""
+        return self.lightning_module is not None and self.lightning_module.automatic_optimization
+
+    def _configure_accumulation(self, trainer: pl.Trainer) -> None:
+        """Take accumulation over from the Trainer; called at the start of ``setup``."""
+        requested, from_trainer = self._requested_accumulation_steps, trainer.accumulate_grad_batches
+        if requested is not None and from_trainer not in (1, requested):
+            raise ValueError(
+                f"{type(self).__name__}(accumulation_steps={requested}) conflicts with"
+                f" Trainer(accumulate_grad_batches={from_trainer}): set one of them, or both to the same value."
+            )
+        self.accumulation_steps = requested or from_trainer
+        module = trainer.lightning_module
+        if not module.automatic_optimization and self.accumulation_steps > 1:
+            raise ValueError(
+                f"{type(self).__name__}(accumulation_steps={self.accumulation_steps}) accumulates for automatic"
+                " optimization only, but this LightningModule sets `automatic_optimization = False`. Set"
+                " accumulation_steps=1 and accumulate by hand: call `self.manual_backward(loss / N)` on every batch"
+                " and `opt.step(); opt.zero_grad()` on every N-th batch."
+            )
+        plugin = trainer.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            raise ValueError(
+                f"{type(self).__name__} does not work with Lightning's stock precision='16-mixed' plugin: its"
+                " GradScaler steps the optimizer itself, so the accumulated window would be applied unscaled."
+                " Use precision='bf16-mixed', '32-true', 'bf16-true' or '16-true'."
+            )
+        # Lightning's estimated_stepping_batches (used to size OneCycleLR and friends) divides by this.
+        trainer.accumulate_grad_batches = self.accumulation_steps
+
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self._trainer
+        if trainer.state.stage != RunningStage.TRAINING or not self._accumulating:
+            return dataloader
+        whole = self.accumulation_steps if self.partial_window == "drop" else None
+        wrapped = ResumableLoader(dataloader, self._data_position, whole_windows_of=whole)
+        if whole and hasattr(dataloader, "__len__") and len(wrapped) == 0:
+            raise ValueError(
+                f"partial_window='drop' with accumulation_steps={whole} drops every batch: the training loader has"
+                f" only {len(dataloader)} batches per epoch. Use partial_window='scale' or 'carry', or fewer steps."
+            )
+        return wrapped
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_train_start(self) -> None:
+        super().on_train_start()  # type: ignore[misc]
+        if not self._accumulating:
+            return
+        optimizers = self.optimizers
+        if len(optimizers) != 1:
+            raise ValueError(f"{type(self).__name__} supports exactly one optimizer; got {len(optimizers)}.")
+        params = [p for group in optimizers[0].param_groups for p in group["params"]]
+        self._accumulator = GradientAccumulator(params)
+        if self._pending_state is not None:
+            self._load_window_state(self._pending_state)
+            self._pending_state = None
+        compat.install_loop_overrides(self._trainer, self._batch_has_no_update)
+
+    def on_train_end(self) -> None:
+        compat.remove_loop_overrides(self._trainer)
+        super().on_train_end()  # type: ignore[misc]
+
+    # ------------------------------------------------------------------ which program a batch runs
+    def _plan_current_batch(self) -> MicroStep:
+        """The plan for the Lightning batch in flight, decided once before it runs and cached for the batch."""
+        trainer = self._trainer
+        batch_key = trainer.fit_loop.total_batch_idx
+        if self._planned is None or self._planned[0] != batch_key:
+            assert self._accumulator is not None
+            plan = plan_micro_step(
+                self._accumulator.micro_steps,
+                self.accumulation_steps,
+                compat.is_last_batch_of_epoch(trainer),
+                self.partial_window,
+            )
+            self._planned = (batch_key, plan)
+        return self._planned[1]
+
+    def _batch_has_no_update(self) -> bool:
+        if self._accumulator is None:
+            return False
+        return self._plan_current_batch() is not MicroStep.UPDATE
+
+    # ------------------------------------------------------------------ Lightning entry points
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        if not self._accumulating:
+            return super().training_step(*args, **kwargs)  # type: ignore[misc]
+        batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
+        plan = self._plan_current_batch()
+        if plan is MicroStep.UPDATE:
+            output = self.update_step(batch, batch_idx)
+        else:
+            output = self.accumulate_step(batch, batch_idx)
+            if plan is MicroStep.ACCUMULATE_THEN_DROP:
+                self._accumulator.clear()
+        self._data_position.advance()
+        if compat.is_last_batch_of_epoch(self._trainer):
+            self._data_position.end_pass()  # a resume after this point starts a fresh pass
+        return output
+
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        """Runs Lightning's closure, whose ``training_step`` runs the step programs (the real update included)."""
+        if not self._accumulating:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        self._updates_in_batch = 0
+        result = closure()
+        compat.finish_lightning_batch(self._trainer, self._updates_in_batch)
+        return result
+
+    # ------------------------------------------------------------------ the two step programs
+    def accumulate_step(self, batch: Any, batch_idx: int) -> STEP_OUTPUT:
+        """Forward, backward, add the gradients into the fp32 window buffers. Communicates nothing."""
+        assert self.lightning_module is not None and self._accumulator is not None
+        self._accumulator.begin_micro_step()
+        with self.precision_plugin.train_step_context():
+            output = self.lightning_module.training_step(batch, batch_idx)
+        self.backward(_loss_of(output), self.optimizers[0])  # type: ignore[attr-defined]
+        self._accumulator.end_micro_step()
+        return _detached(output)
+
+    def update_step(self, batch: Any, batch_idx: int) -> STEP_OUTPUT:
+        """The accumulate step, then one reduction, clipping, the optimizer step and clearing the buffers."""
+        output = self.accumulate_step(batch, batch_idx)
+        self._apply_window_update()
+        return output
+
+    def _apply_window_update(self) -> None:
+        accumulator, optimizer, trainer = self._accumulator, self.optimizers[0], self._trainer
+        assert accumulator is not None
+        if self.world_size > 1:
+            accumulator.reduce()
+            self._sync_module_buffers()
+        accumulator.write_gradients(divisor=accumulator.micro_steps * self.world_size)
+        compat.run_before_optimizer_step(trainer, optimizer)  # on_before_optimizer_step hooks, then clipping
+        optimizer.step()
+        accumulator.clear()
+        compat.record_optimizer_update(trainer)
+        self._updates_in_batch += 1
+        self._step_lr_schedulers()
+
+    def _sync_module_buffers(self) -> None:
+        """Overridden by distributed strategies (rank 0's buffers win, as DDP's ``broadcast_buffers``)."""
+
+    def _step_lr_schedulers(self) -> None:
+        trainer = self._trainer
+        for config in trainer.lr_scheduler_configs:
+            if config.interval == "step" and not config.reduce_on_plateau and trainer.global_step % config.frequency == 0:
+                compat.call_lightning_module_hook(trainer, "lr_scheduler_step", config.scheduler, None)
+
+    # ------------------------------------------------------------------ checkpoint state
+    def _window_state(self) -> dict[str, Any] | None:
+        if self._accumulator is None:
+            return None
+        state = self._accumulator.state_dict()
+        buffer = state.pop("buffer")
+        # Each rank's partial sum differs; keep all of them so a resume is bit-identical.
+        state["buffers"] = self._gather_buffers(buffer) if buffer is not None else None
+        state["world_size"] = self.world_size
+        return state
+
+    def _gather_buffers(self, buffer: Tensor) -> list[Tensor]:
+        if self.world_size == 1:
+            return [buffer]
+        gathered = [torch.empty_like(buffer) for _ in range(self.world_size)]
+        dist.all_gather(gathered, buffer)
+        return gathered
+
+    def _load_window_state(self, state: dict[str, Any]) -> None:
+        window = state.get("window")
+        if window is None:
+            return
+        assert self._accumulator is not None
+        buffers = window["buffers"]
+        if buffers is not None and len(buffers) != self.world_size:
+            raise ValueError(
+                f"The checkpoint was saved inside an accumulation window by {len(buffers)} ranks; resume it with"
+                f" {len(buffers)} ranks (now {self.world_size}), or from a checkpoint saved at a window boundary."
+            )
+        rank = getattr(self, "global_rank", 0)
+        buffer = buffers[rank] if buffers is not None else None
+        self._accumulator.load_state_dict({"micro_steps": window["micro_steps"], "buffer": buffer})
+
+    def sink_state_dict(self) -> dict[str, Any]:
+        """Everything the strategy needs to resume exactly: window buffers, micro-step index, data position."""
+        return {
+            "version": _STATE_VERSION,
+            "accumulation_steps": self.accumulation_steps,
+            "window": self._window_state(),
+            "data": self._data_position.state_dict(),
+        }
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        # Called on every rank by Trainer.save_checkpoint, so the gather above is safe.
+        checkpoint[CHECKPOINT_KEY] = self.sink_state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state is not None:
+            if state.get("version") != _STATE_VERSION:
+                raise ValueError(
+                    f"{checkpoint_path}: '{CHECKPOINT_KEY}' state has version {state.get('version')!r}; this"
+                    f" lightning-sink reads version {_STATE_VERSION}."
+                )
+            # The data position must be known before Lightning first iterates the loader; the window buffers
+            # are applied in on_train_start, once they exist.
+            self._data_position.load_state_dict(state["data"])
+            self._pending_state = state
+        return checkpoint
