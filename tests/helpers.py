@@ -61,21 +61,44 @@ def loader(dataset: TensorDataset, batch_size: int) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, shuffle=False)
 
 
+def group_windows(micro_batches_per_epoch: list[list[list[int]]], steps: int, partial_window: str) -> list[list[int]]:
+    """Sample indices of each optimizer update, given each epoch's micro-batches (each a list of indices)."""
+    if partial_window == "carry":
+        stream = list(itertools.chain.from_iterable(micro_batches_per_epoch))
+        return [sum(stream[i : i + steps], []) for i in range(0, len(stream) - steps + 1, steps)]
+    windows = []
+    for micro_batches in micro_batches_per_epoch:
+        for start in range(0, len(micro_batches), steps):
+            chunk = micro_batches[start : start + steps]
+            if len(chunk) == steps or partial_window == "scale":
+                windows.append(sum(chunk, []))
+    return windows
+
+
 def reference_windows(
     num_samples: int, micro_batch: int, steps: int, epochs: int, partial_window: str
 ) -> list[list[int]]:
-    """Sample indices of each optimizer update for a plain loop with batch ``steps * micro_batch``."""
-    window = steps * micro_batch
-    if partial_window == "carry":
-        stream = list(itertools.chain.from_iterable(range(num_samples) for _ in range(epochs)))
-        return [stream[i : i + window] for i in range(0, len(stream) - window + 1, window)]
-    windows = []
-    for _ in range(epochs):
-        for start in range(0, num_samples, window):
-            chunk = list(range(start, min(start + window, num_samples)))
-            if len(chunk) == window or partial_window == "scale":
-                windows.append(chunk)
-    return windows
+    """Update windows of a plain loop over ``range(num_samples)`` in order, batch ``steps * micro_batch``."""
+    micro = [list(range(i, min(i + micro_batch, num_samples))) for i in range(0, num_samples, micro_batch)]
+    return group_windows([micro] * epochs, steps, partial_window)
+
+
+def ddp_reference_windows(
+    num_samples: int, micro_batch: int, steps: int, epochs: int, partial_window: str, world: int
+) -> list[list[int]]:
+    """Update windows of a DDP run whose loader Lightning gave torch's shuffling ``DistributedSampler``."""
+    from torch.utils.data import DistributedSampler
+
+    per_epoch = []
+    for epoch in range(epochs):
+        per_rank = []
+        for rank in range(world):
+            sampler = DistributedSampler(range(num_samples), num_replicas=world, rank=rank, shuffle=True, seed=0)
+            sampler.set_epoch(epoch)
+            order = list(sampler)
+            per_rank.append([order[i : i + micro_batch] for i in range(0, len(order), micro_batch)])
+        per_epoch.append([sum(parts, []) for parts in zip(*per_rank)])  # micro-step k = all ranks' k-th batch
+    return group_windows(per_epoch, steps, partial_window)
 
 
 def reference_train(

@@ -1,0 +1,83 @@
+"""A 2-process SinkDDPStrategy run on gloo, launched by Lightning's own subprocess launcher.
+
+Run as ``python -m tests.strategies.ddp_worker OUT_DIR STEPS MODE``; rank 0 writes the final parameters and the
+per-batch reduction counts to ``OUT_DIR`` for the test to compare with its single-process reference.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from lightning_sink import SinkDDPStrategy
+from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
+
+MICRO_BATCH = 4
+
+
+class ReductionCounter(Callback):
+    """Counts all_reduce calls and DDP communication-hook calls inside each training batch."""
+
+    def __init__(self) -> None:
+        self.all_reduce_calls = 0
+        self.ddp_hook_calls = 0
+        self.per_batch: list[dict[str, int]] = []
+        self._real_all_reduce = dist.all_reduce
+
+    def setup(self, trainer, pl_module, stage):
+        def counting_all_reduce(*args, **kwargs):
+            self.all_reduce_calls += 1
+            return self._real_all_reduce(*args, **kwargs)
+
+        dist.all_reduce = counting_all_reduce  # delegates to the real collective; only counts
+
+    def on_train_start(self, trainer, pl_module):
+        def hook(state, bucket):
+            self.ddp_hook_calls += 1
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer())
+            return fut
+
+        trainer.model.register_comm_hook(None, hook)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._start = (self.all_reduce_calls, self.ddp_hook_calls, trainer.global_step)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        reduces, hooks, step = self._start
+        self.per_batch.append(
+            {
+                "all_reduce": self.all_reduce_calls - reduces,
+                "ddp_hook": self.ddp_hook_calls - hooks,
+                "updates": trainer.global_step - step,
+            }
+        )
+
+    def teardown(self, trainer, pl_module, stage):
+        dist.all_reduce = self._real_all_reduce
+
+
+def main(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> None:
+    dataset = make_dataset(num_samples=num_samples)
+    model = TinyClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.95)
+    counter = ReductionCounter()
+    strategy = SinkDDPStrategy(accumulation_steps=steps, partial_window=partial_window, process_group_backend="gloo")
+    trainer = quiet_trainer(strategy=strategy, devices=2, max_epochs=epochs, callbacks=[counter])
+    trainer.fit(model, loader(dataset, MICRO_BATCH))
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(params) for _ in range(2)]
+    dist.all_gather(gathered, params)
+    if trainer.global_rank == 0:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        torch.save({"params": params, "other_rank_params": gathered[1]}, out_dir / "result.pt")
+        summary = {"global_step": trainer.global_step, "per_batch": counter.per_batch, "lrs": model.seen_lrs}
+        (out_dir / "summary.json").write_text(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
