@@ -1,0 +1,115 @@
+"""Bad arguments and bad combinations raise clear errors that name the argument, the value and what is valid."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+from lightning_sink import SinkDDPStrategy, SinkStrategy
+from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.0, "4", True])
+@pytest.mark.parametrize("strategy_cls", [SinkStrategy, SinkDDPStrategy])
+def test_accumulation_steps_must_be_a_positive_int(strategy_cls, bad):
+    with pytest.raises(ValueError, match=rf"accumulation_steps={bad!r} is not valid: pass an int >= 1"):
+        strategy_cls(accumulation_steps=bad)
+
+
+def test_partial_window_must_be_known():
+    with pytest.raises(ValueError, match=r"partial_window='sometimes' is not valid: choose one of 'scale', 'drop', 'carry'"):
+        SinkStrategy(accumulation_steps=2, partial_window="sometimes")
+
+
+def test_conflicting_trainer_accumulation_is_an_error():
+    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=4), accumulate_grad_batches=2, max_epochs=1)
+    with pytest.raises(ValueError, match=r"accumulation_steps=4\) conflicts with Trainer\(accumulate_grad_batches=2\)"):
+        trainer.fit(TinyClassifier(), loader(make_dataset(), 4))
+
+
+class ManualModule(TinyClassifier):
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        loss = torch.nn.functional.cross_entropy(self(batch[0]), batch[1])
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+def test_manual_optimization_with_accumulation_says_what_to_do():
+    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=4), max_epochs=1)
+    with pytest.raises(ValueError, match=r"automatic_optimization = False.*manual_backward"):
+        trainer.fit(ManualModule(), loader(make_dataset(), 4))
+
+
+def test_manual_optimization_without_accumulation_runs_as_stock_lightning():
+    model = ManualModule()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = quiet_trainer(strategy=SinkStrategy(), max_epochs=1)
+    trainer.fit(model, loader(make_dataset(num_samples=16), 4))
+    assert trainer.global_step == 4
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_device_that_does_not_match_the_accelerator():
+    # Lightning's accelerator connector sees the strategy's device and refuses at construction.
+    with pytest.raises(MisconfigurationException, match=r"GPU parallel_devices set through SinkStrategy.*accelerator set to cpu"):
+        quiet_trainer(strategy=SinkStrategy(accumulation_steps=2, device="cuda:0"), max_epochs=1)
+
+
+def test_single_device_strategy_refuses_several_devices():
+    with pytest.raises(ValueError, match=r"SinkStrategy runs on one device but the Trainer asks for 2.*sink_ddp"):
+        quiet_trainer(strategy="sink", devices=2)
+
+
+def test_nccl_on_cpu_is_an_error():
+    strategy = SinkDDPStrategy(accumulation_steps=2, process_group_backend="nccl")
+    trainer = quiet_trainer(strategy=strategy, devices=1, max_epochs=1)
+    with pytest.raises(ValueError, match=r"process_group_backend='nccl'\) needs CUDA devices.*gloo"):
+        trainer.fit(TinyClassifier(), loader(make_dataset(), 4))
+
+
+def test_stock_16_mixed_is_refused_with_an_alternative():
+    # On CPU, Trainer(precision="16-mixed") silently becomes bf16-mixed; build the GradScaler plugin explicitly.
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=2), plugins=[plugin], max_epochs=1)
+    with pytest.raises(ValueError, match=r"stock precision='16-mixed'.*Use precision='bf16-mixed'"):
+        trainer.fit(TinyClassifier(), loader(make_dataset(), 4))
+
+
+def test_drop_that_would_drop_everything():
+    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=8, partial_window="drop"), max_epochs=1)
+    with pytest.raises(ValueError, match=r"partial_window='drop' with accumulation_steps=8 drops every batch.*only 5"):
+        trainer.fit(TinyClassifier(), loader(make_dataset(num_samples=20), 4))
+
+
+def test_training_step_without_a_loss():
+    class NoLoss(TinyClassifier):
+        def training_step(self, batch, batch_idx):
+            return {"accuracy": torch.tensor(1.0)}
+
+    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=2), max_epochs=1)
+    with pytest.raises(ValueError, match=r"training_step must return the loss tensor or a dict with a 'loss'"):
+        trainer.fit(NoLoss(), loader(make_dataset(), 4))
+
+
+def test_resume_with_a_different_model_names_the_problem(tmp_path):
+    from tests.strategies.test_sink_strategy import SaveAtBatch
+
+    ckpt = tmp_path / "mid.ckpt"
+    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=4), max_epochs=1, callbacks=[SaveAtBatch(ckpt, 1)])
+    trainer.fit(TinyClassifier(), loader(make_dataset(), 4))
+    checkpoint = torch.load(ckpt, weights_only=False)
+    checkpoint["lightning_sink"]["version"] = 99
+    torch.save(checkpoint, tmp_path / "future.ckpt")
+    resumed = quiet_trainer(strategy=SinkStrategy(accumulation_steps=4), max_epochs=1)
+    with pytest.raises(ValueError, match=r"future.ckpt: 'lightning_sink' state has version 99"):
+        resumed.fit(TinyClassifier(), loader(make_dataset(), 4), ckpt_path=tmp_path / "future.ckpt")

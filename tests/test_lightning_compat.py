@@ -1,0 +1,49 @@
+"""Fails loudly when a Lightning release moves a private attribute that ``_lightning_compat`` relies on."""
+
+from __future__ import annotations
+
+import inspect
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer import call
+
+from lightning_sink import SinkStrategy
+from lightning_sink import _lightning_compat as compat
+from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
+
+
+def test_private_lightning_attributes_still_exist():
+    assert list(inspect.signature(_TrainingEpochLoop._should_accumulate).parameters) == ["self"]
+    assert list(inspect.signature(_TrainingEpochLoop.update_lr_schedulers).parameters) == [
+        "self", "interval", "update_plateau_schedulers"]
+    assert callable(_TrainingEpochLoop._num_ready_batches_reached)
+    assert callable(Precision._after_closure)
+    assert callable(call._call_lightning_module_hook)
+    trainer = pl.Trainer(logger=False)
+    loop = trainer.fit_loop.epoch_loop
+    step = loop.automatic_optimization.optim_progress.optimizer.step
+    for tracker in (step.total, step.current):
+        assert isinstance(tracker.ready, int) and isinstance(tracker.completed, int)
+    assert isinstance(loop._batches_that_stepped, int)
+    assert trainer.fit_loop._skip_backward is False
+    assert isinstance(trainer.fit_loop.total_batch_idx, int)
+
+
+def test_overrides_are_live_during_fit_and_removed_after():
+    seen = {}
+
+    class Probe(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            loop = trainer.fit_loop.epoch_loop
+            seen["shadowed"] = all(name in loop.__dict__ for name in compat._SHADOWED)
+            seen["skip_backward"] = trainer.fit_loop._skip_backward
+
+    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=2), max_epochs=1, callbacks=[Probe()])
+    trainer.fit(TinyClassifier(), loader(make_dataset(num_samples=16), 4))
+    assert seen == {"shadowed": True, "skip_backward": True}
+    loop = trainer.fit_loop.epoch_loop
+    assert not any(name in loop.__dict__ for name in compat._SHADOWED)
+    assert trainer.fit_loop._skip_backward is False

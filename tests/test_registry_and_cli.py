@@ -1,0 +1,48 @@
+"""Strategy registry names and LightningCLI configs (class_path and string shortcuts)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_sink import SinkDDPStrategy, SinkStrategy
+from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
+
+
+class CliModel(TinyClassifier):
+    def train_dataloader(self):
+        return loader(make_dataset(num_samples=32), 4)
+
+
+def test_registry_names_build_the_strategies():
+    assert isinstance(quiet_trainer(strategy="sink").strategy, SinkStrategy)
+    ddp = quiet_trainer(strategy="sink_ddp", devices=2).strategy
+    assert isinstance(ddp, SinkDDPStrategy) and len(ddp.parallel_devices) == 2
+
+
+def test_cli_class_path_config(tmp_path):
+    config = {
+        "trainer": {
+            "strategy": {"class_path": "lightning_sink.SinkStrategy",
+                         "init_args": {"accumulation_steps": 4, "partial_window": "carry"}},
+            "max_epochs": 2, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+        }
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = LightningCLI(CliModel, args=["fit", "--config", str(path)], save_config_callback=None)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, SinkStrategy)
+    assert (strategy.accumulation_steps, strategy.partial_window) == (4, "carry")
+    assert cli.trainer.global_step == 2 * 8 // 4
+
+
+@pytest.mark.parametrize("strategy_flag", ["sink", "sink_ddp"])
+def test_cli_string_shortcut(strategy_flag):
+    args = ["--trainer.strategy", strategy_flag, "--trainer.accumulate_grad_batches=2", "--trainer.devices=1",
+            "--trainer.max_epochs=1", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
+            "--trainer.enable_progress_bar=false", "--trainer.accelerator=cpu"]
+    cli = LightningCLI(CliModel, args=["fit", *args], save_config_callback=None)
+    assert cli.trainer.strategy.strategy_name == strategy_flag
+    assert cli.trainer.global_step == 4
