@@ -1,0 +1,61 @@
+"""The quick-start job, run as a user runs it (a subprocess), on both offline data sources."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def run_quickstart(tmp_path: Path, *args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
+    command = [sys.executable, str(REPO / "examples" / "quickstart.py"), "--log-dir", str(tmp_path / "tb"), *args]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout
+
+
+def final_accuracy(stdout: str) -> float:
+    return float(re.search(r"^final test accuracy: ([0-9.]+)$", stdout, re.MULTILINE).group(1))
+
+
+def logged_losses(tmp_path: Path) -> list:
+    events = next((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    accumulator = EventAccumulator(str(events))
+    accumulator.Reload()
+    return accumulator.Scalars("train_loss")
+
+
+def test_quickstart_on_sklearn_digits(tmp_path):
+    stdout = run_quickstart(tmp_path, "--data", "digits", "--epochs", "8", "--lr", "0.05")
+    assert "data: scikit-learn's bundled 8x8 digits" in stdout
+    assert final_accuracy(stdout) > 0.5  # 10 classes: chance is 0.1
+    # 1497 samples // 32 = 46 micro-batches = 11 whole windows + 1 partial window (scaled) = 12 updates per epoch
+    assert "trained 96 updates" in stdout
+    assert logged_losses(tmp_path)
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "MNIST" / "raw").exists(), reason="MNIST is not next to this checkout")
+def test_quickstart_on_mnist(tmp_path):
+    stdout = run_quickstart(tmp_path, "--data", "mnist", "--data-dir", str(SHARED_DATA), "--epochs", "1",
+                            "--max-train-samples", "8192")
+    assert f"data: MNIST from {SHARED_DATA}" in stdout
+    assert final_accuracy(stdout) > 0.6  # 64 updates; chance is 0.1
+    steps = [event.step for event in logged_losses(tmp_path)]
+    assert steps == sorted(steps) and steps[-1] < 64  # 8192 // 32 // 4 = 64 updates; logged every 50 steps
+
+
+def test_mnist_required_but_missing_is_a_clear_error(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    command = [sys.executable, str(REPO / "examples" / "quickstart.py"), "--data-dir", str(tmp_path)]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert f"--data-dir {str(tmp_path)!r} does not hold MNIST in torchvision's layout" in done.stderr
