@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.conftest import clean_subprocess_env
+
 REPO = Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
 def run_quickstart(tmp_path: Path, *args: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "2"}
+    env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
     command = [sys.executable, str(REPO / "examples" / "quickstart.py"), "--log-dir", str(tmp_path / "tb"), *args]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
@@ -54,7 +56,7 @@ def test_quickstart_on_mnist(tmp_path):
 
 
 def test_mnist_required_but_missing_is_a_clear_error(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = clean_subprocess_env(PYTHONPATH=str(REPO))
     command = [sys.executable, str(REPO / "examples" / "quickstart.py"), "--data-dir", str(tmp_path)]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0

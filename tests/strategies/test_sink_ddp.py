@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import clean_subprocess_env
+
 from tests.helpers import (
     TinyClassifier,
     ddp_reference_windows,
@@ -26,7 +28,7 @@ MICRO_BATCH, WORLD = 4, 2
 
 
 def run_workers(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "tests.strategies.ddp_worker", str(out_dir), str(steps), partial_window,
                str(num_samples), str(epochs)]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
