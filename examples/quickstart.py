@@ -25,7 +25,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--data-dir", default=None, help="folder holding MNIST/raw (torchvision layout)")
     parser.add_argument("--data", choices=["auto", "mnist", "digits"], default="auto",
                         help="auto: MNIST when found, else sklearn digits; mnist: require it; digits: force sklearn")
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=None,
+                        help="default: 2 on MNIST (60k samples), 20 on sklearn digits (1.5k samples)")
     parser.add_argument("--batch-size", type=int, default=32, help="micro-batch size")
     parser.add_argument("--accumulation-steps", type=int, default=4, help="micro-batches per optimizer update")
     parser.add_argument("--lr", type=float, default=0.01)
@@ -42,13 +43,14 @@ def main(argv: list[str] | None = None) -> float:
     data = DigitsDataModule(args.data_dir, batch_size=args.batch_size, max_train_samples=args.max_train_samples,
                             seed=args.seed, source=args.data)
     data.setup()
-    print(f"data: {data.source}; {len(data.train_set)} train / {len(data.test_set)} test samples")
+    epochs = args.epochs or (2 if data.source.startswith("MNIST") else 20)
+    print(f"data: {data.source}; {len(data.train_set)} train / {len(data.test_set)} test samples; {epochs} epochs")
 
     model = LeNet5Classifier(lr=args.lr)
     trainer = pl.Trainer(
         accelerator=args.accelerator,
         strategy=SinkStrategy(accumulation_steps=args.accumulation_steps),
-        max_epochs=args.epochs,
+        max_epochs=epochs,
         logger=TensorBoardLogger(args.log_dir, name="quickstart"),
         enable_checkpointing=False,
         enable_progress_bar=False,

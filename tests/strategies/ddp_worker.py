@@ -1,6 +1,6 @@
 """A 2-process SinkDDPStrategy run on gloo, launched by Lightning's own subprocess launcher.
 
-Run as ``python -m tests.strategies.ddp_worker OUT_DIR STEPS MODE``; rank 0 writes the final parameters and the
+Run as ``python -m tests.strategies.ddp_worker OUT_DIR STEPS MODE SAMPLES EPOCHS SCENARIO``; rank 0 writes the final parameters and the
 per-batch reduction counts to ``OUT_DIR`` for the test to compare with its single-process reference.
 """
 
@@ -62,6 +62,28 @@ class ReductionCounter(Callback):
         dist.all_reduce = self._real_all_reduce
 
 
+def resume_scenario(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> None:
+    """Save inside a window (every rank's buffer differs), resume in a new Trainer, compare with no interruption."""
+    from tests.strategies.test_sink_strategy import SaveAtBatch
+
+    def fit(model, **kwargs):
+        strategy = SinkDDPStrategy(accumulation_steps=steps, partial_window=partial_window, process_group_backend="gloo")
+        trainer = quiet_trainer(strategy=strategy, devices=2, max_epochs=epochs, callbacks=kwargs.pop("callbacks", []))
+        trainer.fit(model, loader(make_dataset(num_samples=num_samples), MICRO_BATCH), **kwargs)
+        return trainer
+
+    ckpt = out_dir / "mid.ckpt"
+    saver = SaveAtBatch(ckpt, at_batch=steps + 1)  # the second micro-step of the second window
+    uninterrupted = TinyClassifier(optimizer="adamw", lr=0.01)
+    trainer = fit(uninterrupted, callbacks=[saver])
+    resumed = TinyClassifier(optimizer="adamw", lr=0.01, seed=7)
+    fit(resumed, ckpt_path=ckpt)
+    if trainer.global_rank == 0:
+        torch.save({"uninterrupted": torch.cat([p.detach().reshape(-1) for p in uninterrupted.parameters()]),
+                    "resumed": torch.cat([p.detach().reshape(-1) for p in resumed.parameters()]),
+                    "window_position": saver.window_position}, out_dir / "resume.pt")
+
+
 def main(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> None:
     dataset = make_dataset(num_samples=num_samples)
     model = TinyClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.95)
@@ -80,4 +102,5 @@ def main(out_dir: Path, steps: int, partial_window: str, num_samples: int, epoch
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    scenario = {"exactness": main, "resume": resume_scenario}[sys.argv[6]]
+    scenario(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))

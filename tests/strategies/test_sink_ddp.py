@@ -27,12 +27,16 @@ REPO = Path(__file__).resolve().parents[2]
 MICRO_BATCH, WORLD = 4, 2
 
 
-def run_workers(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> dict:
+def launch(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int, scenario: str) -> None:
     env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "tests.strategies.ddp_worker", str(out_dir), str(steps), partial_window,
-               str(num_samples), str(epochs)]
+               str(num_samples), str(epochs), scenario]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def run_workers(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> dict:
+    launch(out_dir, steps, partial_window, num_samples, epochs, "exactness")
     summary = json.loads((out_dir / "summary.json").read_text())
     summary.update(torch.load(out_dir / "result.pt"))
     return summary
@@ -61,3 +65,11 @@ def test_ddp_equals_global_batch_and_reduces_once_per_window(tmp_path, partial_w
     assert all(batch["ddp_hook"] == 0 for batch in per_batch)
     assert [batch["all_reduce"] for batch in per_batch] == [batch["updates"] for batch in per_batch]
     assert sum(batch["updates"] for batch in per_batch) == len(windows)
+
+
+@pytest.mark.slow
+def test_ddp_resume_mid_window_is_bit_identical(tmp_path):
+    launch(tmp_path, 4, "scale", 80, 2, "resume")
+    result = torch.load(tmp_path / "resume.pt")
+    assert result["window_position"] == 2
+    assert torch.equal(result["resumed"], result["uninterrupted"])
