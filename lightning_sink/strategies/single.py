@@ -45,8 +45,8 @@ class SinkStrategy(StepProgramsMixin, SingleDeviceStrategy):
         self._explicit_device = device is not None
         self._init_step_programs(accumulation_steps, partial_window)
 
-    # The accelerator connector fills this in (like for parallel strategies) so that ``device=None`` follows
-    # ``Trainer(accelerator=..., devices=...)``.
+    # The accelerator connector reads this (refusing a device that contradicts ``Trainer(accelerator=...)``) and
+    # fills it in when ``device=None``, so that the strategy follows ``Trainer(accelerator=..., devices=...)``.
     @property
     def parallel_devices(self) -> list[torch.device] | None:
         return [self._root_device] if self._explicit_device else None
@@ -59,18 +59,6 @@ class SinkStrategy(StepProgramsMixin, SingleDeviceStrategy):
                 " strategy='sink_ddp' (SinkDDPStrategy) for several devices."
             )
         self._root_device = torch.device(devices[0])
-
-    @override
-    def setup_environment(self) -> None:
-        expected = {"CPUAccelerator": "cpu", "CUDAAccelerator": "cuda", "MPSAccelerator": "mps"}.get(
-            type(self.accelerator).__name__
-        )
-        if expected is not None and self.root_device.type != expected:
-            raise ValueError(
-                f"SinkStrategy(device={str(self.root_device)!r}) does not match the Trainer's accelerator"
-                f" {type(self.accelerator).__name__}: pass a {expected} device, or device=None to follow the Trainer."
-            )
-        super().setup_environment()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
