@@ -177,6 +177,8 @@ def lightning_ddp_child(mode: str, out: Path, windows: int, warmup: int) -> None
         seconds, reduces, buckets = (e - s for e, s in zip(timer.end, timer.start))
         out.write_text(json.dumps({"ms_per_window": 1000 * seconds / measured, "all_reduce_per_window": reduces / measured,
                                    "ddp_bucket_reductions_per_window": buckets / measured}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()  # a live gloo group can abort the process at exit
 
 
 def _plain_ddp_worker(rank: int, out: str, windows: int, warmup: int, port: int) -> None:

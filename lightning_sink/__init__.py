@@ -7,9 +7,19 @@ Importing the package registers its strategies with Lightning, so ``Trainer(stra
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_sink.accumulation import GradientAccumulator
+from lightning_sink.loss_scale import DynamicLossScale, FixedLossScale
+from lightning_sink.precision import LossScalePrecision
 from lightning_sink.strategies import SinkDDPStrategy, SinkStrategy
 
-__all__ = ["SinkStrategy", "SinkDDPStrategy", "GradientAccumulator", "__version__"]
+__all__ = [
+    "SinkStrategy",
+    "SinkDDPStrategy",
+    "LossScalePrecision",
+    "DynamicLossScale",
+    "FixedLossScale",
+    "GradientAccumulator",
+    "__version__",
+]
 __version__ = "0.1.0"
 
 

@@ -97,10 +97,12 @@ class GradientAccumulator:
         """Sum the window's gradients over all ranks: one collective for the whole model."""
         dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=group)
 
-    def write_gradients(self, divisor: float) -> None:
-        """Turn the sum into the mean gradient of the window and hand it to the optimizer as ``param.grad``."""
-        if divisor != 1:
-            self.flat.div_(divisor)
+    def has_overflow(self) -> Tensor:
+        """Device flag: the window's sum holds inf or NaN (absorbing under addition, so any micro-step's)."""
+        return torch.logical_not(torch.isfinite(self.flat).all())
+
+    def write_gradients(self) -> None:
+        """Hand the (already unscaled, averaged) window gradient to the optimizer as ``param.grad``."""
         for param, view, aliased in zip(self.params, self.views, self._aliased):
             param.grad = view if aliased else view.to(param.dtype)
 

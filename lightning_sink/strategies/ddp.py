@@ -49,7 +49,7 @@ class SinkDDPStrategy(StepProgramsMixin, DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        self._configure_accumulation(trainer)
+        self._configure_for_trainer(trainer)
         super().setup(trainer)
 
     def _sync_module_buffers(self) -> None:

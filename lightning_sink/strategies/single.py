@@ -62,7 +62,7 @@ class SinkStrategy(StepProgramsMixin, SingleDeviceStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        self._configure_accumulation(trainer)
+        self._configure_for_trainer(trainer)
         super().setup(trainer)
 
     @classmethod

@@ -24,6 +24,8 @@ from torch.optim import Optimizer
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.accumulation import PARTIAL_WINDOW_MODES, GradientAccumulator, MicroStep, plan_micro_step
 from lightning_sink.data import DataPosition, ResumableLoader
+from lightning_sink.loss_scale import DynamicLossScale
+from lightning_sink.precision import LossScalePrecision
 
 __all__ = ["StepProgramsMixin", "CHECKPOINT_KEY"]
 
@@ -96,8 +98,13 @@ class StepProgramsMixin:
         """Whether the step programs run: automatic optimization is on (manual runs are passed through)."""
         return self.lightning_module is not None and self.lightning_module.automatic_optimization
 
-    def _configure_accumulation(self, trainer: pl.Trainer) -> None:
-        """Take accumulation over from the Trainer; called at the start of ``setup``."""
+    @property
+    def _loss_scaling(self) -> LossScalePrecision | None:
+        plugin = self.precision_plugin
+        return plugin if isinstance(plugin, LossScalePrecision) else None
+
+    def _configure_for_trainer(self, trainer: pl.Trainer) -> None:
+        """Take accumulation over from the Trainer and settle the precision plugin; called at the start of ``setup``."""
         requested, from_trainer = self._requested_accumulation_steps, trainer.accumulate_grad_batches
         if requested is not None and from_trainer not in (1, requested):
             raise ValueError(
@@ -113,13 +120,11 @@ class StepProgramsMixin:
                 " accumulation_steps=1 and accumulate by hand: call `self.manual_backward(loss / N)` on every batch"
                 " and `opt.step(); opt.zero_grad()` on every N-th batch."
             )
-        plugin = trainer.precision_plugin
+        plugin = self.precision_plugin
         if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
-            raise ValueError(
-                f"{type(self).__name__} does not work with Lightning's stock precision='16-mixed' plugin: its"
-                " GradScaler steps the optimizer itself, so the accumulated window would be applied unscaled."
-                " Use precision='bf16-mixed', '32-true', 'bf16-true' or '16-true'."
-            )
+            # Trainer(precision="16-mixed") on CUDA: Lightning's GradScaler would step the optimizer itself; use
+            # the accumulating loss scaler instead (an explicit LossScalePrecision plugin is kept as given).
+            self.precision_plugin = LossScalePrecision("16-mixed", DynamicLossScale(), device=plugin.device)
         # Lightning's estimated_stepping_batches (used to size OneCycleLR and friends) divides by this.
         trainer.accumulate_grad_batches = self.accumulation_steps
 
@@ -146,6 +151,8 @@ class StepProgramsMixin:
             raise ValueError(f"{type(self).__name__} supports exactly one optimizer; got {len(optimizers)}.")
         params = [p for group in optimizers[0].param_groups for p in group["params"]]
         self._accumulator = GradientAccumulator(params)
+        if self._loss_scaling is not None:
+            self._loss_scaling.to_device(self.root_device)  # type: ignore[attr-defined]
         if self._pending_state is not None:
             self._load_window_state(self._pending_state)
             self._pending_state = None
@@ -206,14 +213,25 @@ class StepProgramsMixin:
 
     # ------------------------------------------------------------------ the two step programs
     def accumulate_step(self, batch: Any, batch_idx: int) -> STEP_OUTPUT:
-        """Forward, backward, add the gradients into the fp32 window buffers. Communicates nothing."""
+        """Forward, backward (of the scaled loss), add the gradients into the fp32 window buffers.
+
+        Communicates nothing and reads nothing back to the host (unless ``skip_window_on_overflow`` is on).
+        """
         assert self.lightning_module is not None and self._accumulator is not None
         self._accumulator.begin_micro_step()
-        with self.precision_plugin.train_step_context():
+        skip_backward = self._window_already_overflowed()
+        with self.precision_plugin.train_step_context(), torch.set_grad_enabled(not skip_backward):
             output = self.lightning_module.training_step(batch, batch_idx)
-        self.backward(_loss_of(output), self.optimizers[0])  # type: ignore[attr-defined]
+        if not skip_backward:
+            self.backward(_loss_of(output), self.optimizers[0])  # type: ignore[attr-defined]
         self._accumulator.end_micro_step()
         return _detached(output)
+
+    def _window_already_overflowed(self) -> bool:
+        scaling = self._loss_scaling
+        if scaling is None or not scaling.skip_window_on_overflow or self._accumulator.micro_steps == 0:
+            return False
+        return bool(self._accumulator.has_overflow().item())  # host sync: opted in, one per micro-step
 
     def update_step(self, batch: Any, batch_idx: int) -> STEP_OUTPUT:
         """The accumulate step, then one reduction, clipping, the optimizer step and clearing the buffers."""
@@ -225,23 +243,49 @@ class StepProgramsMixin:
         accumulator, optimizer, trainer = self._accumulator, self.optimizers[0], self._trainer
         assert accumulator is not None
         if self.world_size > 1:
-            accumulator.reduce()
+            accumulator.reduce()  # also carries any rank's overflow (inf/NaN) to every rank
             self._sync_module_buffers()
-        accumulator.write_gradients(divisor=accumulator.micro_steps * self.world_size)
+        divisor = accumulator.micro_steps * self.world_size
+        scaling = self._loss_scaling
+        if scaling is None:
+            accumulator.flat.div_(divisor)
+            found_inf = None
+        else:
+            found_inf = scaling.unscale_window(accumulator.flat, divisor)
+        accumulator.write_gradients()
         compat.run_before_optimizer_step(trainer, optimizer)  # on_before_optimizer_step hooks, then clipping
-        optimizer.step()
+        if scaling is None:
+            optimizer.step()
+        else:
+            scaling.step_or_skip(optimizer, found_inf)
+            scaling.update_scale(found_inf)
+            self._log_loss_scale(scaling, found_inf)
         accumulator.clear()
         compat.record_optimizer_update(trainer)
         self._updates_in_batch += 1
-        self._step_lr_schedulers()
+        if self._step_schedulers() and not (scaling is not None and scaling.window_overflowed(found_inf)):
+            self._step_lr_schedulers()
+
+    def _log_loss_scale(self, scaling: LossScalePrecision, found_inf: Tensor | None) -> None:
+        """Device tensors into Lightning's logger; they are read back only when the logger writes."""
+        if scaling.scaler is None or found_inf is None:
+            return
+        module = self.lightning_module
+        for name, value in (("loss_scale", scaling.scaler.scale), ("overflow", found_inf),
+                            ("skipped_updates", scaling.scaler.skipped)):
+            module.log(name, value.clone(), on_step=True, on_epoch=False, batch_size=1)
 
     def _sync_module_buffers(self) -> None:
         """Overridden by distributed strategies (rank 0's buffers win, as DDP's ``broadcast_buffers``)."""
 
+    def _step_schedulers(self) -> list[Any]:
+        return [config for config in self._trainer.lr_scheduler_configs
+                if config.interval == "step" and not config.reduce_on_plateau]
+
     def _step_lr_schedulers(self) -> None:
         trainer = self._trainer
-        for config in trainer.lr_scheduler_configs:
-            if config.interval == "step" and not config.reduce_on_plateau and trainer.global_step % config.frequency == 0:
+        for config in self._step_schedulers():
+            if trainer.global_step % config.frequency == 0:
                 compat.call_lightning_module_hook(trainer, "lr_scheduler_step", config.scheduler, None)
 
     # ------------------------------------------------------------------ checkpoint state

@@ -30,8 +30,9 @@ def final_accuracy(stdout: str) -> float:
 
 
 def logged_losses(tmp_path: Path) -> list:
-    events = next((tmp_path / "tb").rglob("events.out.tfevents.*"))
-    accumulator = EventAccumulator(str(events))
+    # fit and test each open an event file in the run's folder; read the folder, not one file.
+    run_dir = next((tmp_path / "tb").rglob("events.out.tfevents.*")).parent
+    accumulator = EventAccumulator(str(run_dir))
     accumulator.Reload()
     return accumulator.Scalars("train_loss")
 

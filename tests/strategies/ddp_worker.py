@@ -104,3 +104,6 @@ def main(out_dir: Path, steps: int, partial_window: str, num_samples: int, epoch
 if __name__ == "__main__":
     scenario = {"exactness": main, "resume": resume_scenario}[sys.argv[6]]
     scenario(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
+    # Tear gloo down before the interpreter exits; a live process group can abort the process at exit.
+    dist.barrier()
+    dist.destroy_process_group()

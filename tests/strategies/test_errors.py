@@ -75,16 +75,6 @@ def test_nccl_on_cpu_is_an_error():
         trainer.fit(TinyClassifier(), loader(make_dataset(), 4))
 
 
-def test_stock_16_mixed_is_refused_with_an_alternative():
-    # On CPU, Trainer(precision="16-mixed") silently becomes bf16-mixed; build the GradScaler plugin explicitly.
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=2), plugins=[plugin], max_epochs=1)
-    with pytest.raises(ValueError, match=r"stock precision='16-mixed'.*Use precision='bf16-mixed'"):
-        trainer.fit(TinyClassifier(), loader(make_dataset(), 4))
-
-
 def test_drop_that_would_drop_everything():
     trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=8, partial_window="drop"), max_epochs=1)
     with pytest.raises(ValueError, match=r"partial_window='drop' with accumulation_steps=8 drops every batch.*only 5"):

@@ -1,0 +1,138 @@
+"""Loss-scale settings and the device-resident scaler that applies them.
+
+``DynamicLossScale`` and ``FixedLossScale`` mirror MindSpore's ``DynamicLossScaleManager`` and
+``FixedLossScaleManager``; ``LossScaler`` keeps the scale, its counters and the skipped-update count as tensors on
+the training device and updates them with tensor ops, so deciding to skip a window and adjusting the scale never
+needs the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["DynamicLossScale", "FixedLossScale", "LossScaler"]
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class DynamicLossScale:
+    """A loss scale that drops on overflow and grows after a run of good updates.
+
+    Args:
+        init_scale: the first scale (MindSpore's default 2**24).
+        scale_factor: divide by this on overflow, multiply by it to grow (2.0).
+        scale_window: grow after this many consecutive updates without overflow (2000).
+        min_scale: the scale never drops below this (1.0).
+        max_scale: the scale never grows above this (2**24).
+        hysteresis: overflows needed before the scale drops, as in DeepSpeed/Megatron (1: drop on every overflow).
+            The allowance is refilled each time the scale grows.
+
+    Rule per window (an update attempt): on overflow the growth counter resets and the hysteresis allowance
+    decreases; when it reaches 0 the scale becomes ``max(scale / scale_factor, min_scale)``. Without overflow the
+    growth counter increases; when it reaches ``scale_window`` it resets, the allowance is refilled and the scale
+    becomes ``min(scale * scale_factor, max_scale)``. With ``hysteresis=1`` and no ``min_scale``/``max_scale`` in
+    reach this is exactly ``torch.amp.GradScaler``'s rule.
+    """
+
+    init_scale: float = 2.0**24
+    scale_factor: float = 2.0
+    scale_window: int = 2000
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    hysteresis: int = 1
+
+    def __post_init__(self) -> None:
+        _require(self.init_scale > 0, f"DynamicLossScale(init_scale={self.init_scale!r}) must be > 0.")
+        _require(self.scale_factor > 1, f"DynamicLossScale(scale_factor={self.scale_factor!r}) must be > 1.")
+        _require(isinstance(self.scale_window, int) and self.scale_window >= 1,
+                 f"DynamicLossScale(scale_window={self.scale_window!r}) must be an int >= 1.")
+        _require(0 < self.min_scale <= self.max_scale,
+                 f"DynamicLossScale(min_scale={self.min_scale!r}, max_scale={self.max_scale!r}) needs"
+                 " 0 < min_scale <= max_scale.")
+        _require(self.min_scale <= self.init_scale <= self.max_scale,
+                 f"DynamicLossScale(init_scale={self.init_scale!r}) must lie in [min_scale, max_scale] ="
+                 f" [{self.min_scale!r}, {self.max_scale!r}].")
+        _require(isinstance(self.hysteresis, int) and self.hysteresis >= 1,
+                 f"DynamicLossScale(hysteresis={self.hysteresis!r}) must be an int >= 1.")
+
+
+@dataclass(frozen=True)
+class FixedLossScale:
+    """A constant loss scale (MindSpore's ``FixedLossScaleManager``).
+
+    Args:
+        loss_scale: the constant scale (128.0).
+        drop_overflow_update: skip a window whose gradients overflow (True); False applies it anyway, as
+            MindSpore does.
+    """
+
+    loss_scale: float = 128.0
+    drop_overflow_update: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.loss_scale > 0, f"FixedLossScale(loss_scale={self.loss_scale!r}) must be > 0.")
+
+
+class LossScaler:
+    """Device-resident loss-scale state for one run."""
+
+    def __init__(self, config: DynamicLossScale | FixedLossScale) -> None:
+        self.config = config
+        self.dynamic = isinstance(config, DynamicLossScale)
+        self.skips_overflow = self.dynamic or config.drop_overflow_update
+        init = config.init_scale if self.dynamic else config.loss_scale
+        self.scale = torch.tensor(float(init), dtype=torch.float32)
+        self.growth_tracker = torch.zeros((), dtype=torch.int64)
+        self.hysteresis_left = torch.tensor(config.hysteresis if self.dynamic else 1, dtype=torch.int64)
+        self.skipped = torch.zeros((), dtype=torch.int64)
+        self.found_inf = torch.zeros((), dtype=torch.float32)  # of the last window
+
+    def to(self, device: torch.device) -> LossScaler:
+        for name in ("scale", "growth_tracker", "hysteresis_left", "skipped", "found_inf"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+    def check_and_unscale_(self, flat_gradients: Tensor, divisor: float) -> Tensor:
+        """Divide the window's gradient sum by ``scale * divisor`` and flag non-finite values (on the device).
+
+        A window's buffer holds the sum of its micro-steps' gradients; inf and NaN are absorbing under addition, so
+        one check of the sum is the OR of every micro-step's overflow check, and on DDP the summing all-reduce has
+        already carried any rank's overflow to every rank.
+        """
+        flat_gradients.mul_(self.scale.reciprocal() / divisor)
+        torch.logical_not(torch.isfinite(flat_gradients).all(), out=self.found_inf)
+        return self.found_inf
+
+    def update(self, found_inf: Tensor) -> None:
+        """Count a skipped window and move the scale by the documented rule, without leaving the device."""
+        overflow = found_inf > 0
+        if self.skips_overflow:
+            self.skipped.add_(overflow.long())
+        if not self.dynamic:
+            return
+        config = self.config
+        growth = torch.where(overflow, torch.zeros_like(self.growth_tracker), self.growth_tracker + 1)
+        hysteresis = torch.where(overflow, self.hysteresis_left - 1, self.hysteresis_left)
+        drop = overflow & (hysteresis <= 0)
+        grow = growth >= config.scale_window
+        scale = torch.where(drop, (self.scale / config.scale_factor).clamp(min=config.min_scale), self.scale)
+        scale = torch.where(grow, (scale * config.scale_factor).clamp(max=config.max_scale), scale)
+        self.growth_tracker.copy_(torch.where(grow, torch.zeros_like(growth), growth))
+        self.hysteresis_left.copy_(torch.where(grow, torch.full_like(hysteresis, config.hysteresis), hysteresis))
+        self.scale.copy_(scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name).detach().cpu().clone()
+                for name in ("scale", "growth_tracker", "hysteresis_left", "skipped", "found_inf")}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            getattr(self, name).copy_(value)

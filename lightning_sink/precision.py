@@ -1,0 +1,209 @@
+"""``LossScalePrecision``: Lightning precision plugin with device-resident dynamic or fixed loss scaling.
+
+MindSpore's ``TrainAccuStepsWithLossScaleCell`` (seed 000) and ``TrainOneStepWithLossScaleCell`` (seed 003):
+the loss is multiplied by the scale before backward; at the update the window's gradients are unscaled once,
+checked for overflow, clipped, and the update is skipped on overflow while the scale moves down (or up after a run
+of good updates). The plugin owns everything precision-specific; the sink strategies call it from their update
+step, and it also works with Lightning's stock strategies through ``optimizer_step``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_sink.loss_scale import DynamicLossScale, FixedLossScale, LossScaler
+
+__all__ = ["LossScalePrecision", "PRECISIONS"]
+
+PRECISIONS = ("16-mixed", "bf16-mixed", "16-true", "bf16-true", "32-true")
+_FP16 = ("16-mixed", "16-true")
+
+
+def _inner_plugin(precision: str, device: str) -> Precision:
+    """Lightning's own plugin for autocast / dtype conversion, used without its loss scaling."""
+    if precision.endswith("-mixed"):
+        return MixedPrecision(precision, device, scaler=None)
+    if precision.endswith("-true") and precision != "32-true":
+        return HalfPrecision(precision)
+    return Precision()
+
+
+def _skips_on_device(optimizer: Optimizer) -> bool:
+    """Fused Adam/AdamW take ``found_inf`` and skip inside the kernel. (Fused SGD also takes it, but on a skipped
+    first step it leaves its momentum buffer uninitialised - seen with torch 2.14 on CPU - so it is not used.)"""
+    fused = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and all(
+        group.get("fused") for group in optimizer.param_groups
+    )
+    return fused and getattr(optimizer, "_step_supports_amp_scaling", False)
+
+
+class LossScalePrecision(Precision):
+    """Mixed or low precision with a loss scale whose state lives on the training device.
+
+    Args:
+        precision: ``"16-mixed"``, ``"bf16-mixed"``, ``"16-true"``, ``"bf16-true"`` or ``"32-true"``.
+        loss_scale: ``DynamicLossScale(...)``, ``FixedLossScale(...)``, ``None`` (no scaling), or ``"auto"``:
+            a ``DynamicLossScale()`` for fp16 precisions, none for bf16 and fp32 (bf16 has fp32's range).
+        skip_window_on_overflow: once a micro-step of a window overflows, its remaining micro-steps run the forward
+            only (they still consume their data and report a loss). Checking costs one host sync per micro-step.
+        device: the autocast device type for ``*-mixed`` (``"cuda"`` or ``"cpu"``); default: ``"cuda"`` when
+            CUDA is available, else ``"cpu"``.
+
+    ``scale`` and ``skipped_updates`` read the device state and so synchronize with the device.
+    """
+
+    def __init__(
+        self,
+        precision: str = "16-mixed",
+        loss_scale: DynamicLossScale | FixedLossScale | None | str = "auto",
+        skip_window_on_overflow: bool = False,
+        device: str | None = None,
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision={precision!r} is not valid: choose one of {', '.join(map(repr, PRECISIONS))}.")
+        if loss_scale == "auto":
+            loss_scale = DynamicLossScale() if precision in _FP16 else None
+        if loss_scale is not None and not isinstance(loss_scale, (DynamicLossScale, FixedLossScale)):
+            raise TypeError(
+                f"loss_scale={loss_scale!r} is not valid: pass DynamicLossScale(...), FixedLossScale(...), None or"
+                " 'auto'."
+            )
+        self.precision = precision  # type: ignore[assignment]
+        self.loss_scale = loss_scale
+        self.skip_window_on_overflow = bool(skip_window_on_overflow)
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self._inner = _inner_plugin(precision, self.device)
+        self.scaler = LossScaler(loss_scale) if loss_scale is not None else None
+        self._overflow_on_host: bool | None = None
+
+    # ------------------------------------------------------------------ autocast / dtypes: Lightning's own plugin
+    @override
+    def convert_module(self, module: Module) -> Module:
+        return self._inner.convert_module(module)
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        return self._inner.convert_input(data)
+
+    @override
+    def convert_output(self, data: Any) -> Any:
+        return self._inner.convert_output(data)
+
+    @override
+    def tensor_init_context(self) -> Any:
+        return self._inner.tensor_init_context()
+
+    @override
+    def module_init_context(self) -> Any:
+        return self._inner.module_init_context()
+
+    @override
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        with self._inner.forward_context():
+            yield
+
+    # ------------------------------------------------------------------ loss scaling
+    def to_device(self, device: torch.device) -> None:
+        if self.scaler is not None:
+            self.scaler.to(device)
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
+        tensor = super().pre_backward(tensor, module)  # on_before_backward hooks see the unscaled loss
+        return tensor if self.scaler is None else tensor * self.scaler.scale.to(tensor.dtype)
+
+    def unscale_window(self, flat_gradients: Tensor, divisor: float) -> Tensor | None:
+        """Unscale a window's summed gradients in place; return the device overflow flag (None: no scaling)."""
+        self._overflow_on_host = None
+        if self.scaler is None:
+            if divisor != 1:
+                flat_gradients.div_(divisor)
+            return None
+        return self.scaler.check_and_unscale_(flat_gradients, divisor)
+
+    def window_overflowed(self, found_inf: Tensor | None) -> bool:
+        """The overflow flag on the host; read at most once per window."""
+        if found_inf is None or self.scaler is None or not self.scaler.skips_overflow:
+            return False
+        if self._overflow_on_host is None:
+            self._overflow_on_host = bool(found_inf.item())  # host sync: the one read of this window's flag
+        return self._overflow_on_host
+
+    def step_or_skip(self, optimizer: Optimizer, found_inf: Tensor | None, **kwargs: Any) -> Any:
+        """Step the optimizer unless the window overflowed; on the device when the optimizer can skip there."""
+        if found_inf is None or self.scaler is None or not self.scaler.skips_overflow:
+            return optimizer.step(**kwargs)
+        if _skips_on_device(optimizer):
+            optimizer.grad_scale, optimizer.found_inf = None, found_inf  # type: ignore[attr-defined]
+            try:
+                return optimizer.step(**kwargs)
+            finally:
+                del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+        return None if self.window_overflowed(found_inf) else optimizer.step(**kwargs)
+
+    def update_scale(self, found_inf: Tensor | None) -> None:
+        if found_inf is not None and self.scaler is not None:
+            self.scaler.update(found_inf)
+
+    @override
+    def optimizer_step(
+        self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        """Lightning's stock strategies: closure (scaled backward), unscale ``.grad``, clip, step or skip, update."""
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+        closure_result = closure()
+        if closure_result is None and model.automatic_optimization:
+            return None  # training_step returned None: nothing was backpropagated
+        self.scaler.to(self.scaler.scale.device if _no_grads(optimizer) else _first_grad(optimizer).device)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        self._overflow_on_host = None
+        found_inf = self.scaler.found_inf
+        found_inf.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, self.scaler.scale.reciprocal())
+        self._after_closure(model, optimizer)
+        result = self.step_or_skip(optimizer, found_inf, **kwargs)
+        self.update_scale(found_inf)
+        return result
+
+    # ------------------------------------------------------------------ state
+    @property
+    def scale(self) -> float:
+        """The current loss scale (1.0 without scaling). Synchronizes with the device."""
+        return 1.0 if self.scaler is None else float(self.scaler.scale.item())
+
+    @property
+    def skipped_updates(self) -> int:
+        """Windows skipped because of overflow so far. Synchronizes with the device."""
+        return 0 if self.scaler is None else int(self.scaler.skipped.item())
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {} if self.scaler is None else {"loss_scaler": self.scaler.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.scaler is not None and "loss_scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["loss_scaler"])
+
+    def __repr__(self) -> str:
+        return f"LossScalePrecision(precision={self.precision!r}, loss_scale={self.loss_scale!r})"
+
+
+def _no_grads(optimizer: Optimizer) -> bool:
+    return all(p.grad is None for group in optimizer.param_groups for p in group["params"])
+
+
+def _first_grad(optimizer: Optimizer) -> Tensor:
+    return next(p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
