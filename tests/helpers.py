@@ -24,6 +24,8 @@ def make_optimizer(kind: str, params: Any, lr: float) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     if kind == "adamw":
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+    if kind == "adamw_fused":  # can skip an update on the device (found_inf)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=True)
     raise ValueError(kind)
 
 
@@ -55,6 +57,21 @@ class TinyClassifier(pl.LightningModule):
             return optimizer
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=self.step_lr_gamma)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class InjectingClassifier(TinyClassifier):
+    """Multiplies the loss by inf at chosen global micro-batch indices (optionally on one rank only)."""
+
+    def __init__(self, inf_at: tuple[int, ...] = (), inf_rank: int | None = None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self.inf_at, self.inf_rank = set(inf_at), inf_rank
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        on_this_rank = self.inf_rank is None or self.global_rank == self.inf_rank
+        if on_this_rank and self.trainer.fit_loop.total_batch_idx in self.inf_at:
+            loss = loss * float("inf")
+        return loss
 
 
 def loader(dataset: TensorDataset, batch_size: int) -> DataLoader:
@@ -106,8 +123,9 @@ def reference_train(
     dataset: TensorDataset,
     windows: list[list[int]],
     clip: tuple[float, str] | None = None,
+    skip: set[int] = frozenset(),
 ) -> list[float]:
-    """Train ``model`` with one plain PyTorch update per window; returns the LR used at each update."""
+    """Train ``model`` with one plain PyTorch update per window (none for windows in ``skip``); returns the LRs."""
     optimizer = make_optimizer(model.optimizer_kind, model.parameters(), model.lr)
     scheduler = (
         torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=model.step_lr_gamma)
@@ -116,7 +134,9 @@ def reference_train(
     )
     lrs = []
     x, y = dataset.tensors
-    for indices in windows:
+    for window, indices in enumerate(windows):
+        if window in skip:
+            continue
         optimizer.zero_grad()
         F.cross_entropy(model(x[indices]), y[indices]).backward()
         if clip is not None:

@@ -84,6 +84,25 @@ def resume_scenario(out_dir: Path, steps: int, partial_window: str, num_samples:
                     "window_position": saver.window_position}, out_dir / "resume.pt")
 
 
+def overflow_scenario(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> None:
+    """An inf loss in one micro-step of window 1, on rank 1 only: both ranks must skip that window together."""
+    from lightning_sink import DynamicLossScale, LossScalePrecision
+    from tests.helpers import InjectingClassifier
+
+    model = InjectingClassifier(inf_at=(steps + 1,), inf_rank=1, optimizer="adamw_fused", lr=0.01)
+    plugin = LossScalePrecision("32-true", DynamicLossScale(init_scale=2.0**10))
+    strategy = SinkDDPStrategy(accumulation_steps=steps, partial_window=partial_window, process_group_backend="gloo")
+    trainer = quiet_trainer(strategy=strategy, plugins=[plugin], devices=2, max_epochs=epochs)
+    trainer.fit(model, loader(make_dataset(num_samples=num_samples), MICRO_BATCH))
+    state = torch.cat([p.detach().reshape(-1) for p in model.parameters()]
+                      + [plugin.scaler.scale.reshape(1), plugin.scaler.skipped.float().reshape(1)])
+    gathered = [torch.empty_like(state) for _ in range(2)]
+    dist.all_gather(gathered, state)
+    if trainer.global_rank == 0:
+        torch.save({"rank0": gathered[0], "rank1": gathered[1], "global_step": trainer.global_step},
+                   out_dir / "overflow.pt")
+
+
 def main(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> None:
     dataset = make_dataset(num_samples=num_samples)
     model = TinyClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.95)
@@ -102,7 +121,7 @@ def main(out_dir: Path, steps: int, partial_window: str, num_samples: int, epoch
 
 
 if __name__ == "__main__":
-    scenario = {"exactness": main, "resume": resume_scenario}[sys.argv[6]]
+    scenario = {"exactness": main, "resume": resume_scenario, "overflow": overflow_scenario}[sys.argv[6]]
     scenario(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     # Tear gloo down before the interpreter exits; a live process group can abort the process at exit.
     dist.barrier()

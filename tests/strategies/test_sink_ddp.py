@@ -73,3 +73,20 @@ def test_ddp_resume_mid_window_is_bit_identical(tmp_path):
     result = torch.load(tmp_path / "resume.pt")
     assert result["window_position"] == 2
     assert torch.equal(result["resumed"], result["uninterrupted"])
+
+
+@pytest.mark.slow
+def test_overflow_on_one_rank_skips_the_window_on_both(tmp_path):
+    steps, num_samples, epochs = 4, 96, 2
+    launch(tmp_path, steps, "scale", num_samples, epochs, "overflow")
+    result = torch.load(tmp_path / "overflow.pt")
+    rank0, rank1 = result["rank0"], result["rank1"]
+    assert torch.equal(rank0, rank1)  # same parameters, scale and skipped count on both ranks
+    params, scale, skipped = rank0[:-2], rank0[-2].item(), rank0[-1].item()
+    assert (scale, skipped) == (2.0**9, 1.0)
+
+    model = TinyClassifier(optimizer="adamw_fused", lr=0.01)
+    windows = ddp_reference_windows(num_samples, MICRO_BATCH, steps, epochs, "scale", WORLD)
+    reference_train(model, make_dataset(num_samples=num_samples), windows, skip={1})
+    assert result["global_step"] == len(windows)
+    assert relative_error(params.double(), flat_params(model)) <= 1e-6
