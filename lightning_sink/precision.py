@@ -166,8 +166,9 @@ class LossScalePrecision(Precision):
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             return None  # training_step returned None: nothing was backpropagated
-        self.scaler.to(self.scaler.scale.device if _no_grads(optimizer) else _first_grad(optimizer).device)
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads:
+            self.scaler.to(grads[0].device)  # a no-op once the state is there
         self._overflow_on_host = None
         found_inf = self.scaler.found_inf
         found_inf.zero_()
@@ -200,10 +201,3 @@ class LossScalePrecision(Precision):
     def __repr__(self) -> str:
         return f"LossScalePrecision(precision={self.precision!r}, loss_scale={self.loss_scale!r})"
 
-
-def _no_grads(optimizer: Optimizer) -> bool:
-    return all(p.grad is None for group in optimizer.param_groups for p in group["params"])
-
-
-def _first_grad(optimizer: Optimizer) -> Tensor:
-    return next(p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None)

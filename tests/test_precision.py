@@ -230,3 +230,30 @@ def test_stock_lightning_strategy_uses_the_plugin_too():
     reference_train(reference, make_dataset(num_samples=32), reference_windows(32, MICRO, 1, 1, "scale"), skip={3})
     assert plugin.skipped_updates == 1 and plugin.scale == 2.0**9
     assert relative_error(flat_params(model), flat_params(reference)) <= 1e-6
+
+
+def test_precision_flag_and_plugin_together_is_an_error():
+    # Lightning's accelerator connector refuses it, naming both.
+    with pytest.raises(ValueError, match=r"Received both `precision=bf16-mixed` and `plugins=LossScalePrecision"):
+        quiet_trainer(strategy="sink", precision="bf16-mixed", plugins=[LossScalePrecision("16-mixed")])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a lent GPU; CI has none)")
+def test_cuda_step_programs_never_sync_with_a_fused_optimizer():
+    """On the GPU, torch's sync debug mode raises on any host synchronization inside the step programs."""
+    model = Unlogged(inf_at=(5,), optimizer="adamw_fused", lr=0.01)
+    plugin = LossScalePrecision("16-mixed", DynamicLossScale(init_scale=2.0**10), device="cuda")
+    strategy = SinkStrategy(accumulation_steps=STEPS)
+    for name in ("accumulate_step", "update_step"):
+        original = getattr(strategy, name)
+
+        def strict(*args, _original=original, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        setattr(strategy, name, strict)
+    trainer = quiet_trainer(accelerator="cuda", devices=1, strategy=strategy, plugins=[plugin], max_epochs=2)
+    trainer.fit(model, loader(make_dataset(num_samples=64), MICRO))
+    assert trainer.global_step == 8 and plugin.skipped_updates == 1

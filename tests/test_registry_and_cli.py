@@ -46,3 +46,27 @@ def test_cli_string_shortcut(strategy_flag):
     cli = LightningCLI(CliModel, args=["fit", *args], save_config_callback=None)
     assert cli.trainer.strategy.strategy_name == strategy_flag
     assert cli.trainer.global_step == 4
+
+
+@pytest.mark.parametrize("loss_scale", [
+    {"class_path": "lightning_sink.DynamicLossScale", "init_args": {"init_scale": 1024.0, "scale_window": 7}},
+    {"init_scale": 1024.0, "scale_window": 7},  # a dataclass also parses from its fields
+])
+def test_cli_loss_scale_plugin_config(tmp_path, loss_scale):
+    from lightning_sink import DynamicLossScale, LossScalePrecision
+
+    config = {
+        "trainer": {
+            "strategy": {"class_path": "lightning_sink.SinkStrategy", "init_args": {"accumulation_steps": 2}},
+            "plugins": [{"class_path": "lightning_sink.LossScalePrecision",
+                         "init_args": {"precision": "32-true", "loss_scale": loss_scale}}],
+            "max_epochs": 1, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+        }
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = LightningCLI(CliModel, args=["fit", "--config", str(path)], save_config_callback=None)
+    plugin = cli.trainer.precision_plugin
+    assert isinstance(plugin, LossScalePrecision)
+    assert plugin.loss_scale == DynamicLossScale(init_scale=1024.0, scale_window=7)
+    assert cli.trainer.global_step == 4 and plugin.scale == 1024.0
