@@ -27,26 +27,32 @@ REPO = Path(__file__).resolve().parents[2]
 MICRO_BATCH, WORLD = 4, 2
 
 
-def launch(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int, scenario: str) -> None:
+def launch(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int, scenario: str,
+           torchrun: bool = False) -> None:
+    """Lightning's own launcher re-runs the command for rank 1; with ``torchrun`` both ranks come from torchrun."""
     env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "tests.strategies.ddp_worker", str(out_dir), str(steps), partial_window,
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun \
+        else [sys.executable]
+    command = [*launcher, "-m", "tests.strategies.ddp_worker", str(out_dir), str(steps), partial_window,
                str(num_samples), str(epochs), scenario]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
-def run_workers(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> dict:
-    launch(out_dir, steps, partial_window, num_samples, epochs, "exactness")
+def run_workers(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int,
+                torchrun: bool = False) -> dict:
+    launch(out_dir, steps, partial_window, num_samples, epochs, "exactness", torchrun)
     summary = json.loads((out_dir / "summary.json").read_text())
     summary.update(torch.load(out_dir / "result.pt"))
     return summary
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("partial_window, num_samples", [("scale", 96), ("carry", 80)])
-def test_ddp_equals_global_batch_and_reduces_once_per_window(tmp_path, partial_window, num_samples):
+@pytest.mark.parametrize("partial_window, num_samples, torchrun", [("scale", 96, False), ("carry", 80, False),
+                                                                    ("drop", 88, True)])
+def test_ddp_equals_global_batch_and_reduces_once_per_window(tmp_path, partial_window, num_samples, torchrun):
     steps, epochs = 4, 2
-    result = run_workers(tmp_path, steps, partial_window, num_samples, epochs)
+    result = run_workers(tmp_path, steps, partial_window, num_samples, epochs, torchrun)
 
     # Reference: one process, batch = micro-batch x steps x ranks, in the order torch's DistributedSampler
     # (which Lightning puts on the training loader) gives each rank.
