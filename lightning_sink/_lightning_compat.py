@@ -79,19 +79,19 @@ def record_optimizer_update(trainer: pl.Trainer) -> None:
         tracker.completed += 1
 
 
-def finish_lightning_batch(trainer: pl.Trainer, updates: int) -> None:
-    """Undo the one update Lightning itself counts for a batch that performed ``updates >= 1`` updates.
+def finish_lightning_batch(trainer: pl.Trainer, lightning_counts_one: bool) -> None:
+    """Make Lightning's counters agree with the updates recorded one by one during this Lightning batch.
 
-    Lightning counted ``ready`` before the optimizer hook and will count ``completed`` right after it; the
-    updates were already recorded one by one. The logging step is set so that, after Lightning's own
-    increment at the end of the batch, it equals ``global_step`` (as in stock Lightning without accumulation).
+    If Lightning was told the batch updates (``lightning_counts_one``), it counted ``ready`` before the optimizer
+    hook and will count ``completed`` right after it: take that one back, since every update was recorded. The
+    logging step is set so that, after Lightning's own increment at the end of the batch (made only when it
+    counts one), it equals ``global_step``, as in stock Lightning without accumulation.
     """
-    if updates == 0:
-        return
     progress = _step_progress(trainer)
-    for tracker in (progress.total, progress.current):
-        tracker.ready -= 1
-        tracker.completed -= 1
+    if lightning_counts_one:
+        for tracker in (progress.total, progress.current):
+            tracker.ready -= 1
+            tracker.completed -= 1
     _epoch_loop(trainer)._batches_that_stepped = progress.total.completed
 
 

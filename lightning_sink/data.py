@@ -18,6 +18,7 @@ class DataPosition:
     """Micro-batches trained in the current pass over the loader, and a pending skip after a resume."""
 
     def __init__(self) -> None:
+        self.pass_index = 0  # data passes completed (sink mode: the sampler epoch of the current pass)
         self.trained_in_pass = 0
         self._pending_skip = 0
 
@@ -33,10 +34,15 @@ class DataPosition:
     def end_pass(self) -> None:
         self.trained_in_pass = 0
 
+    def next_pass(self) -> None:
+        self.pass_index += 1
+        self.trained_in_pass = 0
+
     def state_dict(self) -> dict[str, int]:
-        return {"trained_in_pass": self.trained_in_pass}
+        return {"pass_index": self.pass_index, "trained_in_pass": self.trained_in_pass}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        self.pass_index = int(state.get("pass_index", 0))
         self._pending_skip = int(state["trained_in_pass"])
         self.trained_in_pass = self._pending_skip
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import csv
 import math
+import threading
 from pathlib import Path
 
 import pytest
@@ -117,7 +118,8 @@ class SyncCounter(Callback):
         self._originals = {name: getattr(torch.Tensor, name) for name in self.METHODS}
         for name, original in self._originals.items():
             def counting(tensor, *args, _original=original, **kwargs):
-                self._count += self._phase is not None
+                # only the training thread: a data prefetch thread's CPU-side work is not a device sync
+                self._count += self._phase is not None and threading.current_thread() is threading.main_thread()
                 return _original(tensor, *args, **kwargs)
             setattr(torch.Tensor, name, counting)
         strategy = trainer.strategy

@@ -27,15 +27,23 @@ class SinkDDPStrategy(StepProgramsMixin, DDPStrategy):
     Args:
         accumulation_steps: micro-batches per optimizer update; see ``SinkStrategy``.
         partial_window: ``"scale"``, ``"drop"`` or ``"carry"``; see ``SinkStrategy``.
+        sink_size, prefetch_depth: sink mode; see ``SinkStrategy``.
         **kwargs: everything ``lightning.pytorch.strategies.DDPStrategy`` takes (``process_group_backend``,
             ``start_method``, ``timeout``, ...).
     """
 
     strategy_name = "sink_ddp"
 
-    def __init__(self, accumulation_steps: int | None = None, partial_window: str = "scale", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        accumulation_steps: int | None = None,
+        partial_window: str = "scale",
+        sink_size: int | None = None,
+        prefetch_depth: int = 2,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
-        self._init_step_programs(accumulation_steps, partial_window)
+        self._init_step_programs(accumulation_steps, partial_window, sink_size, prefetch_depth)
 
     @override
     def setup_environment(self) -> None:

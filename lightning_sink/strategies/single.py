@@ -25,6 +25,10 @@ class SinkStrategy(StepProgramsMixin, SingleDeviceStrategy):
         partial_window: what the last, incomplete window of an epoch does. ``"scale"`` (default) updates with the
             mean over its k micro-batches, exactly one batch of k*b; ``"drop"`` leaves those batches out of the
             epoch; ``"carry"`` keeps the window open into the next epoch.
+        sink_size: micro-batches per sink (MindSpore's ``sink_size``): each Lightning epoch is one sink of K
+            micro-batches drawn from an endless pass over the loader, run inside one Lightning batch. ``-1``: one
+            data pass per sink; ``None`` (default): no sinking, one Lightning batch per micro-batch.
+        prefetch_depth: micro-batches a background thread reads ahead in sink mode.
         device: the device to train on; ``None`` takes the Trainer's accelerator (``cuda:0``, ``cpu``, ...).
     """
 
@@ -34,6 +38,8 @@ class SinkStrategy(StepProgramsMixin, SingleDeviceStrategy):
         self,
         accumulation_steps: int | None = None,
         partial_window: str = "scale",
+        sink_size: int | None = None,
+        prefetch_depth: int = 2,
         device: str | torch.device | None = None,
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -43,7 +49,7 @@ class SinkStrategy(StepProgramsMixin, SingleDeviceStrategy):
             device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
         self._explicit_device = device is not None
-        self._init_step_programs(accumulation_steps, partial_window)
+        self._init_step_programs(accumulation_steps, partial_window, sink_size, prefetch_depth)
 
     # The accelerator connector reads this (refusing a device that contradicts ``Trainer(accelerator=...)``) and
     # fills it in when ``device=None``, so that the strategy follows ``Trainer(accelerator=..., devices=...)``.

@@ -26,6 +26,7 @@ from lightning_sink.accumulation import PARTIAL_WINDOW_MODES, GradientAccumulato
 from lightning_sink.data import DataPosition, ResumableLoader
 from lightning_sink.loss_scale import DynamicLossScale
 from lightning_sink.precision import LossScalePrecision
+from lightning_sink.sink_data import PASS_END, MicroBatchStream, SinkLoader
 
 __all__ = ["StepProgramsMixin", "CHECKPOINT_KEY"]
 
@@ -33,7 +34,9 @@ CHECKPOINT_KEY = "lightning_sink"
 _STATE_VERSION = 1
 
 
-def validate_accumulation_args(accumulation_steps: int | None, partial_window: str) -> None:
+def validate_accumulation_args(
+    accumulation_steps: int | None, partial_window: str, sink_size: int | None = None, prefetch_depth: int = 2
+) -> None:
     if accumulation_steps is not None and (
         isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1
     ):
@@ -41,6 +44,14 @@ def validate_accumulation_args(accumulation_steps: int | None, partial_window: s
             f"accumulation_steps={accumulation_steps!r} is not valid: pass an int >= 1 (micro-batches per optimizer"
             " update), or None to take Trainer(accumulate_grad_batches=...)."
         )
+    if sink_size is not None and (isinstance(sink_size, bool) or not isinstance(sink_size, int)
+                                  or sink_size == 0 or sink_size < -1):
+        raise ValueError(
+            f"sink_size={sink_size!r} is not valid: pass an int >= 1 (micro-batches per sink), -1 (one data pass per"
+            " sink), or None (no sinking: one Lightning batch per micro-batch)."
+        )
+    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1:
+        raise ValueError(f"prefetch_depth={prefetch_depth!r} is not valid: pass an int >= 1 (batches read ahead).")
     if partial_window not in PARTIAL_WINDOW_MODES:
         raise ValueError(
             f"partial_window={partial_window!r} is not valid: choose one of {', '.join(map(repr, PARTIAL_WINDOW_MODES))}."
@@ -72,15 +83,20 @@ class StepProgramsMixin:
     optimizers: list[Optimizer]
     world_size: int
 
-    def _init_step_programs(self, accumulation_steps: int | None, partial_window: str) -> None:
-        validate_accumulation_args(accumulation_steps, partial_window)
+    def _init_step_programs(
+        self, accumulation_steps: int | None, partial_window: str, sink_size: int | None = None, prefetch_depth: int = 2
+    ) -> None:
+        validate_accumulation_args(accumulation_steps, partial_window, sink_size, prefetch_depth)
+        self.sink_size, self.prefetch_depth = sink_size, prefetch_depth
+        self._sink_loader: SinkLoader | None = None
+        self._stream: MicroBatchStream | None = None
         self._requested_accumulation_steps = accumulation_steps
         self.accumulation_steps = accumulation_steps or 1
         self.partial_window = partial_window
         self._accumulator: GradientAccumulator | None = None
         self._data_position = DataPosition()
         self._pending_state: dict[str, Any] | None = None
-        self._planned: tuple[int, MicroStep] | None = None
+        self._planned: tuple[int, bool] | None = None
         self._updates_in_batch = 0
 
     # ------------------------------------------------------------------ configuration
@@ -125,13 +141,18 @@ class StepProgramsMixin:
             # Trainer(precision="16-mixed") on CUDA: Lightning's GradScaler would step the optimizer itself; use
             # the accumulating loss scaler instead (an explicit LossScalePrecision plugin is kept as given).
             self.precision_plugin = LossScalePrecision("16-mixed", DynamicLossScale(), device=plugin.device)
-        # Lightning's estimated_stepping_batches (used to size OneCycleLR and friends) divides by this.
-        trainer.accumulate_grad_batches = self.accumulation_steps
+        if self.sink_size is None:
+            # Lightning's estimated_stepping_batches (used to size OneCycleLR and friends) divides by this. (In
+            # sink mode a Lightning batch is a whole sink, so Lightning's estimate cannot be made right this way.)
+            trainer.accumulate_grad_batches = self.accumulation_steps
 
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self._trainer
         if trainer.state.stage != RunningStage.TRAINING or not self._accumulating:
             return dataloader
+        if self.sink_size is not None:
+            self._sink_loader = SinkLoader(dataloader)
+            return self._sink_loader
         whole = self.accumulation_steps if self.partial_window == "drop" else None
         wrapped = ResumableLoader(dataloader, self._data_position, whole_windows_of=whole)
         if whole and hasattr(dataloader, "__len__") and len(wrapped) == 0:
@@ -156,39 +177,59 @@ class StepProgramsMixin:
         if self._pending_state is not None:
             self._load_window_state(self._pending_state)
             self._pending_state = None
+        if self._sink_loader is not None:
+            self._stream = MicroBatchStream(self._sink_loader.loader, self._data_position, self.prefetch_depth)
         compat.install_loop_overrides(self._trainer, self._batch_has_no_update)
 
     def on_train_end(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         compat.remove_loop_overrides(self._trainer)
         super().on_train_end()  # type: ignore[misc]
 
     # ------------------------------------------------------------------ which program a batch runs
-    def _plan_current_batch(self) -> MicroStep:
-        """The plan for the Lightning batch in flight, decided once before it runs and cached for the batch."""
+    def _plan_micro_step(self) -> MicroStep:
+        return plan_micro_step(
+            self._accumulator.micro_steps,
+            self.accumulation_steps,
+            compat.is_last_batch_of_epoch(self._trainer),
+            self.partial_window,
+        )
+
+    def _sink_will_update(self) -> bool:
+        """Whether the coming sink completes at least one window (windows run on across sinks and passes)."""
         trainer = self._trainer
-        batch_key = trainer.fit_loop.total_batch_idx
-        if self._planned is None or self._planned[0] != batch_key:
-            assert self._accumulator is not None
-            plan = plan_micro_step(
-                self._accumulator.micro_steps,
-                self.accumulation_steps,
-                compat.is_last_batch_of_epoch(trainer),
-                self.partial_window,
-            )
-            self._planned = (batch_key, plan)
-        return self._planned[1]
+        if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
+            return False
+        length = self.sink_size
+        if length == -1:  # one data pass: what is left of it, or assume a window's worth when unsized
+            try:
+                length = len(self._sink_loader.loader) - self._data_position.trained_in_pass
+            except TypeError:
+                length = self.accumulation_steps
+        return self._accumulator.micro_steps + length >= self.accumulation_steps
 
     def _batch_has_no_update(self) -> bool:
+        """Lightning asks this several times per batch; decided once, before the batch runs, and cached."""
         if self._accumulator is None:
             return False
-        return self._plan_current_batch() is not MicroStep.UPDATE
+        batch_key = self._trainer.fit_loop.total_batch_idx
+        if self._planned is None or self._planned[0] != batch_key:
+            updates = self._sink_will_update() if self._stream is not None else \
+                self._plan_micro_step() is MicroStep.UPDATE
+            self._planned = (batch_key, updates)
+        return not self._planned[1]
 
     # ------------------------------------------------------------------ Lightning entry points
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         if not self._accumulating:
             return super().training_step(*args, **kwargs)  # type: ignore[misc]
         batch, batch_idx = args[0], args[1] if len(args) > 1 else kwargs.get("batch_idx", 0)
-        plan = self._plan_current_batch()
+        if self._stream is not None:
+            return self._run_sink()
+        self._batch_has_no_update()  # fix the plan for this batch before its state changes
+        plan = self._plan_micro_step()
         if plan is MicroStep.UPDATE:
             output = self.update_step(batch, batch_idx)
         else:
@@ -196,7 +237,7 @@ class StepProgramsMixin:
             if plan is MicroStep.ACCUMULATE_THEN_DROP:
                 self._accumulator.clear()
         self._data_position.advance()
-        if compat.is_last_batch_of_epoch(self._trainer):
+        if compat.is_last_batch_of_epoch(self._trainer):  # (the sink loop keeps its own position)
             self._data_position.end_pass()  # a resume after this point starts a fresh pass
         return output
 
@@ -208,8 +249,35 @@ class StepProgramsMixin:
             return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
         self._updates_in_batch = 0
         result = closure()
-        compat.finish_lightning_batch(self._trainer, self._updates_in_batch)
+        compat.finish_lightning_batch(self._trainer, lightning_counts_one=not self._batch_has_no_update())
         return result
+
+    # ------------------------------------------------------------------ the sink loop
+    def _run_sink(self) -> dict[str, Tensor]:
+        """K micro-steps inside one Lightning batch; nothing is read back to the host (losses stay on the device).
+
+        Windows run on across sinks and data passes (the data is one endless stream), so ``partial_window`` does
+        not apply here. A ``max_steps`` reached inside the sink ends it; the data position records what was trained.
+        """
+        trainer, stream = self._trainer, self._stream
+        losses: list[Tensor] = []
+        micro_index = 0
+        while self.sink_size == -1 or micro_index < self.sink_size:
+            if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
+                break
+            batch = stream.next()
+            if batch is PASS_END:
+                if self.sink_size == -1 and losses:
+                    break  # one data pass per sink
+                continue
+            batch = self.batch_to_device(batch)  # type: ignore[attr-defined]
+            program = self.update_step if self._accumulator.micro_steps + 1 == self.accumulation_steps \
+                else self.accumulate_step
+            losses.append(_loss_of(program(batch, micro_index)))
+            self._data_position.advance()
+            micro_index += 1
+        stacked = torch.stack(losses)
+        return {"loss": stacked[-1], "mean_loss": stacked.mean(), "losses": stacked}
 
     # ------------------------------------------------------------------ the two step programs
     def accumulate_step(self, batch: Any, batch_idx: int) -> STEP_OUTPUT:

@@ -1,0 +1,118 @@
+"""Data sinking: an endless stream of micro-batches, prefetched by a background thread, one sink per epoch.
+
+MindSpore's ``dataset_sink_mode`` (seeds 001/004) traverses the dataset continuously: with ``sink_size=K`` epoch e
+trains batches e*K .. e*K+K-1 of an endless pass. ``SinkLoader`` is what Lightning iterates: one placeholder
+``SinkToken`` per epoch (so a Lightning epoch is one Lightning batch); the strategy pulls the sink's micro-batches
+from ``MicroBatchStream``, whose iterator survives epochs and whose sampler epoch advances at each new data pass.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from lightning_sink.data import DataPosition
+
+__all__ = ["SinkToken", "SinkLoader", "MicroBatchStream", "PASS_END"]
+
+PASS_END = object()  # a data pass ended; the next item starts a new pass
+
+
+class SinkToken:
+    """What Lightning sees as the batch of a sink epoch; the micro-batches come from the strategy's stream.
+
+    A plain class (not a dataclass), so Lightning's batch-transfer helpers pass it through untouched.
+    """
+
+    def __init__(self, sink_index: int) -> None:
+        self.sink_index = sink_index
+
+    def __repr__(self) -> str:
+        return f"SinkToken({self.sink_index})"
+
+
+class SinkLoader:
+    """One ``SinkToken`` per Lightning epoch. It exposes no sampler: the stream sets sampler epochs per data pass."""
+
+    def __init__(self, loader: Any) -> None:
+        if iter(loader) is loader:
+            raise ValueError(
+                f"The training loader {type(loader).__name__} is an iterator and cannot be iterated again; sink mode"
+                " traverses the data pass after pass. Pass a DataLoader or another re-iterable object."
+            )
+        self.loader = loader
+        self._sinks = 0
+
+    def __len__(self) -> int:
+        return 1
+
+    def __iter__(self) -> Iterator[SinkToken]:
+        self._sinks += 1
+        yield SinkToken(self._sinks - 1)
+
+
+def _set_pass(loader: Any, pass_index: int) -> None:
+    for owner in (loader, getattr(loader, "batch_sampler", None)):
+        sampler = getattr(owner, "sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(pass_index)
+
+
+class MicroBatchStream:
+    """Micro-batches of consecutive data passes, read ahead by a daemon thread into a queue of ``depth`` items.
+
+    ``next()`` returns a batch or ``PASS_END``; the caller records consumption in its ``DataPosition``, which is
+    what a checkpoint saves (batches read ahead but not trained are read again after a resume).
+    """
+
+    def __init__(self, loader: Any, position: DataPosition, depth: int = 2) -> None:
+        self.loader, self.position = loader, position
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        first_pass, skip = position.pass_index, position.start_pass()
+        self._thread = threading.Thread(target=self._produce, args=(first_pass, skip), daemon=True,
+                                        name="lightning-sink-prefetch")
+        self._thread.start()
+
+    def _put(self, item: Any) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _produce(self, pass_index: int, skip: int) -> None:
+        try:
+            while not self._stop.is_set():
+                _set_pass(self.loader, pass_index)
+                produced = 0
+                for index, batch in enumerate(self.loader):
+                    if index < skip:
+                        continue
+                    produced += 1
+                    if not self._put(batch):
+                        return
+                if produced == 0 and skip == 0:
+                    raise ValueError("The training loader yielded no batches in a data pass; sink mode needs data.")
+                skip = 0
+                if not self._put(PASS_END):
+                    return
+                pass_index += 1
+        except BaseException as error:  # surfaced to the training thread by next()
+            self._put(error)
+
+    def next(self) -> Any:
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        if item is PASS_END:
+            self.position.next_pass()
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
