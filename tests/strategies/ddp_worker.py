@@ -103,6 +103,20 @@ def overflow_scenario(out_dir: Path, steps: int, partial_window: str, num_sample
                    out_dir / "overflow.pt")
 
 
+def sink_scenario(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> None:
+    """Sinks of 5 micro-batches with windows of ``steps``, continuous over data passes, on 2 ranks."""
+    model = TinyClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.95)
+    strategy = SinkDDPStrategy(accumulation_steps=steps, sink_size=5, process_group_backend="gloo")
+    trainer = quiet_trainer(strategy=strategy, devices=2, max_epochs=epochs)
+    trainer.fit(model, loader(make_dataset(num_samples=num_samples), MICRO_BATCH))
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = [torch.empty_like(params) for _ in range(2)]
+    dist.all_gather(gathered, params)
+    if trainer.global_rank == 0:
+        torch.save({"rank0": gathered[0], "rank1": gathered[1], "global_step": trainer.global_step,
+                    "lrs": model.seen_lrs}, out_dir / "sink.pt")
+
+
 def main(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> None:
     dataset = make_dataset(num_samples=num_samples)
     model = TinyClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.95)
@@ -121,7 +135,8 @@ def main(out_dir: Path, steps: int, partial_window: str, num_samples: int, epoch
 
 
 if __name__ == "__main__":
-    scenario = {"exactness": main, "resume": resume_scenario, "overflow": overflow_scenario}[sys.argv[6]]
+    scenario = {"exactness": main, "resume": resume_scenario, "overflow": overflow_scenario,
+                "sink": sink_scenario}[sys.argv[6]]
     scenario(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     # Tear gloo down before the interpreter exits; a live process group can abort the process at exit.
     dist.barrier()

@@ -96,3 +96,32 @@ def test_overflow_on_one_rank_skips_the_window_on_both(tmp_path):
     reference_train(model, make_dataset(num_samples=num_samples), windows, skip={1})
     assert result["global_step"] == len(windows)
     assert relative_error(params.double(), flat_params(model)) <= 1e-6
+
+
+@pytest.mark.slow
+def test_ddp_sinks_equal_the_continuous_global_batch_reference(tmp_path):
+    from torch.utils.data import DistributedSampler
+
+    steps, num_samples, epochs, sink = 3, 96, 4, 5
+    launch(tmp_path, steps, "scale", num_samples, epochs, "sink")
+    result = torch.load(tmp_path / "sink.pt")
+    assert torch.equal(result["rank0"], result["rank1"])
+
+    # Each rank traverses its DistributedSampler continuously, the sampler epoch advancing per data pass.
+    streams = []
+    for rank in range(WORLD):
+        micro, data_pass = [], 0
+        while len(micro) < sink * epochs:
+            sampler = DistributedSampler(range(num_samples), WORLD, rank, shuffle=True, seed=0)
+            sampler.set_epoch(data_pass)
+            order = list(sampler)
+            micro += [order[i : i + MICRO_BATCH] for i in range(0, len(order), MICRO_BATCH)]
+            data_pass += 1
+        streams.append(micro[: sink * epochs])
+    global_micro = [sum(parts, []) for parts in zip(*streams)]
+    windows = [sum(global_micro[i : i + steps], []) for i in range(0, len(global_micro) - steps + 1, steps)]
+    model = TinyClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.95)
+    lrs = reference_train(model, make_dataset(num_samples=num_samples), windows)
+    assert result["global_step"] == len(windows) == 6
+    assert result["lrs"] == pytest.approx(lrs, rel=1e-12)
+    assert relative_error(result["rank0"].double(), flat_params(model)) <= 1e-6
