@@ -68,13 +68,33 @@ class MicroBatchStream:
     """
 
     def __init__(self, loader: Any, position: DataPosition, depth: int = 2) -> None:
+        """``depth=0`` reads in the training thread instead (no thread, no queue)."""
         self.loader, self.position = loader, position
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         first_pass, skip = position.pass_index, position.start_pass()
-        self._thread = threading.Thread(target=self._produce, args=(first_pass, skip), daemon=True,
-                                        name="lightning-sink-prefetch")
-        self._thread.start()
+        self._inline = self._items(first_pass, skip) if depth == 0 else None
+        self._thread = None
+        if depth > 0:
+            self._thread = threading.Thread(target=self._produce, args=(first_pass, skip), daemon=True,
+                                            name="lightning-sink-prefetch")
+            self._thread.start()
+
+    def _items(self, pass_index: int, skip: int) -> Iterator[Any]:
+        """Batches of consecutive passes, with ``PASS_END`` between passes."""
+        while True:
+            _set_pass(self.loader, pass_index)
+            produced = 0
+            for index, batch in enumerate(self.loader):
+                if index < skip:
+                    continue
+                produced += 1
+                yield batch
+            if produced == 0 and skip == 0:
+                raise ValueError("The training loader yielded no batches in a data pass; sink mode needs data.")
+            skip = 0
+            yield PASS_END
+            pass_index += 1
 
     def _put(self, item: Any) -> bool:
         while not self._stop.is_set():
@@ -87,26 +107,14 @@ class MicroBatchStream:
 
     def _produce(self, pass_index: int, skip: int) -> None:
         try:
-            while not self._stop.is_set():
-                _set_pass(self.loader, pass_index)
-                produced = 0
-                for index, batch in enumerate(self.loader):
-                    if index < skip:
-                        continue
-                    produced += 1
-                    if not self._put(batch):
-                        return
-                if produced == 0 and skip == 0:
-                    raise ValueError("The training loader yielded no batches in a data pass; sink mode needs data.")
-                skip = 0
-                if not self._put(PASS_END):
+            for item in self._items(pass_index, skip):
+                if not self._put(item):
                     return
-                pass_index += 1
         except BaseException as error:  # surfaced to the training thread by next()
             self._put(error)
 
     def next(self) -> Any:
-        item = self._queue.get()
+        item = next(self._inline) if self._inline is not None else self._queue.get()
         if isinstance(item, BaseException):
             raise item
         if item is PASS_END:
@@ -115,4 +123,5 @@ class MicroBatchStream:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            self._thread.join(timeout=5)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.types import STEP_OUTPUT
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -27,6 +28,7 @@ from lightning_sink.data import DataPosition, ResumableLoader
 from lightning_sink.loss_scale import DynamicLossScale
 from lightning_sink.precision import LossScalePrecision
 from lightning_sink.sink_data import PASS_END, MicroBatchStream, SinkLoader
+from lightning_sink.strategies.hooks import HookPlan
 
 __all__ = ["StepProgramsMixin", "CHECKPOINT_KEY"]
 
@@ -50,8 +52,11 @@ def validate_accumulation_args(
             f"sink_size={sink_size!r} is not valid: pass an int >= 1 (micro-batches per sink), -1 (one data pass per"
             " sink), or None (no sinking: one Lightning batch per micro-batch)."
         )
-    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 1:
-        raise ValueError(f"prefetch_depth={prefetch_depth!r} is not valid: pass an int >= 1 (batches read ahead).")
+    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+        raise ValueError(
+            f"prefetch_depth={prefetch_depth!r} is not valid: pass an int >= 1 (batches a background thread reads"
+            " ahead) or 0 (read in the training thread)."
+        )
     if partial_window not in PARTIAL_WINDOW_MODES:
         raise ValueError(
             f"partial_window={partial_window!r} is not valid: choose one of {', '.join(map(repr, PARTIAL_WINDOW_MODES))}."
@@ -172,6 +177,7 @@ class StepProgramsMixin:
             raise ValueError(f"{type(self).__name__} supports exactly one optimizer; got {len(optimizers)}.")
         params = [p for group in optimizers[0].param_groups for p in group["params"]]
         self._accumulator = GradientAccumulator(params)
+        self._hooks = HookPlan.for_run(self._trainer)
         if self._loss_scaling is not None:
             self._loss_scaling.to_device(self.root_device)  # type: ignore[attr-defined]
         if self._pending_state is not None:
@@ -270,7 +276,7 @@ class StepProgramsMixin:
                 if self.sink_size == -1 and losses:
                     break  # one data pass per sink
                 continue
-            batch = self.batch_to_device(batch)  # type: ignore[attr-defined]
+            batch = self._to_device(batch)
             program = self.update_step if self._accumulator.micro_steps + 1 == self.accumulation_steps \
                 else self.accumulate_step
             losses.append(_loss_of(program(batch, micro_index)))
@@ -291,9 +297,31 @@ class StepProgramsMixin:
         with self.precision_plugin.train_step_context(), torch.set_grad_enabled(not skip_backward):
             output = self.lightning_module.training_step(batch, batch_idx)
         if not skip_backward:
-            self.backward(_loss_of(output), self.optimizers[0])  # type: ignore[attr-defined]
+            self._backward(_loss_of(output))
         self._accumulator.end_micro_step()
         return _detached(output)
+
+    def _backward(self, loss: Tensor) -> None:
+        if not self._hooks.direct_backward:
+            self.backward(loss, self.optimizers[0])  # type: ignore[attr-defined]  # hooks and plugin, as Lightning
+            return
+        scaling = self._loss_scaling
+        if scaling is not None and scaling.scaler is not None:
+            loss = loss * scaling.scaler.scale.to(loss.dtype)
+        loss.backward()
+
+    def _before_optimizer_step(self, optimizer: Optimizer) -> None:
+        trainer = self._trainer
+        if not self._hooks.direct_before_step:
+            compat.run_before_optimizer_step(trainer, optimizer)  # on_before_optimizer_step hooks, then clipping
+        elif trainer.gradient_clip_val:
+            self.precision_plugin.clip_gradients(optimizer, trainer.gradient_clip_val,
+                                                 trainer.gradient_clip_algorithm or "norm")
+
+    def _to_device(self, batch: Any) -> Any:
+        if self._hooks.direct_transfer:
+            return move_data_to_device(batch, self.root_device)  # type: ignore[attr-defined]
+        return self.batch_to_device(batch)  # type: ignore[attr-defined]  # the module's transfer hooks
 
     def _window_already_overflowed(self) -> bool:
         scaling = self._loss_scaling
@@ -316,12 +344,13 @@ class StepProgramsMixin:
         divisor = accumulator.micro_steps * self.world_size
         scaling = self._loss_scaling
         if scaling is None:
-            accumulator.flat.div_(divisor)
+            if divisor != 1:
+                accumulator.flat.div_(divisor)
             found_inf = None
         else:
             found_inf = scaling.unscale_window(accumulator.flat, divisor)
         accumulator.write_gradients()
-        compat.run_before_optimizer_step(trainer, optimizer)  # on_before_optimizer_step hooks, then clipping
+        self._before_optimizer_step(optimizer)
         if scaling is None:
             optimizer.step()
         else:

@@ -45,18 +45,20 @@ class PerSink(Callback):
         self.steps.append(trainer.global_step)
 
 
-def fit_sinks(model, sink_size, steps, epochs, **kwargs):
-    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=steps, sink_size=sink_size), max_epochs=epochs,
-                            **kwargs)
+def fit_sinks(model, sink_size, steps, epochs, prefetch_depth=2, **kwargs):
+    strategy = SinkStrategy(accumulation_steps=steps, sink_size=sink_size, prefetch_depth=prefetch_depth)
+    trainer = quiet_trainer(strategy=strategy, max_epochs=epochs, **kwargs)
     trainer.fit(model, shuffled_loader(make_dataset(num_samples=SAMPLES)))
     return trainer
 
 
-def test_sinks_traverse_the_data_continuously_and_match_the_plain_loop():
+@pytest.mark.parametrize("prefetch_depth", [2, 0])  # background thread, or read in the training thread
+def test_sinks_traverse_the_data_continuously_and_match_the_plain_loop(prefetch_depth):
     model = TinyClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.9)
     reference = copy.deepcopy(model)
     per_sink = PerSink()
-    trainer = fit_sinks(model, sink_size=7, steps=3, epochs=5, callbacks=[per_sink])  # 35 micro-batches
+    trainer = fit_sinks(model, sink_size=7, steps=3, epochs=5, prefetch_depth=prefetch_depth,
+                        callbacks=[per_sink])  # 35 micro-batches
     windows = windows_of(continuous_micro_batches(35), 3)  # 11 updates; windows span sinks and passes
     lrs = reference_train(reference, make_dataset(num_samples=SAMPLES), windows)
     assert trainer.global_step == 11
@@ -173,8 +175,8 @@ def test_sink_size_must_be_valid(bad):
 
 
 def test_prefetch_depth_must_be_valid():
-    with pytest.raises(ValueError, match=r"prefetch_depth=0 is not valid"):
-        SinkStrategy(sink_size=4, prefetch_depth=0)
+    with pytest.raises(ValueError, match=r"prefetch_depth=-1 is not valid: pass an int >= 1 .* or 0"):
+        SinkStrategy(sink_size=4, prefetch_depth=-1)
 
 
 def test_a_loader_that_cannot_be_iterated_again_is_an_error():
