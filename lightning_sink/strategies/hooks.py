@@ -14,6 +14,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_sink.precision import LossScalePrecision
+
 __all__ = ["HookPlan"]
 
 _TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
@@ -37,7 +39,7 @@ class HookPlan:
     @classmethod
     def for_run(cls, trainer: pl.Trainer) -> HookPlan:
         plugin = trainer.strategy.precision_plugin
-        plain_precision = type(plugin) in _PLAIN_PRECISION or type(plugin).__name__ == "LossScalePrecision"
+        plain_precision = type(plugin) in _PLAIN_PRECISION or type(plugin) is LossScalePrecision
         return cls(
             direct_backward=plain_precision and not any(
                 _used(trainer, name) for name in ("on_before_backward", "on_after_backward")

@@ -212,3 +212,25 @@ def test_bf16_true_run_accumulates_in_fp32():
     rounded_once = truth.to(torch.bfloat16).double()
     assert torch.allclose(ours, rounded_once, rtol=2**-7, atol=0)  # at most one bf16 rounding away
     assert relative_error(ours, truth) * 4 < relative_error(naive, truth)  # plain bf16 accumulation drifts
+
+
+def test_overridden_backward_and_clipping_hooks_are_still_called():
+    """The step programs skip dispatching hooks nobody overrides; overridden ones must still run."""
+    calls = {"backward": 0, "clip": 0}
+
+    class Custom(TinyClassifier):
+        def backward(self, loss, *args, **kwargs):
+            calls["backward"] += 1
+            (loss * 0.5).backward()  # a custom backward that changes the gradient
+
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            calls["clip"] += 1
+
+    dataset = make_dataset(num_samples=32)
+    model, reference = Custom(lr=0.1), TinyClassifier(lr=0.05)  # half the gradient = half the SGD rate
+    fit_sink(model, dataset, steps=4, epochs=1, gradient_clip_val=1e-6)  # clipping replaced by the no-op hook
+    reference_train(reference, dataset, reference_windows(32, MICRO_BATCH, 4, 1, "scale"))
+    assert calls == {"backward": 8, "clip": 2}
+    # momentum SGD is linear in the gradient: rate lr with g/2 equals rate lr/2 with g. Had the no-op clipping
+    # override been skipped, clip_val=1e-6 would have shrunk every update.
+    assert relative_error(flat_params(model), flat_params(reference)) <= 1e-6
