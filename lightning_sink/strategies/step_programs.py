@@ -187,12 +187,19 @@ class StepProgramsMixin:
             self._stream = MicroBatchStream(self._sink_loader.loader, self._data_position, self.prefetch_depth)
         compat.install_loop_overrides(self._trainer, self._batch_has_no_update)
 
-    def on_train_end(self) -> None:
+    def _close_stream(self) -> None:
         if self._stream is not None:
             self._stream.close()
             self._stream = None
+
+    def on_train_end(self) -> None:
+        self._close_stream()
         compat.remove_loop_overrides(self._trainer)
         super().on_train_end()  # type: ignore[misc]
+
+    def teardown(self) -> None:
+        self._close_stream()  # also when training raised and on_train_end never ran
+        super().teardown()  # type: ignore[misc]
 
     # ------------------------------------------------------------------ which program a batch runs
     def _plan_micro_step(self) -> MicroStep:

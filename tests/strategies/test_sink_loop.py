@@ -193,3 +193,18 @@ def test_a_loader_that_cannot_be_iterated_again_is_an_error():
     trainer = quiet_trainer(strategy=SinkStrategy(sink_size=2), max_epochs=1)
     with pytest.raises(ValueError, match=r"OneShot is an iterator and cannot be iterated again"):
         trainer.fit(TinyClassifier(), OneShot())
+
+
+def test_a_failing_run_stops_the_prefetch_thread():
+    import threading
+
+    class Failing(TinyClassifier):
+        def training_step(self, batch, batch_idx):
+            if self.trainer.global_step == 2:
+                raise RuntimeError("boom")
+            return super().training_step(batch, batch_idx)
+
+    trainer = quiet_trainer(strategy=SinkStrategy(sink_size=5), max_epochs=3)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(Failing(), shuffled_loader(make_dataset(num_samples=SAMPLES)))
+    assert not any(thread.name == "lightning-sink-prefetch" for thread in threading.enumerate())
