@@ -31,6 +31,9 @@ from torch import nn
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import NetClassifier, quiet_trainer  # noqa: E402
 DISTRIBUTED_ENV = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                    "MASTER_PORT")
 
@@ -52,32 +55,6 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
 
 
-def _module(net: nn.Module, lr: float = 0.01):
-    import lightning.pytorch as pl
-    import torch.nn.functional as F
-
-    class Module(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = net
-
-        def training_step(self, batch, batch_idx):
-            x, y = batch
-            return F.cross_entropy(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=lr, momentum=0.9)
-
-    return Module()
-
-
-def _trainer(**kwargs):
-    import lightning.pytorch as pl
-
-    return pl.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, **kwargs)
-
-
 def _rss_mib() -> float:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -93,12 +70,12 @@ def memory_child(mode: str, out: Path) -> None:
     updates = 3
     data = TensorDataset(torch.randn(MICRO * STEPS * updates, 3, 64, 64), torch.randint(0, 10, (MICRO * STEPS * updates,)))
     if mode == "sink_micro_batches":
-        trainer, batch = _trainer(strategy=lightning_sink.SinkStrategy(accumulation_steps=STEPS), max_epochs=1), MICRO
+        trainer, batch = quiet_trainer(strategy=lightning_sink.SinkStrategy(accumulation_steps=STEPS), max_epochs=1), MICRO
     elif mode == "stock_large_batch":
-        trainer, batch = _trainer(max_epochs=1), MICRO * STEPS
+        trainer, batch = quiet_trainer(max_epochs=1), MICRO * STEPS
     else:
-        trainer, batch = _trainer(accumulate_grad_batches=STEPS, max_epochs=1), MICRO
-    model = _module(conv_net())
+        trainer, batch = quiet_trainer(accumulate_grad_batches=STEPS, max_epochs=1), MICRO
+    model = NetClassifier(conv_net())
     baseline = _rss_mib()
     trainer.fit(model, DataLoader(data, batch_size=batch))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -170,8 +147,8 @@ def lightning_ddp_child(mode: str, out: Path, windows: int, warmup: int) -> None
     else:
         strategy, kwargs = DDPStrategy(process_group_backend="gloo"), {"accumulate_grad_batches": DDP_STEPS}
     timer = Timer()
-    trainer = _trainer(strategy=strategy, devices=2, max_epochs=1, callbacks=[timer], **kwargs)
-    trainer.fit(_module(mlp()), DataLoader(_ddp_data(windows + warmup), batch_size=DDP_MICRO))
+    trainer = quiet_trainer(strategy=strategy, devices=2, max_epochs=1, callbacks=[timer], **kwargs)
+    trainer.fit(NetClassifier(mlp()), DataLoader(_ddp_data(windows + warmup), batch_size=DDP_MICRO))
     if trainer.global_rank == 0:
         measured = windows
         seconds, reduces, buckets = (e - s for e, s in zip(timer.end, timer.start))

@@ -27,9 +27,11 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lightning.pytorch as pl  # noqa: E402
 
+from common import NetClassifier, quiet_trainer  # noqa: E402
 from lenet import LeNet5  # noqa: E402
 from lightning_sink import SinkStrategy  # noqa: E402
 
@@ -51,19 +53,6 @@ def make_loader(name: str, steps: int) -> DataLoader:
     data = TensorDataset(torch.randn(samples, *shape, generator=generator),
                          torch.randint(0, 10, (samples,), generator=generator))
     return DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True)
-
-
-class Module(pl.LightningModule):
-    def __init__(self, net: nn.Module) -> None:
-        super().__init__()
-        self.net = net
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return F.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
 class StepTimer(pl.Callback):
@@ -98,10 +87,9 @@ def hand_written(model_name: str, steps: int) -> float:
 def lightning(model_name: str, steps: int, strategy) -> float:
     sink = strategy is not None
     timer = StepTimer(warmup_batches=SINK if sink else WARMUP)  # sinks are timed from the second sink on
-    trainer = pl.Trainer(accelerator="cpu", strategy=strategy or "auto", max_steps=steps + timer.warmup_batches,
-                         max_epochs=-1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, callbacks=[timer])
-    trainer.fit(Module(make_model(model_name)), make_loader(model_name, steps))
+    trainer = quiet_trainer(strategy=strategy or "auto", max_steps=steps + timer.warmup_batches, max_epochs=-1,
+                            callbacks=[timer])
+    trainer.fit(NetClassifier(make_model(model_name)), make_loader(model_name, steps))
     return timer.steps / timer.seconds
 
 
