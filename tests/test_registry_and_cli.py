@@ -19,6 +19,8 @@ def test_registry_names_build_the_strategies():
     assert isinstance(quiet_trainer(strategy="sink").strategy, SinkStrategy)
     ddp = quiet_trainer(strategy="sink_ddp", devices=2).strategy
     assert isinstance(ddp, SinkDDPStrategy) and len(ddp.parallel_devices) == 2
+    spawn = quiet_trainer(strategy="sink_ddp_spawn", devices=2).strategy
+    assert isinstance(spawn, SinkDDPStrategy) and spawn._start_method == "spawn"
 
 
 def test_cli_class_path_config(tmp_path):
