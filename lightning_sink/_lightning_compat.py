@@ -20,6 +20,7 @@ __all__ = [
     "record_optimizer_update",
     "finish_lightning_batch",
     "run_before_optimizer_step",
+    "call_lightning_module_hook",
 ]
 
 # Names of the instance attributes we shadow on the epoch loop; deleting them restores Lightning's methods.

@@ -102,7 +102,6 @@ class StepProgramsMixin:
         self._data_position = DataPosition()
         self._pending_state: dict[str, Any] | None = None
         self._planned: tuple[int, bool] | None = None
-        self._updates_in_batch = 0
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -260,7 +259,6 @@ class StepProgramsMixin:
         """Runs Lightning's closure, whose ``training_step`` runs the step programs (the real update included)."""
         if not self._accumulating:
             return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
-        self._updates_in_batch = 0
         result = closure()
         compat.finish_lightning_batch(self._trainer, lightning_counts_one=not self._batch_has_no_update())
         return result
@@ -366,7 +364,6 @@ class StepProgramsMixin:
             self._log_loss_scale(scaling, found_inf)
         accumulator.clear()
         compat.record_optimizer_update(trainer)
-        self._updates_in_batch += 1
         if self._step_schedulers() and not (scaling is not None and scaling.window_overflowed(found_inf)):
             self._step_lr_schedulers()
 
