@@ -21,6 +21,7 @@ __all__ = [
     "finish_lightning_batch",
     "run_before_optimizer_step",
     "call_lightning_module_hook",
+    "checkpoint_every_n_train_steps",
 ]
 
 # Names of the instance attributes we shadow on the epoch loop; deleting them restores Lightning's methods.
@@ -104,3 +105,8 @@ def run_before_optimizer_step(trainer: pl.Trainer, optimizer: Any) -> None:
 
 def call_lightning_module_hook(trainer: pl.Trainer, name: str, *args: Any) -> Any:
     return call._call_lightning_module_hook(trainer, name, *args)
+
+
+def checkpoint_every_n_train_steps(callback: Any) -> int:
+    """``ModelCheckpoint(every_n_train_steps=n)``'s n (0 when it does not save by steps); Lightning keeps it private."""
+    return int(callback._every_n_train_steps or 0)

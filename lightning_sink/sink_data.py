@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from lightning_sink.data import DataPosition
+from lightning_sink.device_prefetch import CopiedBatch, CudaBatchCopier
 
 __all__ = ["SinkToken", "SinkLoader", "MicroBatchStream", "PASS_END"]
 
@@ -67,9 +68,11 @@ class MicroBatchStream:
     what a checkpoint saves (batches read ahead but not trained are read again after a resume).
     """
 
-    def __init__(self, loader: Any, position: DataPosition, depth: int = 2) -> None:
-        """``depth=0`` reads in the training thread instead (no thread, no queue)."""
-        self.loader, self.position = loader, position
+    def __init__(self, loader: Any, position: DataPosition, depth: int = 2,
+                 copier: CudaBatchCopier | None = None) -> None:
+        """``depth=0`` reads in the training thread instead (no thread, no queue). A ``copier`` moves each batch to
+        the GPU in the reading thread (then ``next()`` returns batches already on the device)."""
+        self.loader, self.position, self.copier = loader, position, copier
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
         first_pass, skip = position.pass_index, position.start_pass()
@@ -89,7 +92,7 @@ class MicroBatchStream:
                 if index < skip:
                     continue
                 produced += 1
-                yield batch
+                yield self.copier.copy(batch) if self.copier is not None else batch
             if produced == 0 and skip == 0:
                 raise ValueError("The training loader yielded no batches in a data pass; sink mode needs data.")
             skip = 0
@@ -119,6 +122,8 @@ class MicroBatchStream:
             raise item
         if item is PASS_END:
             self.position.next_pass()
+        elif isinstance(item, CopiedBatch):
+            return self.copier.receive(item)
         return item
 
     def close(self) -> None:

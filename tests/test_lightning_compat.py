@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 
 import lightning.pytorch as pl
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer import call
@@ -47,3 +47,8 @@ def test_overrides_are_live_during_fit_and_removed_after():
     loop = trainer.fit_loop.epoch_loop
     assert not any(name in loop.__dict__ for name in compat._SHADOWED)
     assert trainer.fit_loop._skip_backward is False
+
+
+def test_model_checkpoint_keeps_every_n_train_steps_where_the_compat_layer_reads_it():
+    assert compat.checkpoint_every_n_train_steps(ModelCheckpoint(every_n_train_steps=7)) == 7
+    assert compat.checkpoint_every_n_train_steps(ModelCheckpoint()) == 0

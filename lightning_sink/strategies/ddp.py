@@ -27,7 +27,7 @@ class SinkDDPStrategy(StepProgramsMixin, DDPStrategy):
     Args:
         accumulation_steps: micro-batches per optimizer update; see ``SinkStrategy``.
         partial_window: ``"scale"``, ``"drop"`` or ``"carry"``; see ``SinkStrategy``.
-        sink_size, prefetch_depth: sink mode; see ``SinkStrategy``.
+        sink_size, prefetch_depth, graph_mode: sink mode and graph sinking; see ``SinkStrategy``.
         **kwargs: everything ``lightning.pytorch.strategies.DDPStrategy`` takes (``process_group_backend``,
             ``start_method``, ``timeout``, ...).
     """
@@ -40,10 +40,11 @@ class SinkDDPStrategy(StepProgramsMixin, DDPStrategy):
         partial_window: str = "scale",
         sink_size: int | None = None,
         prefetch_depth: int = 2,
+        graph_mode: str = "eager",
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self._init_step_programs(accumulation_steps, partial_window, sink_size, prefetch_depth)
+        self._init_step_programs(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
 
     @override
     def setup_environment(self) -> None:
@@ -80,5 +81,6 @@ class SinkDDPStrategy(StepProgramsMixin, DDPStrategy):
         )
 
     def __repr__(self) -> str:
-        return f"SinkDDPStrategy(accumulation_steps={self.accumulation_steps}, partial_window={self.partial_window!r})"
+        return (f"SinkDDPStrategy(accumulation_steps={self.accumulation_steps}, partial_window={self.partial_window!r},"
+                f" sink_size={self.sink_size}, graph_mode={self.graph_mode!r})")
 

@@ -28,7 +28,11 @@ class SinkStrategy(StepProgramsMixin, SingleDeviceStrategy):
         sink_size: micro-batches per sink (MindSpore's ``sink_size``): each Lightning epoch is one sink of K
             micro-batches drawn from an endless pass over the loader, run inside one Lightning batch. ``-1``: one
             data pass per sink; ``None`` (default): no sinking, one Lightning batch per micro-batch.
-        prefetch_depth: micro-batches a background thread reads ahead in sink mode.
+        prefetch_depth: micro-batches a background thread reads ahead in sink mode (on CUDA it also copies them to
+            the GPU: pinned memory, non-blocking copies on a side stream); ``0`` reads in the training thread.
+        graph_mode: ``"eager"`` (default); ``"compile"``: ``training_step`` and its backward compiled with
+            ``torch.compile`` (both step programs share the forward and backward graphs); ``"cuda_graph"``: the
+            same graphs captured as CUDA graphs (``torch.compile(mode="reduce-overhead")``), CUDA only.
         device: the device to train on; ``None`` takes the Trainer's accelerator (``cuda:0``, ``cpu``, ...).
     """
 
@@ -40,6 +44,7 @@ class SinkStrategy(StepProgramsMixin, SingleDeviceStrategy):
         partial_window: str = "scale",
         sink_size: int | None = None,
         prefetch_depth: int = 2,
+        graph_mode: str = "eager",
         device: str | torch.device | None = None,
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
@@ -49,7 +54,7 @@ class SinkStrategy(StepProgramsMixin, SingleDeviceStrategy):
             device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
         self._explicit_device = device is not None
-        self._init_step_programs(accumulation_steps, partial_window, sink_size, prefetch_depth)
+        self._init_step_programs(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
 
     # The accelerator connector reads this (refusing a device that contradicts ``Trainer(accelerator=...)``) and
     # fills it in when ``device=None``, so that the strategy follows ``Trainer(accelerator=..., devices=...)``.
@@ -79,5 +84,6 @@ class SinkStrategy(StepProgramsMixin, SingleDeviceStrategy):
         )
 
     def __repr__(self) -> str:
-        return f"SinkStrategy(accumulation_steps={self.accumulation_steps}, partial_window={self.partial_window!r})"
+        return (f"SinkStrategy(accumulation_steps={self.accumulation_steps}, partial_window={self.partial_window!r},"
+                f" sink_size={self.sink_size}, graph_mode={self.graph_mode!r})")
 

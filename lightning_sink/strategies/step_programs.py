@@ -25,10 +25,13 @@ from torch.optim import Optimizer
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.accumulation import PARTIAL_WINDOW_MODES, GradientAccumulator, MicroStep, plan_micro_step
 from lightning_sink.data import DataPosition, ResumableLoader
+from lightning_sink.device_prefetch import CudaBatchCopier
 from lightning_sink.loss_scale import DynamicLossScale
 from lightning_sink.precision import LossScalePrecision
 from lightning_sink.sink_data import PASS_END, MicroBatchStream, SinkLoader
+from lightning_sink.strategies.graph_modes import check_graph_mode_device, step_function, validate_graph_mode
 from lightning_sink.strategies.hooks import HookPlan
+from lightning_sink.strategies.step_triggers import warn_about_unaligned_step_triggers
 
 __all__ = ["StepProgramsMixin", "CHECKPOINT_KEY"]
 
@@ -89,10 +92,17 @@ class StepProgramsMixin:
     world_size: int
 
     def _init_step_programs(
-        self, accumulation_steps: int | None, partial_window: str, sink_size: int | None = None, prefetch_depth: int = 2
+        self,
+        accumulation_steps: int | None,
+        partial_window: str,
+        sink_size: int | None = None,
+        prefetch_depth: int = 2,
+        graph_mode: str = "eager",
     ) -> None:
         validate_accumulation_args(accumulation_steps, partial_window, sink_size, prefetch_depth)
-        self.sink_size, self.prefetch_depth = sink_size, prefetch_depth
+        validate_graph_mode(graph_mode)
+        self.sink_size, self.prefetch_depth, self.graph_mode = sink_size, prefetch_depth, graph_mode
+        self._step_function: Callable[..., STEP_OUTPUT] | None = None
         self._sink_loader: SinkLoader | None = None
         self._stream: MicroBatchStream | None = None
         self._requested_accumulation_steps = accumulation_steps
@@ -177,14 +187,25 @@ class StepProgramsMixin:
         params = [p for group in optimizers[0].param_groups for p in group["params"]]
         self._accumulator = GradientAccumulator(params)
         self._hooks = HookPlan.for_run(self._trainer)
+        check_graph_mode_device(self.graph_mode, self.root_device)  # type: ignore[attr-defined]
+        self._step_function = step_function(self.lightning_module.training_step, self.graph_mode)
         if self._loss_scaling is not None:
             self._loss_scaling.to_device(self.root_device)  # type: ignore[attr-defined]
         if self._pending_state is not None:
             self._load_window_state(self._pending_state)
             self._pending_state = None
         if self._sink_loader is not None:
-            self._stream = MicroBatchStream(self._sink_loader.loader, self._data_position, self.prefetch_depth)
+            warn_about_unaligned_step_triggers(self._trainer, self.sink_size, self.accumulation_steps)
+            self._stream = MicroBatchStream(self._sink_loader.loader, self._data_position, self.prefetch_depth,
+                                            copier=self._device_copier())
         compat.install_loop_overrides(self._trainer, self._batch_has_no_update)
+
+    def _device_copier(self) -> CudaBatchCopier | None:
+        """On CUDA, the prefetch thread copies batches to the GPU, unless transfer hooks must run in this thread."""
+        device = self.root_device  # type: ignore[attr-defined]
+        if device.type != "cuda" or not self._hooks.direct_transfer or self.prefetch_depth == 0:
+            return None
+        return CudaBatchCopier(device)
 
     def _close_stream(self) -> None:
         if self._stream is not None:
@@ -281,7 +302,8 @@ class StepProgramsMixin:
                 if self.sink_size == -1 and losses:
                     break  # one data pass per sink
                 continue
-            batch = self._to_device(batch)
+            if self._stream.copier is None:
+                batch = self._to_device(batch)
             program = self.update_step if self._accumulator.micro_steps + 1 == self.accumulation_steps \
                 else self.accumulate_step
             losses.append(_loss_of(program(batch, micro_index)))
@@ -300,7 +322,7 @@ class StepProgramsMixin:
         self._accumulator.begin_micro_step()
         skip_backward = self._window_already_overflowed()
         with self.precision_plugin.train_step_context(), torch.set_grad_enabled(not skip_backward):
-            output = self.lightning_module.training_step(batch, batch_idx)
+            output = self._step_function(batch, batch_idx)
         if not skip_backward:
             self._backward(_loss_of(output))
         self._accumulator.end_micro_step()
