@@ -1,22 +1,27 @@
-"""Sink throughput: training steps per second on CPU, one process, configurations alternating.
+"""Sink throughput: training steps per second, one process, configurations alternating.
 
-    python benchmarks/sink_throughput.py [--repeats 3] [--steps 1500]
+    python benchmarks/sink_throughput.py [--repeats 3] [--steps 1500] [--device auto|cpu|cuda]
 
 Models: (a) a tiny MLP 64-64-10, batch 32; (b) LeNet-5 on 1x32x32, batch 32. Configurations: a hand-written
-PyTorch loop (the anchor), stock Lightning, and ``SinkStrategy(sink_size=K)`` in eager mode, with its prefetch
-thread (``prefetch_depth=2``, the default) and reading in the training thread (``prefetch_depth=0``). All read the same
-``DataLoader`` over in-memory tensors with SGD. Each run trains ``--steps`` optimizer steps after a warm-up;
-figures are medians of the repeats. The last line is one JSON object.
+PyTorch loop (the anchor); stock Lightning, quiet (no logger, no progress bar) and with its defaults (TensorBoard
+logger, progress bar, the module logging its loss with ``prog_bar=True``); ``SinkStrategy(sink_size=K)`` in eager
+mode with its prefetch thread (``prefetch_depth=2``, the default), reading in the training thread
+(``prefetch_depth=0``), with ``graph_mode="compile"``, and with the same defaults as stock; on CUDA also
+``graph_mode="cuda_graph"``. All read the same ``DataLoader`` over in-memory tensors with SGD. Each run trains
+``--steps`` optimizer steps after a warm-up (sink runs: after the first sink, which includes compilation); figures
+are medians of the repeats. The last line is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,12 +36,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lightning.pytorch as pl  # noqa: E402
 
-from common import NetClassifier, quiet_trainer  # noqa: E402
+from common import NetClassifier, default_trainer, quiet_trainer  # noqa: E402
 from lenet import LeNet5  # noqa: E402
 from lightning_sink import SinkStrategy  # noqa: E402
 
 BATCH, SINK, WARMUP = 32, 500, 50
-CONFIGS = ("hand_written", "stock_lightning", "sink_eager", "sink_eager_inline")
+CPU_CONFIGS = ("hand_written", "stock_lightning", "sink_eager", "sink_eager_inline", "sink_compile",
+               "stock_lightning_defaults", "sink_eager_defaults")
+CUDA_CONFIGS = CPU_CONFIGS + ("sink_cuda_graph",)
+SINK_CONFIGS = {  # name: (SinkStrategy keyword arguments, Trainer defaults)
+    "sink_eager": ({}, False),
+    "sink_eager_inline": ({"prefetch_depth": 0}, False),  # read in the training thread, no prefetch thread
+    "sink_compile": ({"graph_mode": "compile"}, False),
+    "sink_cuda_graph": ({"graph_mode": "cuda_graph"}, False),
+    "sink_eager_defaults": ({}, True),
+}
 
 
 def make_model(name: str) -> nn.Module:
@@ -64,64 +78,80 @@ class StepTimer(pl.Callback):
             self.start, self.start_step = time.perf_counter(), trainer.global_step
 
     def on_train_end(self, trainer, module):
+        if module.device.type == "cuda":
+            torch.cuda.synchronize()  # the GPU may still be working through queued steps
         self.seconds, self.steps = time.perf_counter() - self.start, trainer.global_step - self.start_step
 
 
-def hand_written(model_name: str, steps: int) -> float:
-    model, loader = make_model(model_name), make_loader(model_name, steps)
+def hand_written(model_name: str, steps: int, device: torch.device) -> float:
+    model, loader = make_model(model_name).to(device), make_loader(model_name, steps)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     done, start = 0, None
     while done < steps + WARMUP:
         for x, y in loader:
             if done == WARMUP:
                 start = time.perf_counter()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             optimizer.zero_grad()
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
             done += 1
             if done == steps + WARMUP:
                 break
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return steps / (time.perf_counter() - start)
 
 
-def lightning(model_name: str, steps: int, strategy) -> float:
+def lightning(model_name: str, steps: int, device: torch.device, strategy, defaults: bool) -> float:
     sink = strategy is not None
     timer = StepTimer(warmup_batches=SINK if sink else WARMUP)  # sinks are timed from the second sink on
-    trainer = quiet_trainer(strategy=strategy or "auto", max_steps=steps + timer.warmup_batches, max_epochs=-1,
-                            callbacks=[timer])
-    trainer.fit(NetClassifier(make_model(model_name)), make_loader(model_name, steps))
+    settings = dict(strategy=strategy or "auto", accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
+                    max_steps=steps + timer.warmup_batches, max_epochs=-1, callbacks=[timer])
+    with tempfile.TemporaryDirectory() as root, open(os.devnull, "w") as sink_out, \
+            contextlib.redirect_stderr(sink_out):  # the progress bar's output
+        trainer = default_trainer(root, **settings) if defaults else quiet_trainer(**settings)
+        trainer.fit(NetClassifier(make_model(model_name), log_loss=defaults), make_loader(model_name, steps))
     return timer.steps / timer.seconds
 
 
-def run(config: str, model_name: str, steps: int) -> float:
+def run(config: str, model_name: str, steps: int, device: torch.device) -> float:
     if config == "hand_written":
-        return hand_written(model_name, steps)
-    if config == "stock_lightning":
-        return lightning(model_name, steps, None)
-    depth = 0 if config.endswith("inline") else 2  # inline: read in the training thread, no prefetch thread
-    return lightning(model_name, steps, SinkStrategy(sink_size=SINK, prefetch_depth=depth))
+        return hand_written(model_name, steps, device)
+    if config.startswith("stock_lightning"):
+        return lightning(model_name, steps, device, None, defaults=config.endswith("defaults"))
+    options, defaults = SINK_CONFIGS[config]
+    return lightning(model_name, steps, device, SinkStrategy(sink_size=SINK, **options), defaults)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     args = parser.parse_args()
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+    configs = CUDA_CONFIGS if use_cuda else CPU_CONFIGS
     torch.set_num_threads(min(2, os.cpu_count() or 1))
+    machine = torch.cuda.get_device_name(0) if use_cuda else "CPU"
     result = {"benchmark": "sink_throughput", "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch "
-              f"{torch.__version__}, CPU", "batch": BATCH, "sink_size": SINK, "repeats": args.repeats}
+              f"{torch.__version__}, {machine}", "batch": BATCH, "sink_size": SINK, "repeats": args.repeats}
     for model_name in ("tiny_mlp", "lenet5"):
-        rates: dict[str, list[float]] = {config: [] for config in CONFIGS}
+        rates: dict[str, list[float]] = {config: [] for config in configs}
         for repeat in range(args.repeats):
-            order = CONFIGS[repeat % len(CONFIGS):] + CONFIGS[: repeat % len(CONFIGS)]
+            order = configs[repeat % len(configs):] + configs[: repeat % len(configs)]
             for config in order:
-                rates[config].append(run(config, model_name, args.steps))
+                rates[config].append(run(config, model_name, args.steps, device))
         medians = {config: statistics.median(values) for config, values in rates.items()}
+        sinks = [config for config in configs if config.startswith("sink")]
         result[model_name] = {
-            **{f"{config}_steps_per_s": round(medians[config], 1) for config in CONFIGS},
-            **{f"{config}_ms_per_step": round(1000 / medians[config], 3) for config in CONFIGS},
-            **{f"{sink}_vs_{anchor}": round(medians[sink] / medians[anchor], 3)
-               for sink in ("sink_eager", "sink_eager_inline") for anchor in ("hand_written", "stock_lightning")},
+            **{f"{config}_ms_per_step": round(1000 / medians[config], 3) for config in configs},
+            **{f"{sink}_vs_hand_written": round(medians[sink] / medians["hand_written"], 3) for sink in sinks},
+            **{f"{sink}_vs_stock_lightning": round(medians[sink] / medians["stock_lightning"], 3)
+               for sink in sinks if not sink.endswith("defaults")},
+            "sink_eager_defaults_vs_stock_lightning_defaults": round(
+                medians["sink_eager_defaults"] / medians["stock_lightning_defaults"], 3),
         }
     print(json.dumps(result))
 

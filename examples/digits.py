@@ -48,18 +48,26 @@ def find_mnist(data_dir: str | None) -> Path | None:
     return None
 
 
+def find_mnist_quietly(data_dir: str | None) -> Path | None:
+    """Like ``find_mnist``, but a ``data_dir`` without MNIST is not an error (it is where a download goes)."""
+    try:
+        return find_mnist(data_dir)
+    except FileNotFoundError:
+        return None
+
+
 def _to_lenet_input(images: torch.Tensor, max_value: float) -> torch.Tensor:
     x = images.float().unsqueeze(1) / max_value
     x = F.interpolate(x, size=(32, 32), mode="bilinear", align_corners=False)
     return (x - MNIST_MEAN) / MNIST_STD
 
 
-def _load_mnist(root: Path) -> tuple[TensorDataset, TensorDataset]:
+def _load_mnist(root: Path, download: bool = False) -> tuple[TensorDataset, TensorDataset]:
     from torchvision.datasets import MNIST
 
     splits = []
     for train in (True, False):
-        data = MNIST(str(root), train=train, download=False)
+        data = MNIST(str(root), train=train, download=download)
         splits.append(TensorDataset(_to_lenet_input(data.data, 255.0), data.targets.clone()))
     return splits[0], splits[1]
 
@@ -86,28 +94,36 @@ class DigitsDataModule(pl.LightningDataModule):
         max_train_samples: keep only the first this-many training samples (quick runs and tests).
         drop_last: drop the last incomplete batch, as the seed's ``drop_remainder=True``.
         source: ``"auto"`` (MNIST when found, else digits), ``"mnist"`` (an error when not found) or ``"digits"``.
+        download: with ``source="mnist"``, download MNIST with torchvision into ``data_dir`` (or ``./data``) when it
+            is not found (needs internet).
     """
 
     def __init__(
         self, data_dir: str | None = None, batch_size: int = 32, max_train_samples: int | None = None,
-        drop_last: bool = True, shuffle: bool = True, seed: int = 0, source: str = "auto",
+        drop_last: bool = True, shuffle: bool = True, seed: int = 0, source: str = "auto", download: bool = False,
     ) -> None:
         super().__init__()
         if source not in ("auto", "mnist", "digits"):
             raise ValueError(f"source={source!r} is not valid: choose 'auto', 'mnist' or 'digits'.")
         self.source_choice = source
         self.data_dir, self.batch_size, self.max_train_samples = data_dir, batch_size, max_train_samples
-        self.drop_last, self.shuffle, self.seed = drop_last, shuffle, seed
+        self.drop_last, self.shuffle, self.seed, self.download = drop_last, shuffle, seed, download
         self.source = ""
 
     def setup(self, stage: str | None = None) -> None:
         if getattr(self, "train_set", None) is not None:
             return
+        if self.source_choice == "mnist" and self.download and find_mnist_quietly(self.data_dir) is None:
+            root = Path(self.data_dir or "data")
+            self.train_set, self.test_set = _load_mnist(root, download=True)
+            self.source = f"MNIST downloaded to {root}"
+            self._keep(self.max_train_samples)
+            return
         root = None if self.source_choice == "digits" else find_mnist(self.data_dir)
         if root is None and self.source_choice == "mnist":
             raise FileNotFoundError(
-                "source='mnist' but no MNIST folder was found: pass --data-dir (a folder holding MNIST/raw) or set"
-                " LIGHTNING_SINK_DATA."
+                "source='mnist' but no MNIST folder was found: pass --data-dir (a folder holding MNIST/raw), set"
+                " LIGHTNING_SINK_DATA, or allow a torchvision download (--download, needs internet)."
             )
         if root is not None:
             self.train_set, self.test_set = _load_mnist(root)
@@ -115,8 +131,11 @@ class DigitsDataModule(pl.LightningDataModule):
         else:
             self.train_set, self.test_set = _load_sklearn_digits(self.seed)
             self.source = "scikit-learn's bundled 8x8 digits (no MNIST folder found)"
-        if self.max_train_samples is not None:
-            self.train_set = TensorDataset(*(t[: self.max_train_samples] for t in self.train_set.tensors))
+        self._keep(self.max_train_samples)
+
+    def _keep(self, samples: int | None) -> None:
+        if samples is not None:
+            self.train_set = TensorDataset(*(t[:samples] for t in self.train_set.tensors))
 
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
