@@ -168,6 +168,37 @@ def test_no_host_sync_inside_a_sink():
     assert sink_syncs == [0, 0] and trainer.global_step == 8
 
 
+class OverflowAtMicroStep(TinyClassifier):
+    """Multiplies the loss by inf at chosen micro-steps, counted across sinks (a sink is one Lightning batch)."""
+
+    def __init__(self, inf_at, **kwargs):
+        super().__init__(**kwargs)
+        self.inf_at, self.micro_steps = set(inf_at), 0
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.micro_steps += 1
+        return loss * float("inf") if self.micro_steps - 1 in self.inf_at else loss
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw_fused"])  # skip read on the host, or on the device
+def test_accumulation_and_loss_scaling_inside_sinks(optimizer):
+    from lightning_sink import DynamicLossScale, LossScalePrecision
+
+    model = OverflowAtMicroStep(inf_at=(4,), optimizer=optimizer, lr=0.02, step_lr_gamma=0.9)  # window 1 of 6
+    reference = copy.deepcopy(model)
+    plugin = LossScalePrecision("32-true", DynamicLossScale(init_scale=2.0**10))
+    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=3, sink_size=5), plugins=[plugin], max_epochs=4)
+    trainer.fit(model, shuffled_loader(make_dataset(num_samples=SAMPLES)))  # 20 micro-batches: 6 windows
+    lrs = reference_train(reference, make_dataset(num_samples=SAMPLES), windows_of(continuous_micro_batches(20), 3),
+                          skip={1})
+    assert trainer.global_step == 6 and plugin.skipped_updates == 1 and plugin.scale == 2.0**9
+    # on_before_optimizer_step sees every window; the schedule holds on the skipped one (window 1).
+    assert model.seen_lrs[1] == model.seen_lrs[2]
+    assert model.seen_lrs[:1] + model.seen_lrs[2:] == pytest.approx(lrs, rel=1e-12)
+    assert relative_error(flat_params(model), flat_params(reference)) <= 1e-6
+
+
 @pytest.mark.parametrize("bad", [0, -2, 1.5, "3", True])
 def test_sink_size_must_be_valid(bad):
     with pytest.raises(ValueError, match=rf"sink_size={bad!r} is not valid: pass an int >= 1 \(micro-batches per sink\), -1"):
