@@ -92,6 +92,7 @@ class DigitsDataModule(pl.LightningDataModule):
             the repository, and ``./data``, then falls back to scikit-learn's digits.
         batch_size: micro-batch size.
         max_train_samples: keep only the first this-many training samples (quick runs and tests).
+        max_test_samples: the same for the test split.
         drop_last: drop the last incomplete batch, as the seed's ``drop_remainder=True``.
         source: ``"auto"`` (MNIST when found, else digits), ``"mnist"`` (an error when not found) or ``"digits"``.
         download: with ``source="mnist"``, download MNIST with torchvision into ``data_dir`` (or ``./data``) when it
@@ -101,6 +102,7 @@ class DigitsDataModule(pl.LightningDataModule):
     def __init__(
         self, data_dir: str | None = None, batch_size: int = 32, max_train_samples: int | None = None,
         drop_last: bool = True, shuffle: bool = True, seed: int = 0, source: str = "auto", download: bool = False,
+        max_test_samples: int | None = None,
     ) -> None:
         super().__init__()
         if source not in ("auto", "mnist", "digits"):
@@ -108,6 +110,7 @@ class DigitsDataModule(pl.LightningDataModule):
         self.source_choice = source
         self.data_dir, self.batch_size, self.max_train_samples = data_dir, batch_size, max_train_samples
         self.drop_last, self.shuffle, self.seed, self.download = drop_last, shuffle, seed, download
+        self.max_test_samples = max_test_samples
         self.source = ""
 
     def setup(self, stage: str | None = None) -> None:
@@ -117,7 +120,7 @@ class DigitsDataModule(pl.LightningDataModule):
             root = Path(self.data_dir or "data")
             self.train_set, self.test_set = _load_mnist(root, download=True)
             self.source = f"MNIST downloaded to {root}"
-            self._keep(self.max_train_samples)
+            self._keep()
             return
         root = None if self.source_choice == "digits" else find_mnist(self.data_dir)
         if root is None and self.source_choice == "mnist":
@@ -131,11 +134,14 @@ class DigitsDataModule(pl.LightningDataModule):
         else:
             self.train_set, self.test_set = _load_sklearn_digits(self.seed)
             self.source = "scikit-learn's bundled 8x8 digits (no MNIST folder found)"
-        self._keep(self.max_train_samples)
+        self._keep()
 
-    def _keep(self, samples: int | None) -> None:
-        if samples is not None:
-            self.train_set = TensorDataset(*(t[:samples] for t in self.train_set.tensors))
+    def _keep(self) -> None:
+        """Cut the splits to their requested prefixes."""
+        if self.max_train_samples is not None:
+            self.train_set = TensorDataset(*(t[: self.max_train_samples] for t in self.train_set.tensors))
+        if self.max_test_samples is not None:
+            self.test_set = TensorDataset(*(t[: self.max_test_samples] for t in self.test_set.tensors))
 
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
