@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.trainer import call
 
 __all__ = [
@@ -21,7 +22,12 @@ __all__ = [
     "finish_lightning_batch",
     "run_before_optimizer_step",
     "call_lightning_module_hook",
+    "DCP_METADATA_FILE_NAME",
+    "set_module_device_mesh",
 ]
+
+# The file in which Lightning's ModelParallelStrategy keeps the non-tensor part (loops, callbacks, ...) of a DCP folder.
+DCP_METADATA_FILE_NAME: str = _METADATA_FILENAME
 
 # Names of the instance attributes we shadow on the epoch loop; deleting them restores Lightning's methods.
 _SHADOWED = ("_should_accumulate", "update_lr_schedulers")
@@ -104,3 +110,8 @@ def run_before_optimizer_step(trainer: pl.Trainer, optimizer: Any) -> None:
 
 def call_lightning_module_hook(trainer: pl.Trainer, name: str, *args: Any) -> Any:
     return call._call_lightning_module_hook(trainer, name, *args)
+
+
+def set_module_device_mesh(module: pl.LightningModule, mesh: Any) -> None:
+    """What ``ModelParallelStrategy.setup_environment`` does, so ``configure_model`` sees ``self.device_mesh``."""
+    module._device_mesh = mesh

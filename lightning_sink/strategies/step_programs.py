@@ -175,7 +175,7 @@ class StepProgramsMixin:
         if len(optimizers) != 1:
             raise ValueError(f"{type(self).__name__} supports exactly one optimizer; got {len(optimizers)}.")
         params = [p for group in optimizers[0].param_groups for p in group["params"]]
-        self._accumulator = GradientAccumulator(params)
+        self._accumulator = self._make_accumulator(params)
         self._hooks = HookPlan.for_run(self._trainer)
         if self._loss_scaling is not None:
             self._loss_scaling.to_device(self.root_device)  # type: ignore[attr-defined]
@@ -185,6 +185,10 @@ class StepProgramsMixin:
         if self._sink_loader is not None:
             self._stream = MicroBatchStream(self._sink_loader.loader, self._data_position, self.prefetch_depth)
         compat.install_loop_overrides(self._trainer, self._batch_has_no_update)
+
+    def _make_accumulator(self, params: list[torch.nn.Parameter]) -> Any:
+        """The window's gradient store (hook: sharded strategies return their own, see ``model_parallel.py``)."""
+        return GradientAccumulator(params)
 
     def _close_stream(self) -> None:
         if self._stream is not None:

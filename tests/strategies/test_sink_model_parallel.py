@@ -1,0 +1,118 @@
+"""SinkModelParallelStrategy on 4 gloo processes (data_parallel=2 x tensor_parallel=2) against a single-process
+plain PyTorch loop over the global batch, on the unsharded model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import clean_subprocess_env
+from tests.helpers import ddp_reference_windows, make_dataset, make_optimizer, relative_error
+from tests.strategies import model_parallel_worker as worker
+from tests.strategies.mp_models import TPClassifier, flat
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def launch(out_dir: Path, *scenarios: str, expect_returncode: int = 0) -> None:
+    """Lightning's own launcher re-runs the command for ranks 1..3."""
+    env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "tests.strategies.model_parallel_worker", str(out_dir), *scenarios]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == expect_returncode, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """One launch runs the scenarios that finish normally, one after the other, to pay the start-up once."""
+    out_dir = tmp_path_factory.mktemp("model_parallel")
+    launch(out_dir, "train", "loss_scale", "sink")
+    return out_dir
+
+
+def reference_windows() -> list[list[int]]:
+    # Lightning gives each data-parallel rank a DistributedSampler over dp ranks; the tensor-parallel ranks of one
+    # data-parallel rank see the same batches.
+    return ddp_reference_windows(worker.SAMPLES, worker.MICRO_BATCH, worker.STEPS, worker.EPOCHS, "scale", worker.DP)
+
+
+def reference_params(windows: list[list[int]], skip: set[int] = frozenset(),
+                     step_lr_gamma: float | None = 0.95) -> tuple[torch.Tensor, list[float]]:
+    """A plain PyTorch loop on the unsharded model: one AdamW step per window on the mean loss of its samples."""
+    model = TPClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=step_lr_gamma)
+    optimizer = make_optimizer("adamw", model.parameters(), 0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, step_lr_gamma) if step_lr_gamma else None
+    x, y = make_dataset(num_samples=worker.SAMPLES).tensors
+    lrs = []
+    for index, window in enumerate(windows):
+        if index in skip:
+            continue
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x[window]), y[window]).backward()
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return torch.cat([p.detach().reshape(-1).double() for p in model.parameters()]), lrs
+
+
+@pytest.mark.slow
+def test_equals_the_global_batch_reference_and_reduces_once_per_window(runs):
+    result = torch.load(runs / "train.pt")
+    windows = reference_windows()
+    expected, lrs = reference_params(windows)
+    assert result["global_step"] == len(windows) == 4
+    assert result["lrs"] == pytest.approx(lrs, rel=1e-12)
+    assert relative_error(flat(result["params"]), expected) <= 1e-5
+    # The parameters really are sharded: Linear(8,16) column-wise over tp=2 then rows over dp=2, and so on.
+    assert result["local_shapes"] == {"net.0.weight": (4, 8), "net.0.bias": (4,), "net.2.weight": (2, 8),
+                                      "net.2.bias": (2,)}
+    # Communication: no gradient reduction in accumulate batches; in each update batch one reduce-scatter per FSDP
+    # parameter group (each gradient is reduced exactly once per window), and no all-reduce.
+    per_batch = result["per_batch"]
+    assert [batch["updates"] for batch in per_batch] == [0, 0, 1] * 4
+    groups = TPClassifier.FSDP_GROUPS_WITH_PARAMETERS
+    assert [batch["reduce_scatter_single"] + batch["reduce_scatter_tensor"] for batch in per_batch] == \
+        [groups * batch["updates"] for batch in per_batch]
+    assert all(batch["all_reduce"] == 0 for batch in per_batch)
+
+
+@pytest.mark.slow
+def test_loss_scale_overflow_on_one_rank_skips_the_window_everywhere(runs):
+    result = torch.load(runs / "loss_scale.pt")
+    assert (result["scale"], result["skipped"]) == (2.0**9, 1)
+    windows = reference_windows()
+    expected, _ = reference_params(windows, skip={1}, step_lr_gamma=None)
+    assert result["global_step"] == len(windows)
+    assert relative_error(flat(result["params"]), expected) <= 1e-5
+    # The overflow flag is the only all-reduce: one per window, in its update batch.
+    assert [batch["all_reduce"] for batch in result["per_batch"]] == [batch["updates"] for batch in result["per_batch"]]
+
+
+@pytest.mark.slow
+def test_sinks_equal_the_continuous_global_batch_reference(runs):
+    from torch.utils.data import DistributedSampler
+
+    result = torch.load(runs / "sink.pt")
+    sink, epochs = 5, worker.EPOCHS
+    streams = []
+    for rank in range(worker.DP):  # each dp rank traverses its sampler continuously, the epoch advancing per pass
+        micro, data_pass = [], 0
+        while len(micro) < sink * epochs:
+            sampler = DistributedSampler(range(worker.SAMPLES), worker.DP, rank, shuffle=True, seed=0)
+            sampler.set_epoch(data_pass)
+            order = list(sampler)
+            micro += [order[i : i + worker.MICRO_BATCH] for i in range(0, len(order), worker.MICRO_BATCH)]
+            data_pass += 1
+        streams.append(micro[: sink * epochs])
+    global_micro = [sum(parts, []) for parts in zip(*streams)]
+    steps = worker.STEPS
+    windows = [sum(global_micro[i : i + steps], []) for i in range(0, len(global_micro) - steps + 1, steps)]
+    expected, lrs = reference_params(windows)
+    assert result["global_step"] == len(windows) == 3
+    assert result["lrs"] == pytest.approx(lrs, rel=1e-12)
+    assert relative_error(flat(result["params"]), expected) <= 1e-5
