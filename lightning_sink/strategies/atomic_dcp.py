@@ -10,6 +10,7 @@ between those two renames leaves the old checkpoint whole under that name, and l
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from collections.abc import Callable
@@ -20,8 +21,20 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_sink import _lightning_compat as compat
+from lightning_sink.layout import LAYOUT_FILE_NAME, Layout, layout_from_state_dict, save_layout
 
-__all__ = ["staging_dir", "previous_dir", "save_dcp_atomically", "check_checkpoint_dir"]
+__all__ = ["staging_dir", "previous_dir", "save_dcp_atomically", "check_checkpoint_dir", "checkpoint_layout"]
+
+# How the non-tensor part of a checkpoint travels, listed in every layout file under its file name.
+META_STATE_NOTE = ("torch.save by rank 0: Lightning's epoch, global_step, loops, callbacks, LR schedulers, precision"
+                   " plugin (loss scale) and the lightning_sink window and data position")
+
+
+def checkpoint_layout(state: dict[str, Any], world_size: int) -> Layout:
+    """The layout file of a checkpoint whose DCP part is ``state`` (also what ``infer_layout`` predicts)."""
+    layout = layout_from_state_dict(state, world_size=world_size)
+    non_tensor_state = {**layout.non_tensor_state, compat.DCP_METADATA_FILE_NAME: META_STATE_NOTE}
+    return dataclasses.replace(layout, non_tensor_state=non_tensor_state)
 
 
 def staging_dir(target: Path) -> Path:
@@ -70,14 +83,12 @@ def save_dcp_atomically(
 
     The layout is computed from the very state dict handed to DCP, so its keys are DCP's own flattened names.
     """
-    from lightning_sink.layout import LAYOUT_FILE_NAME, layout_from_state_dict, save_layout  # TEMP until merge
-
     staging = staging_dir(target)
     if global_rank == 0:
         _remove(staging)  # the leftovers of a save that crashed
         staging.mkdir(parents=True)
     barrier()
-    layout = layout_from_state_dict(state, world_size=world_size) if global_rank == 0 else None
+    layout = checkpoint_layout(state, world_size) if global_rank == 0 else None
     dcp.save(state, checkpoint_id=staging)
     if global_rank == 0:
         torch.save(metadata, staging / compat.DCP_METADATA_FILE_NAME)

@@ -116,3 +116,66 @@ def test_sinks_equal_the_continuous_global_batch_reference(runs):
     assert result["global_step"] == len(windows) == 3
     assert result["lrs"] == pytest.approx(lrs, rel=1e-12)
     assert relative_error(flat(result["params"]), expected) <= 1e-5
+
+
+def load_with_dcp(path: Path, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """DCP's own loader, in this single process (no process group), into tensors of the global shapes."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"state_dict": {name: torch.empty_like(value) for name, value in params.items()}}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    return state["state_dict"]
+
+
+@pytest.mark.slow
+def test_resume_from_the_dcp_checkpoint_is_bit_identical(runs):
+    result = torch.load(runs / "train.pt")
+    assert result["resumed_global_step"] == result["global_step"]
+    for name, value in result["params"].items():
+        assert torch.equal(result["resumed"][name], value), name
+    # The checkpoint (after window 1) is a DCP folder with Lightning's meta.pt and the layout file beside it.
+    ckpt = runs / "ckpt"
+    saved = load_with_dcp(ckpt, result["at_checkpoint"])
+    for name, value in result["at_checkpoint"].items():
+        assert torch.equal(saved[name], value), name
+    assert torch.load(ckpt / "meta.pt", weights_only=False)["global_step"] == 1
+    assert not any(path.name.startswith(".ckpt.") for path in runs.iterdir())  # staging committed, nothing left
+
+
+@pytest.mark.slow
+def test_layout_file_describes_the_dcp_checkpoint(runs):
+    from lightning_sink.layout import load_layout, read_dcp_metadata
+
+    layout = load_layout(runs / "ckpt" / "layout.json")  # validates: chunks tile every tensor, ranks in range
+    assert (layout.world_size, layout.mesh.shape, layout.mesh.dim_names) == (4, (2, 2), ("data_parallel",
+                                                                                       "tensor_parallel"))
+    assert layout.mesh.ranks == ((0, 1), (2, 3))
+    metadata = read_dcp_metadata(runs / "ckpt")
+    tensor_keys = {key for key, value in metadata.state_dict_metadata.items() if hasattr(value, "chunks")}
+    assert set(layout.tensors) == tensor_keys  # DCP's own flattened names, parameters and optimizer state
+    for key, tensor in layout.tensors.items():
+        assert tensor.global_shape == tuple(metadata.state_dict_metadata[key].size), key
+    # net.0.weight (16 x 8): column-wise TP splits its rows in two, FSDP splits each half again over dp; the
+    # strided placement FSDP2 + TP produce puts tp rank 1's rows 8..15 after tp rank 0's 0..7.
+    weight = layout.tensors["state_dict.net.0.weight"]
+    assert weight.placements == ("_StridedShard(0,sf=2)", "Shard(0)")
+    assert {chunk.rank: chunk.offsets for chunk in weight.chunks} == {0: (0, 0), 1: (8, 0), 2: (4, 0),
+                                                                      3: (12, 0)}
+    assert layout.tensors["state_dict.net.2.weight"].placements == ("Shard(0)", "Shard(1)")
+    assert layout.tensors["optimizer_0.state.net.0.weight.exp_avg"].role == "optimizer_state"
+
+
+@pytest.mark.slow
+def test_a_crash_while_saving_leaves_the_previous_checkpoint_intact(tmp_path):
+    # Every rank is killed (os._exit) after writing its shard files of the second save, before DCP's .metadata.
+    launch(tmp_path, "crash", expect_returncode=17)
+    first = torch.load(tmp_path / "crash.pt")
+    ckpt = tmp_path / "ckpt"
+    saved = load_with_dcp(ckpt, first["params"])
+    for name, value in first["params"].items():
+        assert torch.equal(saved[name], value), name  # the first checkpoint, byte for byte
+    assert torch.load(ckpt / "meta.pt", weights_only=False)["global_step"] == first["global_step"] == 1
+    assert (ckpt / "layout.json").is_file()
+    staging = tmp_path / ".ckpt.staging"  # the half-written save, under a name that says so
+    assert sorted(path.name for path in staging.iterdir()) == [f"__{rank}_0.distcp" for rank in range(4)]
+    assert not (tmp_path / ".ckpt.previous").exists()
