@@ -47,3 +47,14 @@ def test_overrides_are_live_during_fit_and_removed_after():
     loop = trainer.fit_loop.epoch_loop
     assert not any(name in loop.__dict__ for name in compat._SHADOWED)
     assert trainer.fit_loop._skip_backward is False
+
+
+def test_model_parallel_private_names_still_mean_the_same():
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    assert compat.DCP_METADATA_FILE_NAME == "meta.pt"
+    assert "_METADATA_FILENAME" in inspect.getsource(ModelParallelStrategy.save_checkpoint)
+    assert "lightning_module._device_mesh" in inspect.getsource(ModelParallelStrategy.setup_environment)
+    module = TinyClassifier()
+    compat.set_module_device_mesh(module, "mesh")
+    assert module.device_mesh == "mesh"

@@ -3,6 +3,7 @@ plain PyTorch loop over the global batch, on the unsharded model."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import clean_subprocess_env
-from tests.helpers import ddp_reference_windows, make_dataset, make_optimizer, relative_error
+from tests.helpers import ddp_reference_windows, make_dataset, make_optimizer, quiet_trainer, relative_error
 from tests.strategies import model_parallel_worker as worker
 from tests.strategies.mp_models import TPClassifier, flat
 
@@ -179,3 +180,33 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_intact(tmp_path):
     staging = tmp_path / ".ckpt.staging"  # the half-written save, under a name that says so
     assert sorted(path.name for path in staging.iterdir()) == [f"__{rank}_0.distcp" for rank in range(4)]
     assert not (tmp_path / ".ckpt.previous").exists()
+
+
+@pytest.mark.slow
+def test_inferred_layout_equals_the_layout_a_real_run_writes(runs, tmp_path):
+    from lightning_sink.layout import load_layout
+    from lightning_sink.layout_inference import infer_layout, main
+
+    written = load_layout(runs / "ckpt" / "layout.json")
+    init_args = {"optimizer": "adamw", "lr": 0.01, "step_lr_gamma": 0.95}
+    assert infer_layout(TPClassifier, worker.DP, worker.TP, init_args=init_args) == written
+    # The CLI subcommand's entry point, with the class path, writes the same file.
+    assert main(["--model", "tests.strategies.mp_models.TPClassifier", "--init-args", json.dumps(init_args),
+                 "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--output", str(tmp_path / "p.json")]) == 0
+    assert load_layout(tmp_path / "p.json") == written
+
+
+def test_registered_name_and_argument_errors():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_sink import SinkModelParallelStrategy
+
+    trainer = quiet_trainer(strategy="sink_model_parallel", devices=4)
+    assert type(trainer.strategy) is SinkModelParallelStrategy
+    assert "sink_model_parallel" in StrategyRegistry
+    with pytest.raises(ValueError, match="data_parallel_size=0"):
+        SinkModelParallelStrategy(data_parallel_size=0)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2.5"):
+        SinkModelParallelStrategy(tensor_parallel_size=2.5)
+    with pytest.raises(ValueError, match="accumulation_steps=0"):
+        SinkModelParallelStrategy(accumulation_steps=0)
