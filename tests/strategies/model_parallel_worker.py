@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_sink import DynamicLossScale, LossScalePrecision, SinkModelParallelStrategy
 from tests.helpers import loader, make_dataset, quiet_trainer
@@ -69,8 +69,9 @@ class SaveAfterBatch(Callback):
 def fit(model, callbacks=(), plugins=(), ckpt_path=None, **strategy_kwargs):
     strategy = SinkModelParallelStrategy(data_parallel_size=DP, tensor_parallel_size=TP, accumulation_steps=STEPS,
                                          process_group_backend="gloo", **strategy_kwargs)
+    checkpointing = any(isinstance(callback, ModelCheckpoint) for callback in callbacks)
     trainer = quiet_trainer(strategy=strategy, devices=DP * TP, max_epochs=EPOCHS, callbacks=list(callbacks),
-                            plugins=list(plugins))
+                            plugins=list(plugins), enable_checkpointing=checkpointing)
     trainer.fit(model, loader(make_dataset(num_samples=SAMPLES), MICRO_BATCH), ckpt_path=ckpt_path)
     return trainer
 
@@ -83,8 +84,9 @@ def save(out_dir: Path, name: str, payload: dict) -> None:
 def train_scenario(out_dir: Path) -> None:
     """Exactness and reduction counts; a checkpoint after the first window; a resume from it to the same end."""
     counter, saver = CollectiveCounter(), SaveAfterBatch(out_dir / "ckpt", at_batch=STEPS - 1)
+    every_two_updates = ModelCheckpoint(dirpath=out_dir / "model_checkpoint", every_n_train_steps=2, save_top_k=-1)
     model = TPClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.95)
-    trainer = fit(model, callbacks=[counter, saver])
+    trainer = fit(model, callbacks=[counter, saver, every_two_updates])
     final = full_parameters(model)
     resumed_model = TPClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.95, seed=7)
     resumed = fit(resumed_model, ckpt_path=out_dir / "ckpt")

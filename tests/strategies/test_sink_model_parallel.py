@@ -167,6 +167,18 @@ def test_layout_file_describes_the_dcp_checkpoint(runs):
 
 
 @pytest.mark.slow
+def test_model_checkpoint_writes_complete_dcp_folders_after_updates(runs):
+    from lightning_sink.layout import load_layout
+
+    folder = runs / "model_checkpoint"
+    names = sorted(path.name for path in folder.iterdir())
+    assert names == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]  # every 2 updates, at window boundaries
+    for name in names:
+        assert {".metadata", "meta.pt", "layout.json"} <= {path.name for path in (folder / name).iterdir()}
+        assert load_layout(folder / name) == load_layout(runs / "ckpt")  # same mesh and sharding every time
+
+
+@pytest.mark.slow
 def test_a_crash_while_saving_leaves_the_previous_checkpoint_intact(tmp_path):
     # Every rank is killed (os._exit) after writing its shard files of the second save, before DCP's .metadata.
     launch(tmp_path, "crash", expect_returncode=17)
