@@ -222,3 +222,40 @@ def test_registered_name_and_argument_errors():
         SinkModelParallelStrategy(tensor_parallel_size=2.5)
     with pytest.raises(ValueError, match="accumulation_steps=0"):
         SinkModelParallelStrategy(accumulation_steps=0)
+
+
+def fit_in_process(model, tmp_path: Path, callbacks=(), **strategy_kwargs):
+    """One process (a 1 x 1 mesh, gloo): the same code paths without a launch, for the cases that need no peers."""
+    from lightning_sink import SinkModelParallelStrategy
+
+    strategy = SinkModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1, process_group_backend="gloo",
+                                         **strategy_kwargs)
+    trainer = quiet_trainer(strategy=strategy, devices=1, max_epochs=2, callbacks=list(callbacks),
+                            limit_train_batches=5, default_root_dir=tmp_path)
+    trainer.fit(model, worker.loader(make_dataset(num_samples=worker.SAMPLES), worker.MICRO_BATCH))
+    return trainer
+
+
+def test_save_inside_a_window_is_refused_and_writes_nothing(tmp_path):
+    saver = worker.SaveAfterBatch(tmp_path / "ckpt", at_batch=1)  # micro-step 2 of a 3-step window
+    with pytest.raises(RuntimeError, match="window boundaries only.*micro-step 2"):
+        fit_in_process(TPClassifier(optimizer="adamw", lr=0.01), tmp_path, callbacks=[saver], accumulation_steps=3)
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / ".ckpt.staging").exists()
+
+
+def test_drop_discards_the_partial_window_of_each_epoch(tmp_path):
+    from torch.utils.data import DistributedSampler
+
+    # limit_train_batches=5 with windows of 3: micro-batches 3 and 4 of each epoch form a partial window, dropped.
+    model = TPClassifier(optimizer="adamw", lr=0.01)
+    trainer = fit_in_process(model, tmp_path, accumulation_steps=3, partial_window="drop")
+    windows = []
+    for epoch in range(2):
+        sampler = DistributedSampler(range(worker.SAMPLES), num_replicas=1, rank=0, shuffle=True, seed=0)
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        windows.append(order[: 3 * worker.MICRO_BATCH])
+    expected, _ = reference_params(windows, step_lr_gamma=None)
+    assert trainer.global_step == 2
+    params = torch.cat([p.detach().full_tensor().reshape(-1).double() for p in model.parameters()])
+    assert relative_error(params, expected) <= 1e-5
