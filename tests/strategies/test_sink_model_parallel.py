@@ -259,3 +259,28 @@ def test_drop_discards_the_partial_window_of_each_epoch(tmp_path):
     assert trainer.global_step == 2
     params = torch.cat([p.detach().full_tensor().reshape(-1).double() for p in model.parameters()])
     assert relative_error(params, expected) <= 1e-5
+
+
+class CliTPClassifier(TPClassifier):
+    def train_dataloader(self):
+        return worker.loader(make_dataset(num_samples=32), 4)
+
+
+def test_lightning_cli_class_path_config(tmp_path):
+    import yaml
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_sink import SinkModelParallelStrategy
+
+    config = {"trainer": {
+        "strategy": {"class_path": "lightning_sink.SinkModelParallelStrategy",
+                     "init_args": {"data_parallel_size": 1, "tensor_parallel_size": 1, "accumulation_steps": 4,
+                                   "process_group_backend": "gloo"}},
+        "accelerator": "cpu", "devices": 1, "max_epochs": 1, "logger": False, "enable_checkpointing": False,
+        "enable_progress_bar": False}}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cli = LightningCLI(CliTPClassifier, args=["fit", "--config", str(path)], save_config_callback=None)
+    assert isinstance(cli.trainer.strategy, SinkModelParallelStrategy)
+    assert cli.trainer.strategy.accumulation_steps == 4
+    assert cli.trainer.global_step == 8 // 4
