@@ -284,3 +284,25 @@ def test_lightning_cli_class_path_config(tmp_path):
     assert isinstance(cli.trainer.strategy, SinkModelParallelStrategy)
     assert cli.trainer.strategy.accumulation_steps == 4
     assert cli.trainer.global_step == 8 // 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (nccl)")
+def test_cuda_nccl_single_device_equals_the_reference(tmp_path):
+    from torch.utils.data import DistributedSampler
+
+    from lightning_sink import SinkModelParallelStrategy
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = TPClassifier(optimizer="adamw", lr=0.01)
+    strategy = SinkModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1, accumulation_steps=3,
+                                         process_group_backend="nccl")
+    trainer = quiet_trainer(strategy=strategy, accelerator="cuda", devices=1, max_epochs=1, default_root_dir=tmp_path)
+    trainer.fit(model, worker.loader(make_dataset(num_samples=worker.SAMPLES), worker.MICRO_BATCH))
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    order = list(DistributedSampler(range(worker.SAMPLES), num_replicas=1, rank=0, shuffle=True, seed=0))
+    windows = [order[i : i + 3 * worker.MICRO_BATCH] for i in range(0, worker.SAMPLES, 3 * worker.MICRO_BATCH)]
+    expected, _ = reference_params(windows, step_lr_gamma=None)
+    params = torch.cat([p.detach().full_tensor().reshape(-1).double().cpu() for p in model.parameters()])
+    assert trainer.global_step == len(windows) == 4
+    assert relative_error(params, expected) <= 1e-5
+    assert (tmp_path / "ckpt" / "layout.json").is_file()
