@@ -31,6 +31,47 @@ def _unique_trainable(params: list[nn.Parameter]) -> list[nn.Parameter]:
     return unique
 
 
+def _local_copy(grad: Tensor | None) -> Tensor | None:
+    if grad is None:
+        return None
+    local = grad.to_local() if isinstance(grad, DTensor) else grad
+    return local.detach().to("cpu", copy=True)
+
+
+def _like(param: Tensor, local: Tensor | None) -> Tensor | None:
+    """``local`` as a gradient of ``param``: a DTensor with the same mesh and placements when ``param`` is one."""
+    if local is None:
+        return None
+    local = local.to(param.device)
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
+    return local
+
+
+# FSDP2 keeps a window's partial sums where no public API reaches them. The three functions below are the only
+# places that touch its internals; tests/strategies/test_fsdp_window.py fails loudly when torch moves them.
+def _fsdp_params(modules: list[FSDPModule]) -> list[Any]:
+    return [fsdp_param for module in modules for group in module._get_fsdp_state()._fsdp_param_groups
+            for fsdp_param in group.fsdp_params]
+
+
+def _partial_sum(fsdp_param: Any) -> Tensor | None:
+    """The unreduced gradient sum: in ``reduce_dtype`` when that differs from the parameter's dtype."""
+    if fsdp_param.unsharded_accumulated_grad is not None:
+        return fsdp_param.unsharded_accumulated_grad
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    return None if unsharded is None else unsharded.grad
+
+
+def _restore_partial_sum(fsdp_param: Any, local: Tensor | None) -> None:
+    unsharded = fsdp_param._unsharded_param
+    grad = _like(unsharded, local)
+    if grad is not None and grad.dtype != unsharded.dtype:
+        fsdp_param.unsharded_accumulated_grad, unsharded.grad = grad, None
+    else:
+        fsdp_param.unsharded_accumulated_grad, unsharded.grad = None, grad
+
+
 class FSDPWindow:
     """Window position and gradient-sync switch for the FSDP2 modules of one model.
 
@@ -53,6 +94,7 @@ class FSDPWindow:
             )
         self.micro_steps = 0
         self._sync: bool | None = None
+        self._pending: list[Tensor | None] | None = None
 
     def set_gradient_sync(self, enabled: bool) -> None:
         """Off on accumulate steps (FSDP2 sums unsharded gradients locally), on for the window's last backward."""
@@ -82,24 +124,42 @@ class FSDPWindow:
             param.grad = None
         self.micro_steps = 0
 
+    # ------------------------------------------------------------------ checkpoint state inside a window
     def state_dict(self) -> dict[str, Any]:
-        if self.micro_steps:
-            raise RuntimeError(
-                f"SinkModelParallelStrategy saves checkpoints at window boundaries only, but this save comes after"
-                f" micro-step {self.micro_steps} of a window: the window's partial sums are FSDP2's unsharded"
-                " gradients, which a distributed checkpoint does not hold. Save after an update (e.g."
-                " ModelCheckpoint(every_n_train_steps=...)), or with partial_window='scale', whose epochs end on an"
-                " update. Nothing was written."
-            )
-        return {"micro_steps": 0, "buffer": None}
+        """The window position and, inside a window, this rank's partial sums (its local, unreduced gradients)."""
+        if not self.micro_steps:
+            return {"micro_steps": 0, "buffer": None}
+        return {"micro_steps": self.micro_steps, "buffer": [_local_copy(grad) for grad in self._partial_sums()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("micro_steps") or state.get("buffer") is not None:
+        self.micro_steps = int(state["micro_steps"])
+        self._pending = state.get("buffer")  # put back before the next backward (FSDP2 needs its params unsharded)
+        if self._pending is not None and len(self._pending) != len(self._partial_sums()):
             raise ValueError(
-                f"The checkpoint was saved inside an accumulation window (micro-step {state.get('micro_steps')});"
-                " SinkModelParallelStrategy resumes from window boundaries only."
+                f"The checkpoint's accumulation window holds {len(self._pending)} partial gradients but this model"
+                f" has {len(self._partial_sums())}: was it saved from a different model or sharding?"
             )
-        self.micro_steps = 0
+
+    def restore_pending(self) -> None:
+        """Give FSDP2 (or autograd) back the partial sums of a window that a checkpoint interrupted."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if not self.fsdp_modules:
+            for param, local in zip(self.params, pending):
+                param.grad = _like(param, local)
+            return
+        for module in self.fsdp_modules:
+            module.unshard()  # creates FSDP2's unsharded parameters, which own the window's gradient sums
+        for fsdp_param, local in zip(_fsdp_params(self.fsdp_modules), pending):
+            _restore_partial_sum(fsdp_param, local)
+        for module in self.fsdp_modules:
+            module.reshard()
+
+    def _partial_sums(self) -> list[Tensor | None]:
+        if not self.fsdp_modules:
+            return [param.grad for param in self.params]
+        return [_partial_sum(fsdp_param) for fsdp_param in _fsdp_params(self.fsdp_modules)]
 
     @torch.no_grad()
     def divide_(self, divisor: float) -> None:

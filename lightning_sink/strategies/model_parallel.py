@@ -39,7 +39,8 @@ class SinkModelParallelStrategy(StepProgramsMixin, ModelParallelStrategy):
     reduce-scattered; the update step's backward runs with sync on, so each FSDP parameter group is reduce-scattered
     once per window. With a ``LossScalePrecision`` the window's overflow flag is all-reduced once (each rank checks
     only its shard). Every checkpoint is a DCP folder with Lightning's ``meta.pt`` and a ``layout.json``, committed
-    atomically; checkpoints are taken at window boundaries.
+    atomically; a save inside a window also keeps every rank's partial sums (in ``meta.pt``), so a resume on the
+    same mesh continues the window exactly.
 
     Args:
         data_parallel_size, tensor_parallel_size: the device mesh, ``(data_parallel, tensor_parallel)``; see
@@ -108,6 +109,7 @@ class SinkModelParallelStrategy(StepProgramsMixin, ModelParallelStrategy):
 
     @override
     def accumulate_step(self, batch: Any, batch_idx: int) -> STEP_OUTPUT:
+        self._accumulator.restore_pending()  # after a resume inside a window: its partial sums, once
         self._accumulator.set_gradient_sync(self._window_ends_here())
         return super().accumulate_step(batch, batch_idx)
 
@@ -156,6 +158,12 @@ class SinkModelParallelStrategy(StepProgramsMixin, ModelParallelStrategy):
         return found_inf
 
     # ------------------------------------------------------------------ checkpoints
+    def _gather_buffers(self, buffer: list[torch.Tensor | None]) -> list[list[torch.Tensor | None]]:
+        """Every rank's partial sums of the open window (shapes differ between ranks), for rank 0's ``meta.pt``."""
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, buffer)
+        return gathered
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
@@ -163,7 +171,7 @@ class SinkModelParallelStrategy(StepProgramsMixin, ModelParallelStrategy):
                 f"SinkModelParallelStrategy.save_checkpoint(storage_options={storage_options!r}) is not supported:"
                 " checkpoints are DCP folders written by torch.distributed.checkpoint, not through a CheckpointIO."
             )
-        checkpoint[CHECKPOINT_KEY] = self.sink_state_dict()  # raises (before writing) inside a window
+        checkpoint[CHECKPOINT_KEY] = self.sink_state_dict()
         path = Path(self.broadcast(str(filepath)))  # every rank writes into rank 0's path
         state = {"state_dict": checkpoint.pop("state_dict")}
         state.update({f"optimizer_{index}": optimizer_state

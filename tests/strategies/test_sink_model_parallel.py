@@ -224,7 +224,7 @@ def test_registered_name_and_argument_errors():
         SinkModelParallelStrategy(accumulation_steps=0)
 
 
-def fit_in_process(model, tmp_path: Path, callbacks=(), **strategy_kwargs):
+def fit_in_process(model, tmp_path: Path, callbacks=(), ckpt_path=None, **strategy_kwargs):
     """One process (a 1 x 1 mesh, gloo): the same code paths without a launch, for the cases that need no peers."""
     from lightning_sink import SinkModelParallelStrategy
 
@@ -232,15 +232,21 @@ def fit_in_process(model, tmp_path: Path, callbacks=(), **strategy_kwargs):
                                          **strategy_kwargs)
     trainer = quiet_trainer(strategy=strategy, devices=1, max_epochs=2, callbacks=list(callbacks),
                             limit_train_batches=5, default_root_dir=tmp_path)
-    trainer.fit(model, worker.loader(make_dataset(num_samples=worker.SAMPLES), worker.MICRO_BATCH))
+    trainer.fit(model, worker.loader(make_dataset(num_samples=worker.SAMPLES), worker.MICRO_BATCH),
+                ckpt_path=ckpt_path)
     return trainer
 
 
-def test_save_inside_a_window_is_refused_and_writes_nothing(tmp_path):
-    saver = worker.SaveAfterBatch(tmp_path / "ckpt", at_batch=1)  # micro-step 2 of a 3-step window
-    with pytest.raises(RuntimeError, match="window boundaries only.*micro-step 2"):
-        fit_in_process(TPClassifier(optimizer="adamw", lr=0.01), tmp_path, callbacks=[saver], accumulation_steps=3)
-    assert not (tmp_path / "ckpt").exists() and not (tmp_path / ".ckpt.staging").exists()
+def test_resume_inside_a_window_is_bit_identical_on_one_rank(tmp_path):
+    saver = worker.SaveAfterBatch(tmp_path / "ckpt", at_batch=6)  # micro-step 2 of epoch 1's first window
+    uninterrupted = TPClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.9)
+    first = fit_in_process(uninterrupted, tmp_path, callbacks=[saver], accumulation_steps=3)
+    assert torch.load(tmp_path / "ckpt" / "meta.pt", weights_only=False)["lightning_sink"]["window"]["micro_steps"] == 2
+    resumed = TPClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.9, seed=3)
+    second = fit_in_process(resumed, tmp_path, accumulation_steps=3, ckpt_path=tmp_path / "ckpt")
+    assert second.global_step == first.global_step == 4
+    for (name, expected), actual in zip(uninterrupted.named_parameters(), resumed.parameters()):
+        assert torch.equal(actual.full_tensor(), expected.full_tensor()), name
 
 
 def test_drop_discards_the_partial_window_of_each_epoch(tmp_path):
