@@ -84,14 +84,19 @@ def save(out_dir: Path, name: str, payload: dict) -> None:
 def train_scenario(out_dir: Path) -> None:
     """Exactness and reduction counts; a checkpoint after the first window; a resume from it to the same end."""
     counter, saver = CollectiveCounter(), SaveAfterBatch(out_dir / "ckpt", at_batch=STEPS - 1)
+    inside_window = SaveAfterBatch(out_dir / "mid", at_batch=STEPS + 1)  # micro-step 2 of window 2
     every_two_updates = ModelCheckpoint(dirpath=out_dir / "model_checkpoint", every_n_train_steps=2, save_top_k=-1)
     model = TPClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.95)
-    trainer = fit(model, callbacks=[counter, saver, every_two_updates])
+    trainer = fit(model, callbacks=[counter, saver, inside_window, every_two_updates])
     final = full_parameters(model)
     resumed_model = TPClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.95, seed=7)
     resumed = fit(resumed_model, ckpt_path=out_dir / "ckpt")
+    resumed_inside_model = TPClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.95, seed=8)
+    resumed_inside = fit(resumed_inside_model, ckpt_path=out_dir / "mid")
     save(out_dir, "train", {
         "params": final, "at_checkpoint": saver.params, "resumed": full_parameters(resumed_model),
+        "resumed_inside_window": full_parameters(resumed_inside_model),
+        "resumed_inside_window_global_step": resumed_inside.global_step,
         "global_step": trainer.global_step, "resumed_global_step": resumed.global_step,
         "per_batch": counter.per_batch, "lrs": model.seen_lrs,
         "local_shapes": {name: tuple(p.to_local().shape) for name, p in model.named_parameters()},

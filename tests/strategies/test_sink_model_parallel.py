@@ -144,6 +144,20 @@ def test_resume_from_the_dcp_checkpoint_is_bit_identical(runs):
 
 
 @pytest.mark.slow
+def test_resume_inside_a_window_is_bit_identical(runs):
+    result = torch.load(runs / "train.pt")
+    assert result["resumed_inside_window_global_step"] == result["global_step"]
+    for name, value in result["params"].items():
+        assert torch.equal(result["resumed_inside_window"][name], value), name
+    window = torch.load(runs / "mid" / "meta.pt", weights_only=False)["lightning_sink"]["window"]
+    assert window["micro_steps"] == 2
+    # Every rank's own partial sums (one per parameter, this rank's tensor-parallel part, unreduced over dp).
+    assert len(window["buffers"]) == 4
+    assert [tuple(t.shape) for t in window["buffers"][0]] == [(8, 8), (8,), (4, 8), (4,)]
+    assert not torch.equal(window["buffers"][0][0], window["buffers"][2][0])  # dp ranks saw different data
+
+
+@pytest.mark.slow
 def test_layout_file_describes_the_dcp_checkpoint(runs):
     from lightning_sink.layout import load_layout, read_dcp_metadata
 
