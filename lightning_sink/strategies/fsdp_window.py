@@ -6,7 +6,8 @@ and nothing is reduce-scattered. With ``MixedPrecisionPolicy(param_dtype=bf16, r
 sum in fp32 (``reduce_dtype``), so low-precision micro-steps lose nothing to rounding - the same guarantee as
 ``GradientAccumulator``'s flat fp32 buffer, which cannot alias DTensor shards. The update step's backward runs with
 sync on: one reduce-scatter per FSDP parameter group carries the whole window's sum, averaged over the
-data-parallel ranks, into the sharded ``param.grad``.
+data-parallel ranks, into the sharded ``param.grad``. A checkpoint inside a window keeps each rank's partial sums,
+and a resume puts them back into FSDP2 before the next backward.
 """
 
 from __future__ import annotations
@@ -48,6 +49,16 @@ def _like(param: Tensor, local: Tensor | None) -> Tensor | None:
     return local
 
 
+def _check_shape(param: Tensor, local: Tensor | None) -> None:
+    expected = tuple((param.to_local() if isinstance(param, DTensor) else param).shape)
+    if local is not None and tuple(local.shape) != expected:
+        raise ValueError(
+            f"The checkpoint's accumulation window holds a partial gradient of shape {tuple(local.shape)} where this"
+            f" rank's parameter part has shape {expected}: a checkpoint saved inside a window resumes on the same"
+            " mesh only (resume from a window-boundary checkpoint to change the mesh)."
+        )
+
+
 # FSDP2 keeps a window's partial sums where no public API reaches them. The three functions below are the only
 # places that touch its internals; tests/strategies/test_fsdp_window.py fails loudly when torch moves them.
 def _fsdp_params(modules: list[FSDPModule]) -> list[Any]:
@@ -65,6 +76,7 @@ def _partial_sum(fsdp_param: Any) -> Tensor | None:
 
 def _restore_partial_sum(fsdp_param: Any, local: Tensor | None) -> None:
     unsharded = fsdp_param._unsharded_param
+    _check_shape(unsharded, local)
     grad = _like(unsharded, local)
     if grad is not None and grad.dtype != unsharded.dtype:
         fsdp_param.unsharded_accumulated_grad, unsharded.grad = grad, None
@@ -147,6 +159,7 @@ class FSDPWindow:
             return
         if not self.fsdp_modules:
             for param, local in zip(self.params, pending):
+                _check_shape(param, local)
                 param.grad = _like(param, local)
             return
         for module in self.fsdp_modules:

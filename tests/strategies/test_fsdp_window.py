@@ -77,3 +77,12 @@ def test_without_fully_shard_data_parallel_is_refused():
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="data_parallel_size=2 but configure_model applied no `fully_shard`"):
         FSDPWindow(model, list(model.parameters()), data_parallel_size=2)
+
+
+def test_partial_sums_from_another_mesh_are_refused_by_shape():
+    mesh = one_rank_mesh()
+    model = fully_shard(nn.Linear(8, 4), mesh=mesh)
+    window = FSDPWindow(model, list(model.parameters()), data_parallel_size=1)
+    window.load_state_dict({"micro_steps": 1, "buffer": [torch.zeros(2, 8), torch.zeros(4)]})
+    with pytest.raises(ValueError, match=r"shape \(2, 8\) where this rank's parameter part has shape \(4, 8\)"):
+        window.restore_pending()
