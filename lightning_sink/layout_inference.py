@@ -26,7 +26,7 @@ from lightning_sink import _lightning_compat as compat
 from lightning_sink.layout import Layout, save_layout
 from lightning_sink.strategies.atomic_dcp import checkpoint_layout
 
-__all__ = ["infer_layout", "main"]
+__all__ = ["infer_layout", "configure_parser", "run", "main"]
 
 MESH_DIM_NAMES = ("data_parallel", "tensor_parallel")  # Lightning's ModelParallelStrategy names them so
 
@@ -139,30 +139,43 @@ def infer_layout(
         dist.destroy_process_group()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``lightning-sink layout``: write the predicted layout file for a target mesh."""
-    parser = argparse.ArgumentParser(
-        prog="lightning-sink layout",
-        description="Predict the layout (strategy) file of a SinkModelParallelStrategy run without launching it.",
-    )
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``lightning-sink layout``."""
     parser.add_argument("--model", required=True, help="LightningModule class path, e.g. my_pkg.models.MyModel")
     parser.add_argument("--init-args", default="{}", help="JSON object of keyword arguments for the model")
     parser.add_argument("--data-parallel-size", type=int, required=True)
     parser.add_argument("--tensor-parallel-size", type=int, required=True)
     parser.add_argument("--no-optimizer", action="store_true", help="parameters only, no optimizer state")
     parser.add_argument("--output", required=True, help="the layout file to write (atomically)")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Predict and write the layout file; bad input raises ``ValueError``/``TypeError`` before anything is written."""
     try:
         init_args = json.loads(args.init_args)
     except json.JSONDecodeError as error:
-        parser.error(f"--init-args {args.init_args!r} is not JSON: {error}")
+        raise ValueError(f"--init-args {args.init_args!r} is not JSON: {error}") from error
     if not isinstance(init_args, dict):
-        parser.error(f"--init-args {args.init_args!r} must be a JSON object of keyword arguments")
+        raise ValueError(f"--init-args {args.init_args!r} must be a JSON object of keyword arguments")
     layout = infer_layout(args.model, args.data_parallel_size, args.tensor_parallel_size, init_args=init_args,
                           with_optimizer=not args.no_optimizer)
     save_layout(layout, args.output)
     print(f"wrote {args.output}: {len(layout.tensors)} tensors on a {'x'.join(map(str, layout.mesh.shape))} mesh")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``lightning-sink layout``: write the predicted layout file for a target mesh."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-sink layout",
+        description="Predict the layout (strategy) file of a SinkModelParallelStrategy run without launching it.",
+    )
+    configure_parser(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, TypeError) as error:
+        parser.error(str(error))  # exits with status 2
 
 
 if __name__ == "__main__":

@@ -58,3 +58,12 @@ def test_refused_inside_a_distributed_run():
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     with pytest.raises(RuntimeError, match="outside a distributed run"):
         infer_layout(TPClassifier, 1, 1)
+
+
+def test_cli_reports_a_bad_mesh_size_without_writing(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "tests.strategies.mp_models.TPClassifier", "--data-parallel-size", "0",
+              "--tensor-parallel-size", "1", "--output", str(tmp_path / "x.json")])
+    assert exit_info.value.code == 2
+    assert "data_parallel_size=0" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
