@@ -43,13 +43,24 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
     return nested
 
 
+def _parse_placement(text: str):
+    """Placement strings to torch placements, without importing lightning_sink (and Lightning) in every worker."""
+    import re
+
+    from torch.distributed.tensor.placement_types import Replicate, Shard, _StridedShard
+
+    if text == "Replicate()":
+        return Replicate()
+    if match := re.match(r"^_StridedShard\((\d+),sf=(\d+)\)$", text):
+        return _StridedShard(int(match.group(1)), split_factor=int(match.group(2)))
+    return Shard(int(re.match(r"^Shard\((\d+)\)$", text).group(1)))
+
+
 def _worker(rank: int, world_size: int, init_file: str, mesh_shape, dim_names, spec, seed, out_dir, plain_names):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
-
-    from lightning_sink.layout import layout_from_state_dict, parse_placement, save_layout
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     try:
@@ -59,7 +70,7 @@ def _worker(rank: int, world_size: int, init_file: str, mesh_shape, dim_names, s
             if name in plain_names:
                 flat[name] = tensor
             else:
-                placements = [parse_placement(p) for p in spec[name][2]]
+                placements = [_parse_placement(p) for p in spec[name][2]]
                 flat[name] = distribute_tensor(tensor, mesh, placements)
         state = _nest(flat)
         state["meta"] = dict(NON_TENSOR_STATE)
@@ -67,7 +78,9 @@ def _worker(rank: int, world_size: int, init_file: str, mesh_shape, dim_names, s
         # Each rank's own shards, as distribute_tensor cut them: the ground truth for the layout's chunks.
         local = {name: (v.to_local() if hasattr(v, "to_local") else v) for name, v in flat.items()}
         torch.save(local, Path(out_dir).parent / f"{Path(out_dir).name}.local_{rank}.pt")
-        if rank == 0:
+        if rank == 0:  # only rank 0 pays for importing lightning_sink
+            from lightning_sink.layout import layout_from_state_dict, save_layout
+
             save_layout(layout_from_state_dict(state), Path(out_dir) / "layout.json")
         dist.barrier()
     finally:
@@ -97,3 +110,47 @@ def save_dcp_checkpoint(
     )
     Path(init_file).unlink(missing_ok=True)
     return out_dir
+
+
+def _dcp_load_worker(rank: int, world_size: int, init_file: str, layout_json: str, checkpoint_dir: str, out_file: str):
+    """Build zero DTensors placed as the target layout says and let DCP reshard the checkpoint into them."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    import json
+
+    layout = json.loads(layout_json)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", tuple(layout["mesh"]["shape"]), mesh_dim_names=tuple(layout["mesh"]["dim_names"]))
+        flat: dict[str, Any] = {}
+        for name, tensor in layout["tensors"].items():
+            placements = [_parse_placement(p) for p in tensor["placements"]]
+            shape = tuple(tensor["global_shape"])
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
+            local = torch.zeros(local_shape, dtype=getattr(torch, tensor["dtype"]))
+            flat[name] = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                                            stride=torch.empty(shape, device="meta").stride())
+        state = _nest(flat)
+        dcp.load(state, checkpoint_id=checkpoint_dir)
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        loaded, _ = flatten_state_dict(state)
+        torch.save({name: value.to_local() for name, value in loaded.items()}, f"{out_file}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def dcp_reshard_load(layout, checkpoint_dir: Path, out_prefix: Path) -> list[dict[str, torch.Tensor]]:
+    """DCP's own load-time resharding onto ``layout`` (real gloo processes): each rank's local shards."""
+    init_file = str(out_prefix.parent / f".init_{out_prefix.name}")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.start_processes(_dcp_load_worker, args=(layout.world_size, init_file, layout.to_json(), str(checkpoint_dir),
+                                               str(out_prefix)), nprocs=layout.world_size, start_method="spawn")
+    Path(init_file).unlink(missing_ok=True)
+    return [torch.load(f"{out_prefix}.{rank}", weights_only=True) for rank in range(layout.world_size)]

@@ -1,5 +1,6 @@
 """Layout (strategy) files: which chunk of which tensor each rank of a distributed checkpoint holds."""
 
+from lightning_sink.layout.build import layout_on_mesh
 from lightning_sink.layout.dcp_metadata import layout_from_dcp_metadata, read_dcp_metadata
 from lightning_sink.layout.from_state_dict import flatten_like_dcp, layout_from_state_dict
 from lightning_sink.layout.geometry import chunks_for_placements, parse_placement, placement_to_str
@@ -30,6 +31,7 @@ __all__ = [
     "flatten_like_dcp",
     "layout_from_dcp_metadata",
     "layout_from_state_dict",
+    "layout_on_mesh",
     "load_layout",
     "merge_pipeline_strategies",
     "parse_placement",
