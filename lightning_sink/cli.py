@@ -2,6 +2,7 @@
 
     lightning-sink reshard --src-checkpoints-dir SRC --dst-checkpoints-dir DST --dst-strategy-file LAYOUT ...
     lightning-sink verify DST
+    lightning-sink layout --model PKG.MODULE.CLASS --data-parallel-size DP --tensor-parallel-size TP --output FILE
 
 To add a subcommand (e.g. ``layout``), write ``configure(parser)`` and ``run(args) -> int`` and add a
 ``Command`` to ``COMMANDS``; bad input is reported as ``error: <message>`` with exit status 2.
@@ -112,10 +113,23 @@ def _run_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _configure_layout(parser: argparse.ArgumentParser) -> None:
+    from lightning_sink.layout_inference import configure_parser
+
+    configure_parser(parser)
+
+
+def _run_layout(args: argparse.Namespace) -> int:
+    from lightning_sink.layout_inference import run
+
+    return run(args)
+
+
 COMMANDS: list[Command] = [
     Command("reshard", "convert a distributed checkpoint to another rank count / layout (offline)", _configure_reshard, _run_reshard),
     Command("verify", "check a resharded checkpoint's integrity (SHA-256) and completeness", _configure_verify, _run_verify),
-    # Command("layout", ...): the layout-inference subcommand of the sharded-training work goes here.
+    Command("layout", "predict the layout file of a SinkModelParallelStrategy run without launching it",
+            _configure_layout, _run_layout),
 ]
 
 

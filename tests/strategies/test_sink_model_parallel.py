@@ -210,14 +210,15 @@ def test_a_crash_while_saving_leaves_the_previous_checkpoint_intact(tmp_path):
 
 @pytest.mark.slow
 def test_inferred_layout_equals_the_layout_a_real_run_writes(runs, tmp_path):
+    from lightning_sink.cli import main
     from lightning_sink.layout import load_layout
-    from lightning_sink.layout_inference import infer_layout, main
+    from lightning_sink.layout_inference import infer_layout
 
     written = load_layout(runs / "ckpt" / "layout.json")
     init_args = {"optimizer": "adamw", "lr": 0.01, "step_lr_gamma": 0.95}
     assert infer_layout(TPClassifier, worker.DP, worker.TP, init_args=init_args) == written
-    # The CLI subcommand's entry point, with the class path, writes the same file.
-    assert main(["--model", "tests.strategies.mp_models.TPClassifier", "--init-args", json.dumps(init_args),
+    # `lightning-sink layout`, with the class path, writes the same file.
+    assert main(["layout", "--model", "tests.strategies.mp_models.TPClassifier", "--init-args", json.dumps(init_args),
                  "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--output", str(tmp_path / "p.json")]) == 0
     assert load_layout(tmp_path / "p.json") == written
 
