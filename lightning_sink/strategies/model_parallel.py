@@ -97,6 +97,7 @@ class SinkModelParallelStrategy(StepProgramsMixin, ModelParallelStrategy):
         super().setup(trainer)
 
     # ------------------------------------------------------------------ the window
+    @override
     def _make_accumulator(self, params: list[torch.nn.Parameter]) -> FSDPWindow:
         assert self.model is not None
         return FSDPWindow(self.model, params, self.device_mesh["data_parallel"].size())
@@ -121,6 +122,7 @@ class SinkModelParallelStrategy(StepProgramsMixin, ModelParallelStrategy):
         finally:
             self._in_update_step = False
 
+    @override
     def _apply_window_update(self) -> None:
         """After the update step's backward FSDP2 has reduce-scattered the window's sum, averaged over the
         data-parallel ranks, into the sharded ``param.grad``: divide by the micro-steps, unscale, clip, step."""
@@ -158,6 +160,7 @@ class SinkModelParallelStrategy(StepProgramsMixin, ModelParallelStrategy):
         return found_inf
 
     # ------------------------------------------------------------------ checkpoints
+    @override
     def _gather_buffers(self, buffer: list[torch.Tensor | None]) -> list[list[torch.Tensor | None]]:
         """Every rank's partial sums of the open window (shapes differ between ranks), for rank 0's ``meta.pt``."""
         gathered: list[Any] = [None] * self.world_size
