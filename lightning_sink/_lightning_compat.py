@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.trainer import call
 
 __all__ = [
@@ -22,7 +23,12 @@ __all__ = [
     "run_before_optimizer_step",
     "call_lightning_module_hook",
     "checkpoint_every_n_train_steps",
+    "DCP_METADATA_FILE_NAME",
+    "set_module_device_mesh",
 ]
+
+# The file in which Lightning's ModelParallelStrategy keeps the non-tensor part (loops, callbacks, ...) of a DCP folder.
+DCP_METADATA_FILE_NAME: str = _METADATA_FILENAME
 
 # Names of the instance attributes we shadow on the epoch loop; deleting them restores Lightning's methods.
 _SHADOWED = ("_should_accumulate", "update_lr_schedulers")
@@ -110,3 +116,8 @@ def call_lightning_module_hook(trainer: pl.Trainer, name: str, *args: Any) -> An
 def checkpoint_every_n_train_steps(callback: Any) -> int:
     """``ModelCheckpoint(every_n_train_steps=n)``'s n (0 when it does not save by steps); Lightning keeps it private."""
     return int(callback._every_n_train_steps or 0)
+
+
+def set_module_device_mesh(module: pl.LightningModule, mesh: Any) -> None:
+    """What ``ModelParallelStrategy.setup_environment`` does, so ``configure_model`` sees ``self.device_mesh``."""
+    module._device_mesh = mesh

@@ -52,3 +52,14 @@ def test_overrides_are_live_during_fit_and_removed_after():
 def test_model_checkpoint_keeps_every_n_train_steps_where_the_compat_layer_reads_it():
     assert compat.checkpoint_every_n_train_steps(ModelCheckpoint(every_n_train_steps=7)) == 7
     assert compat.checkpoint_every_n_train_steps(ModelCheckpoint()) == 0
+
+
+def test_model_parallel_private_names_still_mean_the_same():
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    assert compat.DCP_METADATA_FILE_NAME == "meta.pt"
+    assert "_METADATA_FILENAME" in inspect.getsource(ModelParallelStrategy.save_checkpoint)
+    assert "lightning_module._device_mesh" in inspect.getsource(ModelParallelStrategy.setup_environment)
+    module = TinyClassifier()
+    compat.set_module_device_mesh(module, "mesh")
+    assert module.device_mesh == "mesh"

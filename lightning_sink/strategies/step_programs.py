@@ -185,7 +185,7 @@ class StepProgramsMixin:
         if len(optimizers) != 1:
             raise ValueError(f"{type(self).__name__} supports exactly one optimizer; got {len(optimizers)}.")
         params = [p for group in optimizers[0].param_groups for p in group["params"]]
-        self._accumulator = GradientAccumulator(params)
+        self._accumulator = self._make_accumulator(params)
         self._hooks = HookPlan.for_run(self._trainer)
         check_graph_mode_device(self.graph_mode, self.root_device)  # type: ignore[attr-defined]
         self._step_function = step_function(self.lightning_module.training_step, self.graph_mode)
@@ -206,6 +206,10 @@ class StepProgramsMixin:
         if device.type != "cuda" or not self._hooks.direct_transfer or self.prefetch_depth == 0:
             return None
         return CudaBatchCopier(device)
+
+    def _make_accumulator(self, params: list[torch.nn.Parameter]) -> Any:
+        """The window's gradient store (hook: sharded strategies return their own, see ``model_parallel.py``)."""
+        return GradientAccumulator(params)
 
     def _close_stream(self) -> None:
         if self._stream is not None:

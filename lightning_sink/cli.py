@@ -1,0 +1,152 @@
+"""The ``lightning-sink`` command: one subcommand per concern, each registered in ``COMMANDS``.
+
+    lightning-sink reshard --src-checkpoints-dir SRC --dst-checkpoints-dir DST --dst-strategy-file LAYOUT ...
+    lightning-sink verify DST
+    lightning-sink layout --model PKG.MODULE.CLASS --data-parallel-size DP --tensor-parallel-size TP --output FILE
+
+To add a subcommand (e.g. ``layout``), write ``configure(parser)`` and ``run(args) -> int`` and add a
+``Command`` to ``COMMANDS``; bad input is reported as ``error: <message>`` with exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+__all__ = ["Command", "COMMANDS", "main", "parse_size"]
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def parse_size(text: str) -> int:
+    """``"512MiB"``, ``"4GiB"``, ``"1000000"`` -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, flags=re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r} (examples: 512MiB, 4GiB, 1000000)")
+    units = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+    return int(float(match.group(1)) * units[(match.group(2) or "b").lower()])
+
+
+def _configure_reshard(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--src-checkpoints-dir", required=True,
+                        help="source: a DCP folder, or a folder of rank_<x>/ folders with one checkpoint file each")
+    parser.add_argument("--dst-checkpoints-dir", help="destination folder (whole conversion)")
+    parser.add_argument("--ckpt-prefix", default="checkpoint_", help="target files: rank_<r>/<prefix><r>.pt")
+    parser.add_argument("--src-strategy-file", help="source layout (default: the folder's layout.json, else DCP metadata)")
+    parser.add_argument("--dst-strategy-file", required=True, help="target layout file")
+    parser.add_argument("--workers", type=int, help="parallel worker processes, one target rank each")
+    parser.add_argument("--memory-budget", type=parse_size, help="cap workers so that workers x largest shard fits, e.g. 8GiB")
+    parser.add_argument("--overwrite", action="store_true", help="replace a destination holding a different checkpoint")
+    parser.add_argument("--rank-id", type=int, help="convert only this target rank (transform_checkpoint_by_rank)")
+    parser.add_argument("--save-checkpoint-file-name", help="with --rank-id: the file to write")
+    parser.add_argument("--list-ranks", action="store_true", help="with --rank-id: print the source ranks it needs and exit")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run_reshard(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from lightning_sink.reshard import rank_list_for_transform, transform_checkpoint_by_rank, transform_checkpoints
+
+    if args.rank_id is not None:
+        src_layout = args.src_strategy_file or args.src_checkpoints_dir
+        needed = rank_list_for_transform(args.rank_id, src_layout, args.dst_strategy_file)
+        if args.list_ranks:
+            print(json.dumps(needed))
+            return 0
+        if not args.save_checkpoint_file_name:
+            raise ValueError("--rank-id needs --save-checkpoint-file-name (or --list-ranks)")
+        source = Path(args.src_checkpoints_dir)
+        files = ({rank: source / f"__{rank}_0.distcp" for rank in needed} if (source / ".metadata").is_file()
+                 else {rank: next((source / f"rank_{rank}").glob("*.pt"), source / f"rank_{rank}") for rank in needed})
+        result = transform_checkpoint_by_rank(args.rank_id, files, args.save_checkpoint_file_name,
+                                              args.src_strategy_file, args.dst_strategy_file, overwrite=args.overwrite)
+        print(f"wrote {result.relative_path}: {result.bytes_written} bytes, sha256 {result.sha256}")
+        return 0
+    if not args.dst_checkpoints_dir:
+        raise ValueError("--dst-checkpoints-dir is required (or --rank-id for one target rank)")
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=None, unit="rank", desc="reshard", file=sys.stderr)
+
+    def progress(done: int, total: int) -> None:
+        if bar is not None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+    try:
+        report = transform_checkpoints(args.src_checkpoints_dir, args.dst_checkpoints_dir, args.ckpt_prefix,
+                                       args.src_strategy_file, args.dst_strategy_file, workers=args.workers,
+                                       overwrite=args.overwrite, memory_budget_bytes=args.memory_budget, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    stats = report.stats
+    print(json.dumps({"destination": str(report.destination), "ranks": len(report.ranks),
+                      "bytes_written": sum(r.bytes_written for r in report.ranks), "bytes_needed": stats.bytes_needed,
+                      "payload_bytes_read": stats.payload_bytes_read, "header_bytes_read": stats.header_bytes_read}))
+    return 0
+
+
+def _configure_verify(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("directory", help="a resharded checkpoint folder (holding MANIFEST.json)")
+    parser.add_argument("--shallow", action="store_true", help="digests and completeness only; do not load rank files")
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from lightning_sink.reshard import verify_checkpoint
+
+    report = verify_checkpoint(args.directory, deep=not args.shallow)
+    print(f"OK: {report.folder}: {report.world_size} ranks, {report.files_checked} files, {report.bytes_checked} bytes verified")
+    return 0
+
+
+def _configure_layout(parser: argparse.ArgumentParser) -> None:
+    from lightning_sink.layout_inference import configure_parser
+
+    configure_parser(parser)
+
+
+def _run_layout(args: argparse.Namespace) -> int:
+    from lightning_sink.layout_inference import run
+
+    return run(args)
+
+
+COMMANDS: list[Command] = [
+    Command("reshard", "convert a distributed checkpoint to another rank count / layout (offline)", _configure_reshard, _run_reshard),
+    Command("verify", "check a resharded checkpoint's integrity (SHA-256) and completeness", _configure_verify, _run_verify),
+    Command("layout", "predict the layout file of a SinkModelParallelStrategy run without launching it",
+            _configure_layout, _run_layout),
+]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="lightning-sink", description="lightning-sink command-line tools")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
+        command.configure(sub)
+        sub.set_defaults(_run=command.run)
+    args = parser.parse_args(argv)
+    try:
+        return args._run(args)
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

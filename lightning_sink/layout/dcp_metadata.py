@@ -1,0 +1,135 @@
+"""A layout derived from a DCP folder's ``.metadata`` when no layout file was written (e.g. a stock Lightning
+``ModelParallelStrategy`` / ``FSDPStrategy`` sharded checkpoint).
+
+The metadata tells which chunks exist and which storage file (``__{rank}_{n}.distcp``) holds each; DCP stores a
+replicated chunk once, so each chunk is listed under the rank that stored it. ``.metadata`` is a pickle: it is read
+with an unpickler that admits only DCP's metadata classes and a few torch value types, never arbitrary code.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import re
+from pathlib import Path
+
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from lightning_sink.layout.from_state_dict import role_of
+from lightning_sink.layout.schema import Chunk, Layout, MeshLayout, PipelineLayout, TensorLayout
+from lightning_sink.layout.validation import validate_layout
+
+__all__ = ["DCP_METADATA_FILE", "read_dcp_metadata", "storage_rank", "layout_from_dcp_metadata"]
+
+DCP_METADATA_FILE = ".metadata"
+_STORAGE_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+_ALLOWED = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size", "strided", "contiguous_format", "channels_last", "preserve_format"},
+    "pathlib": {"PosixPath", "WindowsPath", "PurePosixPath", "Path"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        import torch
+
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name in _ALLOWED.get(module, ()):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name}: not a DCP metadata type")
+
+
+def read_dcp_metadata(checkpoint_dir: str | os.PathLike) -> Metadata:
+    """The DCP ``Metadata`` of ``checkpoint_dir``, loaded without running pickled code."""
+    path = Path(checkpoint_dir) / DCP_METADATA_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(Path(checkpoint_dir))!r} is not a DCP checkpoint folder: no {DCP_METADATA_FILE} file")
+    try:
+        with open(path, "rb") as handle:
+            metadata = _MetadataUnpickler(handle).load()
+    except Exception as error:  # a truncated or foreign pickle raises anything from EOFError to KeyError
+        raise ValueError(f"DCP metadata file {str(path)!r} is unreadable or not DCP metadata: {error}") from None
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"DCP metadata file {str(path)!r} holds a {type(metadata).__name__}, not DCP Metadata")
+    return metadata
+
+
+def storage_rank(relative_path: str) -> int:
+    """The saving rank encoded in a DCP storage file name ``__{rank}_{n}.distcp``."""
+    match = _STORAGE_FILE.match(relative_path)
+    if match is None:
+        raise ValueError(f"DCP storage file name {relative_path!r} does not look like '__<rank>_<n>.distcp'")
+    return int(match.group(1))
+
+
+def layout_from_dcp_metadata(checkpoint_dir: str | os.PathLike, *, world_size: int | None = None) -> Layout:
+    """The layout of a DCP folder: every stored chunk under the rank whose file holds it, on a 1-D mesh.
+
+    ``world_size`` defaults to one more than the highest rank among the folder's storage files.
+    """
+    checkpoint_dir = Path(checkpoint_dir)
+    metadata = read_dcp_metadata(checkpoint_dir)
+    storage = metadata.storage_data or {}
+    ranks_on_disk = [storage_rank(p.name) for p in checkpoint_dir.glob("__*_*.distcp") if _STORAGE_FILE.match(p.name)]
+    ranks_in_metadata = [storage_rank(info.relative_path) for info in storage.values()]
+    if world_size is None:
+        world_size = max(ranks_on_disk + ranks_in_metadata, default=0) + 1
+    mesh = MeshLayout.one_dimensional(world_size)
+    tensors: dict[str, TensorLayout] = {}
+    non_tensor_state: dict[str, str] = {}
+    for fqn, item in metadata.state_dict_metadata.items():
+        if isinstance(item, BytesStorageMetadata):
+            non_tensor_state[fqn] = "carried"
+            continue
+        if not isinstance(item, TensorStorageMetadata):
+            raise ValueError(f"{str(checkpoint_dir)!r}: entry {fqn!r} has unknown storage type {type(item).__name__}")
+        chunks = tuple(_stored_chunk(checkpoint_dir, fqn, index, chunk, storage) for index, chunk in enumerate(item.chunks))
+        shape = tuple(item.size)
+        tensors[fqn] = TensorLayout(
+            role=role_of(fqn),
+            global_shape=shape,
+            dtype=str(item.properties.dtype).removeprefix("torch."),
+            placements=_infer_placements(shape, chunks, world_size),
+            chunks=chunks,
+        )
+    layout = Layout(world_size=world_size, mesh=mesh, pipeline=PipelineLayout(), tensors=tensors,
+                    non_tensor_state=non_tensor_state)
+    return validate_layout(layout, f"DCP metadata of {str(checkpoint_dir)!r}")
+
+
+def _stored_chunk(checkpoint_dir: Path, fqn: str, index: int, chunk, storage) -> Chunk:
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    info = storage.get(MetadataIndex(fqn, chunk.offsets, index))
+    if info is None:
+        raise ValueError(
+            f"{str(checkpoint_dir)!r}: tensor {fqn!r} chunk at offsets {list(chunk.offsets)} has no storage entry"
+        )
+    return Chunk(storage_rank(info.relative_path), tuple(chunk.offsets), tuple(chunk.sizes))
+
+
+def _infer_placements(shape: tuple[int, ...], chunks: tuple[Chunk, ...], world_size: int) -> tuple[str, ...] | None:
+    """``Replicate()`` for one whole chunk, ``Shard(d)`` for torch.chunk-style rows in rank order, else unknown."""
+    if len(chunks) == 1 and chunks[0].offsets == tuple(0 for _ in shape) and chunks[0].sizes == shape:
+        return ("Replicate()",)
+    for dim, extent in enumerate(shape):
+        step = math.ceil(extent / world_size) if world_size else 0
+        expected = [
+            (rank, min(rank * step, extent), max(0, min(step, extent - rank * step))) for rank in range(world_size)
+        ]
+        found = sorted((c.rank, c.offsets[dim], c.sizes[dim]) for c in chunks)
+        others_whole = all(
+            c.offsets[d] == 0 and c.sizes[d] == shape[d] for c in chunks for d in range(len(shape)) if d != dim
+        )
+        if others_whole and [e for e in expected if e[2] > 0] == [f for f in found if f[2] > 0]:
+            return (f"Shard({dim})",)
+    return None

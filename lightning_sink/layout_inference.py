@@ -1,0 +1,182 @@
+"""Predict the layout file of a ``SinkModelParallelStrategy`` run without launching its processes.
+
+MindSpore's ``infer_train_layout``: "compile" the network for the target parallel configuration and read off the
+strategy, without training. Here the LightningModule is built on the meta device (no memory), its own
+``configure_model`` shards it on a device mesh of the target shape under a fake process group (no peers, no
+communication), its optimizer takes one step on zero meta gradients so that its state exists as after training,
+and the layout is computed from the state dict DCP would be handed - the same function the strategy uses when it
+saves. One rank's view is enough: every rank's chunk follows from the mesh and the placements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.optim import Optimizer
+
+from lightning_sink import _lightning_compat as compat
+from lightning_sink.layout import Layout, save_layout
+from lightning_sink.strategies.atomic_dcp import checkpoint_layout
+
+__all__ = ["infer_layout", "configure_parser", "run", "main"]
+
+MESH_DIM_NAMES = ("data_parallel", "tensor_parallel")  # Lightning's ModelParallelStrategy names them so
+
+
+def _resolve(module: str | Callable[..., pl.LightningModule]) -> Callable[..., pl.LightningModule]:
+    if not isinstance(module, str):
+        return module
+    module_path, _, name = module.rpartition(".")
+    try:
+        factory = getattr(importlib.import_module(module_path), name) if module_path else None
+    except ImportError as error:
+        raise ValueError(f"module={module!r}: cannot import {module_path!r} ({error}).") from error
+    if factory is None:
+        raise ValueError(f"module={module!r} is not valid: pass a class path like 'package.module.MyLightningModule'.")
+    return factory
+
+
+def _validate_size(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} is not valid: pass an int >= 1.")
+    return value
+
+
+def _single_optimizer(configured: Any) -> Optimizer:
+    """The optimizer of what ``configure_optimizers`` returned (the forms Lightning accepts, one optimizer)."""
+    if isinstance(configured, Mapping):
+        configured = configured.get("optimizer")
+    if isinstance(configured, (list, tuple)) and configured:
+        first = configured[0]
+        configured = first if not isinstance(first, Mapping) else first.get("optimizer")
+        if isinstance(configured, (list, tuple)) and len(configured) == 1:
+            configured = configured[0]
+    if not isinstance(configured, Optimizer):
+        raise ValueError(
+            f"configure_optimizers returned {type(configured).__name__}; infer_layout needs exactly one optimizer"
+            " (SinkModelParallelStrategy supports one). Pass with_optimizer=False for the parameters only."
+        )
+    return configured
+
+
+def _state_to_save(module: pl.LightningModule, with_optimizer: bool) -> dict[str, Any]:
+    """What ``SinkModelParallelStrategy.save_checkpoint`` hands to DCP: ``state_dict`` and ``optimizer_0``."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=False)  # (the real save also offloads to CPU: no layout change)
+    state: dict[str, Any] = {"state_dict": get_model_state_dict(module, options=options)}
+    if with_optimizer:
+        optimizer = _single_optimizer(module.configure_optimizers())
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                param.grad = torch.zeros_like(param)
+        optimizer.step()  # on meta tensors: creates the state (exp_avg, step, ...) with its real placements
+        state["optimizer_0"] = get_optimizer_state_dict(module, optimizer, options=options)
+    return state
+
+
+def _fake_process_group(world_size: int) -> None:
+    # Importing torch's fake process group registers the "fake" backend: collectives return at once, no peers.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+
+
+def infer_layout(
+    module: str | Callable[..., pl.LightningModule],
+    data_parallel_size: int,
+    tensor_parallel_size: int,
+    *,
+    init_args: Mapping[str, Any] | None = None,
+    with_optimizer: bool = True,
+) -> Layout:
+    """The layout file a ``SinkModelParallelStrategy(data_parallel_size, tensor_parallel_size)`` run would write.
+
+    Args:
+        module: the LightningModule class (or a class path ``"pkg.mod.Class"``, or a factory); it is built with
+            ``init_args`` on the meta device and sharded by its own ``configure_model``.
+        data_parallel_size, tensor_parallel_size: the target mesh (world size = their product).
+        init_args: keyword arguments for ``module``.
+        with_optimizer: include the optimizer state (from ``configure_optimizers``, which must not need a Trainer).
+
+    Runs in this process only; it must not already be part of a process group.
+    """
+    world_size = _validate_size("data_parallel_size", data_parallel_size) * _validate_size(
+        "tensor_parallel_size", tensor_parallel_size)
+    factory = _resolve(module)
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError("infer_layout runs its own fake process group; call it outside a distributed run.")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _fake_process_group(world_size)
+    try:
+        mesh = init_device_mesh("cpu", (data_parallel_size, tensor_parallel_size), mesh_dim_names=MESH_DIM_NAMES)
+        with torch.device("meta"):
+            lightning_module = factory(**dict(init_args or {}))
+        if not isinstance(lightning_module, pl.LightningModule):
+            raise TypeError(f"module={module!r} built a {type(lightning_module).__name__}, not a LightningModule.")
+        if not is_overridden("configure_model", lightning_module):
+            raise TypeError(
+                f"module={module!r} does not override configure_model: SinkModelParallelStrategy (like Lightning's"
+                " ModelParallelStrategy) needs it to shard the model with fully_shard / parallelize_module."
+            )
+        compat.set_module_device_mesh(lightning_module, mesh)
+        lightning_module.configure_model()
+        return checkpoint_layout(_state_to_save(lightning_module, with_optimizer), world_size)
+    finally:
+        dist.destroy_process_group()
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    """The arguments of ``lightning-sink layout``."""
+    parser.add_argument("--model", required=True, help="LightningModule class path, e.g. my_pkg.models.MyModel")
+    parser.add_argument("--init-args", default="{}", help="JSON object of keyword arguments for the model")
+    parser.add_argument("--data-parallel-size", type=int, required=True)
+    parser.add_argument("--tensor-parallel-size", type=int, required=True)
+    parser.add_argument("--no-optimizer", action="store_true", help="parameters only, no optimizer state")
+    parser.add_argument("--output", required=True, help="the layout file to write (atomically)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Predict and write the layout file; bad input raises ``ValueError``/``TypeError`` before anything is written."""
+    try:
+        init_args = json.loads(args.init_args)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--init-args {args.init_args!r} is not JSON: {error}") from error
+    if not isinstance(init_args, dict):
+        raise ValueError(f"--init-args {args.init_args!r} must be a JSON object of keyword arguments")
+    layout = infer_layout(args.model, args.data_parallel_size, args.tensor_parallel_size, init_args=init_args,
+                          with_optimizer=not args.no_optimizer)
+    save_layout(layout, args.output)
+    print(f"wrote {args.output}: {len(layout.tensors)} tensors on a {'x'.join(map(str, layout.mesh.shape))} mesh")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``lightning-sink layout``: write the predicted layout file for a target mesh."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-sink layout",
+        description="Predict the layout (strategy) file of a SinkModelParallelStrategy run without launching it.",
+    )
+    configure_parser(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, TypeError) as error:
+        parser.error(str(error))  # exits with status 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,29 @@
+"""Offline resharding of distributed checkpoints (MindSpore's ``transform_checkpoints`` family) on DCP."""
+
+from lightning_sink.layout.merge import merge_pipeline_strategies
+from lightning_sink.reshard.loading import (
+    load_into_state_dict,
+    load_resharded_checkpoint,
+    to_dtensors,
+    unpickle_carried,
+)
+from lightning_sink.reshard.manifest import verify_checkpoint
+from lightning_sink.reshard.transform import (
+    ReshardReport,
+    rank_list_for_transform,
+    transform_checkpoint_by_rank,
+    transform_checkpoints,
+)
+
+__all__ = [
+    "ReshardReport",
+    "load_into_state_dict",
+    "load_resharded_checkpoint",
+    "merge_pipeline_strategies",
+    "rank_list_for_transform",
+    "to_dtensors",
+    "transform_checkpoint_by_rank",
+    "transform_checkpoints",
+    "unpickle_carried",
+    "verify_checkpoint",
+]

@@ -1,0 +1,239 @@
+"""Exact byte-range reads of tensors stored as ``torch.save`` zip records (DCP chunks, rank files).
+
+A DCP chunk is a whole ``torch.save`` zip blob at ``[offset, offset + length)`` of a ``__{rank}_{n}.distcp``
+file. Loading the blob with ``map_location="meta"`` reads only its zip directory and pickle (a few KiB) and
+reports, per storage, ``_checkpoint_offset``: where the uncompressed raw bytes start inside the blob. The wanted
+region is then read with ``os.preadv`` straight into the target tensor, one contiguous run at a time.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import math
+import os
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lightning_sink.reshard.plan import Box
+
+__all__ = ["ReadStats", "TensorLocation", "RangeFile", "locate_tensors", "copy_region", "FileCache"]
+
+_DATA_DESCRIPTOR_SIGNATURE = 0x08074B50
+
+
+@dataclass
+class ReadStats:
+    """Bytes read from the source: tensor payload, zip/pickle headers, and the payload bytes actually needed."""
+
+    payload_bytes_read: int = 0
+    header_bytes_read: int = 0
+    bytes_needed: int = 0
+    records_crc_checked: int = 0
+
+    @property
+    def bytes_read(self) -> int:
+        return self.payload_bytes_read + self.header_bytes_read
+
+    def add(self, other: ReadStats) -> None:
+        self.payload_bytes_read += other.payload_bytes_read
+        self.header_bytes_read += other.header_bytes_read
+        self.bytes_needed += other.bytes_needed
+        self.records_crc_checked += other.records_crc_checked
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    """Where a stored tensor's raw bytes lie in a file, and how its elements are laid out there."""
+
+    path: Path
+    data_offset: int  # absolute file offset of storage element 0
+    storage_nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    what: str  # for error messages: "tensor 'x' in file '...'"
+
+
+class RangeFile(io.RawIOBase):
+    """A read-only, seekable window ``[base, base + length)`` of a file, counting the bytes read through it."""
+
+    def __init__(self, fd: int, base: int, length: int):
+        super().__init__()
+        self.fd, self.base, self.length, self.position, self.bytes_read = fd, base, length, 0, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.position = {io.SEEK_SET: offset, io.SEEK_CUR: self.position + offset, io.SEEK_END: self.length + offset}[whence]
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        count = max(0, min(len(buffer), self.length - self.position))
+        data = os.pread(self.fd, count, self.base + self.position)
+        buffer[: len(data)] = data
+        self.position += len(data)
+        self.bytes_read += len(data)
+        return len(data)
+
+
+class FileCache:
+    """Open file descriptors by path (a worker reads many chunks from few files)."""
+
+    def __init__(self) -> None:
+        self._fds: dict[Path, int] = {}
+
+    def fd(self, path: Path) -> int:
+        if path not in self._fds:
+            self._fds[path] = os.open(path, os.O_RDONLY)
+        return self._fds[path]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def locate_tensors(fd: int, path: Path, base: int, length: int, what: str, stats: ReadStats) -> object:
+    """Load the ``torch.save`` blob at ``[base, base + length)`` of ``path`` with storages on the meta device.
+
+    Returns the loaded object in which every tensor is replaced by its :class:`TensorLocation`; bytes objects
+    and other plain values come back as they are. Loads with ``weights_only=True``: no code is unpickled.
+    """
+    window = RangeFile(fd, base, length)
+    try:
+        loaded = torch.load(window, map_location="meta", weights_only=True)
+    except Exception as error:  # a damaged zip raises RuntimeError, a damaged pickle UnpicklingError, ...
+        raise ValueError(f"{what}: truncated or corrupt torch.save data at bytes {base}..{base + length}: {error}") from None
+    finally:
+        stats.header_bytes_read += window.bytes_read
+    return _replace_tensors(loaded, lambda tensor: _location(tensor, path, base, what))
+
+
+def _replace_tensors(node: object, convert) -> object:
+    if isinstance(node, torch.Tensor):
+        return convert(node)
+    if isinstance(node, dict):
+        return {key: _replace_tensors(value, convert) for key, value in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(_replace_tensors(value, convert) for value in node)
+    return node
+
+
+def _location(tensor: torch.Tensor, path: Path, base: int, what: str) -> TensorLocation:
+    storage = tensor.untyped_storage()
+    return TensorLocation(
+        path=path,
+        data_offset=base + storage._checkpoint_offset,
+        storage_nbytes=storage.nbytes(),
+        dtype=tensor.dtype,
+        shape=tuple(tensor.shape),
+        stride=tuple(tensor.stride()),
+        storage_offset=tensor.storage_offset(),
+        what=what,
+    )
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def _as_bytes(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def copy_region(
+    fd: int,
+    source: TensorLocation,
+    source_offsets: tuple[int, ...],
+    region: Box,
+    target: torch.Tensor,
+    target_offsets: tuple[int, ...],
+    stats: ReadStats,
+) -> None:
+    """Read ``region`` (global box) of the stored chunk at ``source_offsets`` into the contiguous ``target`` shard
+    at ``target_offsets``, reading only the region's bytes (plus, for non-row-major storage, its whole span)."""
+    item = source.dtype.itemsize
+    stats.bytes_needed += math.prod(region[1]) * item
+    if source.stride != _contiguous_strides(source.shape):
+        _copy_region_strided(fd, source, source_offsets, region, target, target_offsets, stats)
+        return
+    region_offsets, sizes = region
+    src_start = [r - s for r, s in zip(region_offsets, source_offsets)]
+    dst_start = [r - t for r, t in zip(region_offsets, target_offsets)]
+    src_shape, dst_shape = source.shape, tuple(target.shape)
+    # Split point k: dims after k are whole in both the source chunk and the target shard, so each index over
+    # dims < k is one contiguous run in the file and in memory.
+    split = len(sizes)
+    while split > 0 and sizes[split - 1] == src_shape[split - 1] == dst_shape[split - 1]:
+        split -= 1
+    split = max(split - 1, 0) if split > 0 else 0
+    run = math.prod(sizes[split:])
+    src_strides, dst_strides = _contiguous_strides(src_shape), _contiguous_strides(dst_shape)
+    out = _as_bytes(target)
+    whole_record = source.storage_offset == 0 and sizes == src_shape and math.prod(src_shape) * item == source.storage_nbytes
+    crc = 0
+    for index in itertools.product(*(range(size) for size in sizes[:split])):
+        src_element = source.storage_offset + sum(
+            (start + (index[dim] if dim < split else 0)) * stride for dim, (start, stride) in enumerate(zip(src_start, src_strides))
+        )
+        dst_element = sum(
+            (start + (index[dim] if dim < split else 0)) * stride for dim, (start, stride) in enumerate(zip(dst_start, dst_strides))
+        )
+        view = out[dst_element * item : (dst_element + run) * item]
+        got = os.preadv(fd, [view], source.data_offset + src_element * item)
+        if got != len(view):
+            raise ValueError(f"{source.what}: truncated: wanted {len(view)} bytes at offset"
+                             f" {source.data_offset + src_element * item}, the file ended after {got}")
+        stats.payload_bytes_read += got
+        if whole_record:
+            crc = zlib.crc32(view, crc)
+    if whole_record and run > 0:
+        _check_crc(fd, source, crc, stats)
+
+
+def _check_crc(fd: int, source: TensorLocation, crc: int, stats: ReadStats) -> None:
+    """A record read whole is checked against the CRC-32 in the zip data descriptor that follows it."""
+    descriptor = os.pread(fd, 8, source.data_offset + source.storage_nbytes)
+    stats.header_bytes_read += len(descriptor)
+    if len(descriptor) < 8:
+        raise ValueError(f"{source.what}: truncated after the tensor data (no zip data descriptor)")
+    signature, stored_crc = struct.unpack("<II", descriptor)
+    if signature != _DATA_DESCRIPTOR_SIGNATURE:
+        return  # written without a data descriptor: the CRC lives in the headers; zip checks it on full loads
+    if stored_crc != crc:
+        raise ValueError(f"{source.what}: corrupt: CRC-32 of the tensor data is {crc:08x}, the zip record says {stored_crc:08x}")
+    stats.records_crc_checked += 1
+
+
+def _copy_region_strided(fd, source: TensorLocation, source_offsets, region, target, target_offsets, stats) -> None:
+    """Non-row-major storage (e.g. a saved transpose): read the storage span once and slice it in memory."""
+    item = source.dtype.itemsize
+    span = bytearray(source.storage_nbytes)
+    got = os.preadv(fd, [span], source.data_offset)
+    if got != len(span):
+        raise ValueError(f"{source.what}: truncated: wanted {len(span)} bytes, the file ended after {got}")
+    stats.payload_bytes_read += got
+    stored = torch.frombuffer(span, dtype=torch.uint8).view(source.dtype)
+    stored = stored.as_strided(source.shape, source.stride, source.storage_offset)
+    region_offsets, sizes = region
+    src_index = tuple(slice(r - s, r - s + n) for r, s, n in zip(region_offsets, source_offsets, sizes))
+    dst_index = tuple(slice(r - t, r - t + n) for r, t, n in zip(region_offsets, target_offsets, sizes))
+    target[dst_index] = stored[src_index]
+    del item

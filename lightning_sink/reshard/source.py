@@ -1,0 +1,278 @@
+"""Source checkpoints: a DCP folder (with or without ``layout.json``) or per-rank files ``rank_{x}/*.pt``.
+
+Both expose a *storage layout* (each chunk under a rank whose file holds it), a way to locate a stored chunk's
+bytes, the non-tensor state to carry, and a fingerprint (to tell whether a destination holds this conversion).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+from lightning_sink.layout.dcp_metadata import DCP_METADATA_FILE, layout_from_dcp_metadata, read_dcp_metadata, storage_rank
+from lightning_sink.layout.io import load_layout, resolve_layout_path
+from lightning_sink.layout.schema import LAYOUT_FILE_NAME, Chunk, Layout
+from lightning_sink.reshard.reader import ReadStats, TensorLocation, locate_tensors
+
+__all__ = ["LIGHTNING_META_FILE", "RESHARDED_FORMAT", "Source", "DcpSource", "RankFilesSource", "open_source", "source_from_files"]
+
+LIGHTNING_META_FILE = "meta.pt"  # Lightning's non-tensor checkpoint state beside a sharded DCP folder
+RESHARDED_FORMAT = "lightning-sink-resharded-rank"
+_RANK_DIR = re.compile(r"^rank_(\d+)$")
+
+
+@dataclass
+class Source:
+    """What a conversion needs from a source checkpoint."""
+
+    description: str
+    layout: Layout  # storage layout
+    files: dict[int, Path]  # rank -> the file holding its chunks (DCP: one per rank)
+    fingerprint: str
+    paths: dict[str, list[str]] = field(default_factory=dict)  # fqn -> DCP's nested path, to unflatten
+
+    def locate(self, chunk: Chunk, fqn: str, stats: ReadStats, fds) -> TensorLocation:
+        raise NotImplementedError
+
+    def non_tensor_state(self, stats: ReadStats) -> dict[str, bytes]:
+        raise NotImplementedError
+
+    def extra_files(self) -> dict[str, bytes]:
+        return {}
+
+    def check_files(self, ranks: list[int]) -> None:
+        """Fail before any work when a needed rank file is missing."""
+        for rank in ranks:
+            path = self.files.get(rank)
+            if path is None or not path.is_file():
+                raise FileNotFoundError(
+                    f"{self.description}: the file of source rank {rank} is missing"
+                    + (f" ({str(path)!r})" if path is not None else "")
+                )
+
+
+class DcpSource(Source):
+    def __init__(self, folder: Path, layout_file: Path | None, allowed: Mapping[int, Path] | None = None):
+        self.folder = folder
+        self.metadata = read_dcp_metadata(folder)
+        declared_path = layout_file or (folder / LAYOUT_FILE_NAME if (folder / LAYOUT_FILE_NAME).is_file() else None)
+        declared = load_layout(declared_path) if declared_path is not None else None
+        storage = layout_from_dcp_metadata(folder, world_size=declared.world_size if declared else None)
+        if declared is not None:
+            _check_layout_matches_storage(declared, storage, str(resolve_layout_path(declared_path)), str(folder))
+        files = {}
+        for info in (self.metadata.storage_data or {}).values():
+            rank = storage_rank(info.relative_path)
+            files.setdefault(rank, folder / info.relative_path)
+        if allowed is not None:  # transform_checkpoint_by_rank: only the files in the map may be read
+            files = {rank: Path(allowed[rank]) for rank in files if rank in allowed}
+        paths = {fqn: list(path) for fqn, path in (self.metadata.planner_data or {}).items()}
+        super().__init__(f"DCP checkpoint {str(folder)!r}", storage, files, _digest_file(folder / DCP_METADATA_FILE), paths)
+        self._storage_files = {storage_rank(i.relative_path) for i in (self.metadata.storage_data or {}).values()}
+
+    def _info(self, fqn: str, chunk: Chunk):
+        item = self.metadata.state_dict_metadata[fqn]
+        for index, stored in enumerate(item.chunks):
+            if tuple(stored.offsets) == chunk.offsets:
+                return self.metadata.storage_data[MetadataIndex(fqn, stored.offsets, index)]
+        raise ValueError(f"{self.description}: tensor {fqn!r} has no stored chunk at offsets {list(chunk.offsets)}")
+
+    def check_files(self, ranks: list[int]) -> None:
+        super().check_files(ranks)
+        for fqn, item in self.metadata.state_dict_metadata.items():  # sizes: a truncated file fails here, early
+            if isinstance(item, BytesStorageMetadata):
+                continue
+            for index, stored in enumerate(item.chunks):
+                info = self.metadata.storage_data[MetadataIndex(fqn, stored.offsets, index)]
+                rank = storage_rank(info.relative_path)
+                path = self.files.get(rank)
+                if rank in ranks and path is not None and os.path.getsize(path) < info.offset + info.length:
+                    raise ValueError(
+                        f"{self.description}: file {str(path)!r} is truncated: tensor {fqn!r} needs bytes up to"
+                        f" {info.offset + info.length}, the file has {os.path.getsize(path)}"
+                    )
+
+    def locate(self, chunk: Chunk, fqn: str, stats: ReadStats, fds) -> TensorLocation:
+        info = self._info(fqn, chunk)
+        path = self.files[chunk.rank]
+        what = f"tensor {fqn!r} (chunk at {list(chunk.offsets)}) in file {str(path)!r}"
+        location = locate_tensors(fds.fd(path), path, info.offset, info.length, what, stats)
+        if not isinstance(location, TensorLocation):
+            raise ValueError(f"{what}: the stored item is not a tensor")
+        return location
+
+    def non_tensor_state(self, stats: ReadStats) -> dict[str, bytes]:
+        """DCP's non-tensor leaves, as the raw ``torch.save`` bytes DCP stored (never unpickled here)."""
+        carried = {}
+        for fqn, item in self.metadata.state_dict_metadata.items():
+            if not isinstance(item, BytesStorageMetadata):
+                continue
+            info = self.metadata.storage_data[MetadataIndex(fqn)]
+            path = self.folder / info.relative_path
+            if not path.is_file():
+                raise FileNotFoundError(f"{self.description}: file {str(path)!r} holding {fqn!r} is missing")
+            with open(path, "rb") as handle:
+                handle.seek(info.offset)
+                data = handle.read(info.length)
+            if len(data) != info.length:
+                raise ValueError(f"{self.description}: file {str(path)!r} is truncated: {fqn!r} is cut short")
+            stats.header_bytes_read += len(data)
+            carried[fqn] = data
+        return carried
+
+    def extra_files(self) -> dict[str, bytes]:
+        meta = self.folder / LIGHTNING_META_FILE
+        return {LIGHTNING_META_FILE: meta.read_bytes()} if meta.is_file() else {}
+
+
+class RankFilesSource(Source):
+    """``rank_{x}/<one>.pt`` files (this package's resharded output, or plain dicts of local shards + a layout)."""
+
+    def __init__(self, files: dict[int, Path], layout_file: Path | None, description: str):
+        self._located: dict[int, object] = {}
+        if layout_file is not None:
+            layout = load_layout(layout_file)
+        else:
+            layout = self._embedded_layout(files, description)
+        fingerprint = hashlib.sha256(
+            "".join(f"{rank}:{path.name}:{path.stat().st_size if path.is_file() else -1};" for rank, path in sorted(files.items())).encode()
+            + layout.to_json().encode()
+        ).hexdigest()
+        super().__init__(description, layout, files, fingerprint)
+
+    @staticmethod
+    def _embedded_layout(files: dict[int, Path], description: str) -> Layout:
+        from lightning_sink.reshard.loading import read_rank_file_header
+
+        for rank in sorted(files):
+            if files[rank].is_file():
+                header = read_rank_file_header(files[rank])
+                if header.get("layout") is not None:
+                    return header["layout"]
+        raise ValueError(f"{description}: the rank files embed no layout; pass src_strategy_file")
+
+    def _entries(self, rank: int, stats: ReadStats, fds) -> dict:
+        if rank not in self._located:
+            path = self.files[rank]
+            loaded = locate_tensors(fds.fd(path), path, 0, os.path.getsize(path), f"rank file {str(path)!r}", stats)
+            if isinstance(loaded, dict) and loaded.get("format") == RESHARDED_FORMAT:
+                self._located[rank] = loaded
+            elif isinstance(loaded, dict):
+                self._located[rank] = {"tensors": loaded, "non_tensor_state": {}}
+            else:
+                raise ValueError(f"rank file {str(path)!r} holds a {type(loaded).__name__}, not a dict of tensors")
+        return self._located[rank]
+
+    def locate(self, chunk: Chunk, fqn: str, stats: ReadStats, fds) -> TensorLocation:
+        entries = self._entries(chunk.rank, stats, fds)
+        location = entries["tensors"].get(fqn)
+        path = self.files[chunk.rank]
+        if not isinstance(location, TensorLocation):
+            raise ValueError(f"rank file {str(path)!r} has no tensor {fqn!r}, which the source layout puts on rank {chunk.rank}")
+        if location.shape != chunk.sizes or str(location.dtype).removeprefix("torch.") != self.layout.tensors[fqn].dtype:
+            raise ValueError(
+                f"rank file {str(path)!r}: tensor {fqn!r} is {list(location.shape)} {location.dtype}, the source layout"
+                f" says {list(chunk.sizes)} {self.layout.tensors[fqn].dtype}"
+            )
+        return location
+
+    def non_tensor_state(self, stats: ReadStats) -> dict[str, bytes]:
+        from lightning_sink.reshard.reader import FileCache
+
+        fds = FileCache()
+        try:
+            first = min(self.files)
+            return dict(self._entries(first, stats, fds).get("non_tensor_state", {}))
+        finally:
+            fds.close()
+
+    def extra_files(self) -> dict[str, bytes]:
+        from lightning_sink.reshard.loading import read_rank_file_header
+
+        return dict(read_rank_file_header(self.files[min(self.files)]).get("extra_files", {}))
+
+
+def _digest_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _check_layout_matches_storage(declared: Layout, storage: Layout, layout_name: str, folder: str) -> None:
+    """The layout file must describe this checkpoint: same tensors, shapes, dtypes, and every stored chunk is a
+    chunk the layout gives its storing rank."""
+    where = f"layout file {layout_name!r} does not match DCP checkpoint {folder!r}"
+    if set(declared.tensors) != set(storage.tensors):
+        only_layout = sorted(set(declared.tensors) - set(storage.tensors))
+        only_checkpoint = sorted(set(storage.tensors) - set(declared.tensors))
+        raise ValueError(f"{where}: tensors only in the layout: {only_layout[:10]}, only in the checkpoint: {only_checkpoint[:10]}")
+    for fqn, stored in storage.tensors.items():
+        expected = declared.tensors[fqn]
+        if expected.global_shape != stored.global_shape or expected.dtype != stored.dtype:
+            raise ValueError(
+                f"{where}: tensor {fqn!r} is {list(stored.global_shape)} {stored.dtype} in the checkpoint,"
+                f" {list(expected.global_shape)} {expected.dtype} in the layout"
+            )
+        boxes_by_rank = {(c.rank, c.box) for c in expected.chunks}
+        for chunk in stored.chunks:
+            if chunk.numel and (chunk.rank, chunk.box) not in boxes_by_rank:
+                raise ValueError(
+                    f"{where}: tensor {fqn!r}: rank {chunk.rank} stored a chunk at offsets {list(chunk.offsets)} sizes"
+                    f" {list(chunk.sizes)} that the layout does not give it"
+                )
+
+
+def _rank_files_in(folder: Path) -> dict[int, Path]:
+    files: dict[int, Path] = {}
+    for child in sorted(folder.iterdir()):
+        match = _RANK_DIR.match(child.name)
+        if not match or not child.is_dir():
+            continue
+        candidates = sorted(p for p in child.iterdir() if p.is_file() and p.suffix in (".pt", ".ckpt", ".pth"))
+        if len(candidates) != 1:
+            raise ValueError(f"{str(child)!r} must hold exactly one checkpoint file (*.pt/*.ckpt/*.pth), found {len(candidates)}")
+        files[int(match.group(1))] = candidates[0]
+    return files
+
+
+def open_source(src_checkpoints_dir: str | os.PathLike, src_strategy_file: str | os.PathLike | None) -> Source:
+    """A DCP folder (``.metadata`` inside) or a folder of ``rank_{x}/`` subfolders."""
+    folder = Path(src_checkpoints_dir)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"src_checkpoints_dir={str(folder)!r} is not a folder")
+    layout_file = Path(src_strategy_file) if src_strategy_file is not None else None
+    if (folder / DCP_METADATA_FILE).is_file():
+        return DcpSource(folder, layout_file)
+    files = _rank_files_in(folder)
+    if not files:
+        raise ValueError(
+            f"src_checkpoints_dir={str(folder)!r} is neither a DCP checkpoint (no .metadata) nor a folder of rank_<x>/"
+            " checkpoint folders"
+        )
+    if layout_file is None and (folder / LAYOUT_FILE_NAME).is_file():
+        layout_file = folder / LAYOUT_FILE_NAME
+    source = RankFilesSource(files, layout_file, f"rank-file checkpoint {str(folder)!r}")
+    expected = set(range(source.layout.world_size))
+    if set(files) - expected:
+        raise ValueError(f"{source.description}: rank folders {sorted(set(files) - expected)} are outside the layout's world size {source.layout.world_size}")
+    for rank in sorted(expected - set(files)):
+        files[rank] = folder / f"rank_{rank}" / "<missing>"
+    return source
+
+
+def source_from_files(checkpoint_files_map: Mapping[int, str | os.PathLike], src_strategy_file) -> Source:
+    """``transform_checkpoint_by_rank``'s map {source rank: file}: DCP ``.distcp`` files of one folder, or rank files."""
+    files = {int(rank): Path(path) for rank, path in checkpoint_files_map.items()}
+    if not files:
+        raise ValueError("checkpoint_files_map is empty: map each needed source rank to its file")
+    if all(path.suffix == ".distcp" for path in files.values()):
+        folders = {path.parent for path in files.values()}
+        if len(folders) != 1:
+            raise ValueError(f"checkpoint_files_map: DCP files must come from one checkpoint folder, got {sorted(map(str, folders))}")
+        layout_file = Path(src_strategy_file) if src_strategy_file is not None else None
+        return DcpSource(folders.pop(), layout_file, allowed=files)
+    return RankFilesSource(files, Path(src_strategy_file) if src_strategy_file is not None else None, "checkpoint_files_map")

@@ -1,0 +1,313 @@
+"""MindSpore's checkpoint transformation API on DCP checkpoints: any M ranks and layout to any N, offline.
+
+Each target rank's file is built from exact byte ranges of the source chunks it overlaps; ranks are independent
+(``workers`` processes convert one target rank each). The whole output is written into a staging folder beside
+the destination, with a manifest of SHA-256 digests written last, then renamed into place.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import resource
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_sink.layout.io import load_layout, save_layout
+from lightning_sink.layout.schema import Layout
+from lightning_sink.layout.validation import torch_dtype
+from lightning_sink.reshard.loading import RESHARDED_VERSION, read_rank_file_header
+from lightning_sink.reshard.manifest import Manifest, read_manifest, write_manifest
+from lightning_sink.reshard.plan import RankPlan, plan_rank
+from lightning_sink.reshard.reader import FileCache, ReadStats, copy_region
+from lightning_sink.reshard.source import RESHARDED_FORMAT, Source, open_source, source_from_files
+from lightning_sink.reshard.writer import fsync_dir, save_hashed
+
+__all__ = ["ReshardReport", "RankResult", "transform_checkpoints", "transform_checkpoint_by_rank", "rank_list_for_transform"]
+
+LayoutArg = str | os.PathLike | Layout | None
+
+
+@dataclass
+class RankResult:
+    rank: int
+    relative_path: str
+    sha256: str
+    bytes_written: int
+    stats: ReadStats
+    peak_rss_bytes: int
+    seconds: float
+
+
+@dataclass
+class ReshardReport:
+    destination: Path
+    ranks: list[RankResult] = field(default_factory=list)
+
+    @property
+    def stats(self) -> ReadStats:
+        total = ReadStats()
+        for result in self.ranks:
+            total.add(result.stats)
+        return total
+
+
+def _layout(value: LayoutArg, name: str) -> Layout:
+    if isinstance(value, Layout):
+        return value
+    if value is None:
+        raise ValueError(f"{name} is required for the target (a layout file such as the one `lightning-sink layout` writes)")
+    return load_layout(value)
+
+
+def _source_layout_arg(value: LayoutArg) -> Path | None:
+    if isinstance(value, Layout):
+        raise TypeError("src_strategy_file must be a path (or None to use the checkpoint's own layout), not a Layout")
+    return None if value is None else Path(value)
+
+
+def _check_prefix(ckpt_prefix: str) -> None:
+    if not isinstance(ckpt_prefix, str) or any(c in ckpt_prefix for c in "/\\\x00") or ckpt_prefix in (".", ".."):
+        raise ValueError(f"ckpt_prefix={ckpt_prefix!r} must be a plain file-name prefix (no path separators)"
+                         " so that rank files stay inside the destination folder")
+
+
+def rank_list_for_transform(rank_id: int, src_strategy_file: str | os.PathLike, dst_strategy_file: LayoutArg) -> list[int]:
+    """The source ranks whose files target ``rank_id`` needs, from the layouts alone.
+
+    ``src_strategy_file`` may also be a DCP checkpoint folder: its stored chunks then say which rank holds what
+    (DCP stores a replicated chunk once, so only that folder knows which replica's file has it).
+    """
+    source_path = Path(src_strategy_file)
+    if source_path.is_dir() and (source_path / ".metadata").is_file():
+        src = open_source(source_path, None).layout
+    else:
+        src = load_layout(source_path)
+    return plan_rank(rank_id, src, _layout(dst_strategy_file, "dst_strategy_file")).source_ranks()
+
+
+def _payload(plan: RankPlan, source: Source, dst: Layout, stats: ReadStats, provenance: dict) -> dict[str, Any]:
+    """Read this rank's shards: one contiguous tensor per shard, each filled from exact byte ranges."""
+    tensors: dict[str, torch.Tensor] = {}
+    fds = FileCache()
+    try:
+        for shard in plan.shards:
+            target = torch.empty(shard.chunk.sizes, dtype=torch_dtype(shard.dtype))
+            for copy in shard.copies:
+                location = source.locate(copy.src_chunk, shard.fqn, stats, fds)
+                if location.shape != copy.src_chunk.sizes or location.dtype != target.dtype:
+                    raise ValueError(f"{location.what}: stored as {list(location.shape)} {location.dtype}, the source"
+                                     f" layout says {list(copy.src_chunk.sizes)} {shard.dtype}")
+                copy_region(fds.fd(location.path), location, copy.src_chunk.offsets, copy.region, target,
+                            shard.chunk.offsets, stats)
+            tensors[shard.fqn] = target
+    finally:
+        fds.close()
+    return {
+        "format": RESHARDED_FORMAT,
+        "version": RESHARDED_VERSION,
+        "rank": plan.rank,
+        "layout": dst.to_json(),
+        "tensors": tensors,
+        "non_tensor_state": source.non_tensor_state(stats),
+        "extra_files": source.extra_files(),
+        "paths": {fqn: path for fqn, path in source.paths.items()},
+        "provenance": provenance,
+    }
+
+
+def _convert_rank(plan: RankPlan, source: Source, dst: Layout, out_path: Path, provenance: dict) -> tuple[str, int, ReadStats]:
+    stats = ReadStats()
+    payload = _payload(plan, source, dst, stats, provenance)
+    digest, size = save_hashed(payload, out_path)
+    return digest, size, stats
+
+
+def _provenance(source: Source, dst: Layout, ckpt_prefix: str) -> dict[str, Any]:
+    import hashlib
+
+    return {"source_fingerprint": source.fingerprint, "target_layout_sha256": hashlib.sha256(dst.to_json().encode()).hexdigest(),
+            "ckpt_prefix": ckpt_prefix, "world_size": dst.world_size}
+
+
+def _worker_task(args: tuple) -> RankResult:
+    """One target rank in a worker process: reopen the source, convert, report peak RSS."""
+    rank, src_dir, src_layout, dst_json, staging, ckpt_prefix = args
+    started = time.perf_counter()
+    source = open_source(src_dir, src_layout)
+    dst = Layout.from_json(dst_json)
+    provenance = _provenance(source, dst, ckpt_prefix)
+    relative = f"rank_{rank}/{ckpt_prefix}{rank}.pt"
+    (Path(staging) / f"rank_{rank}").mkdir(parents=True, exist_ok=True)
+    digest, size, stats = _convert_rank(plan_rank(rank, source.layout, dst), source, dst, Path(staging) / relative, provenance)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return RankResult(rank, relative, digest, size, stats, peak, time.perf_counter() - started)
+
+
+def _prepare_destination(dst: Path, provenance: dict, overwrite: bool) -> None:
+    """Refuse a destination holding anything but this same conversion, unless ``overwrite``; clear leftovers of
+    killed runs (staging and retired folders are never visible as the destination)."""
+    for leftover in dst.parent.glob(f".{dst.name}.staging-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    for leftover in dst.parent.glob(f".{dst.name}.old-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    if not dst.exists():
+        return
+    if not dst.is_dir():
+        raise ValueError(f"dst_checkpoints_dir={str(dst)!r} exists and is not a folder")
+    if overwrite or not any(dst.iterdir()):
+        return
+    try:
+        previous = read_manifest(dst).provenance
+    except (FileNotFoundError, ValueError):
+        previous = None
+    same = previous is not None and all(previous.get(k) == provenance[k] for k in ("source_fingerprint", "target_layout_sha256", "ckpt_prefix"))
+    if not same:
+        raise ValueError(f"dst_checkpoints_dir={str(dst)!r} already holds a different checkpoint (or other files);"
+                         " pass overwrite=True to replace it, or choose an empty folder")
+
+
+def _commit(staging: Path, dst: Path) -> None:
+    """Rename the staging folder into place; a previous output is retired first and removed after."""
+    retired = None
+    if dst.exists():
+        retired = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(dst, retired)
+    os.rename(staging, dst)
+    fsync_dir(dst.parent)
+    if retired is not None:
+        shutil.rmtree(retired, ignore_errors=True)
+
+
+def transform_checkpoints(
+    src_checkpoints_dir: str | os.PathLike,
+    dst_checkpoints_dir: str | os.PathLike,
+    ckpt_prefix: str,
+    src_strategy_file: str | os.PathLike | None,
+    dst_strategy_file: LayoutArg,
+    *,
+    workers: int | None = None,
+    overwrite: bool = False,
+    memory_budget_bytes: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> ReshardReport:
+    """Convert a whole checkpoint to one file per target rank: ``dst/rank_{r}/{ckpt_prefix}{r}.pt``.
+
+    Args:
+        src_checkpoints_dir: a DCP folder (this package's, or a Lightning ModelParallelStrategy/FSDPStrategy
+            sharded checkpoint) or a folder of ``rank_{x}/`` subfolders holding one checkpoint file each.
+        src_strategy_file: the source layout; None: the folder's ``layout.json``, else derived from DCP metadata.
+        dst_strategy_file: the target layout (file or :class:`Layout`).
+        workers: None converts in this process; k converts in k spawned processes, one target rank each.
+        overwrite: replace a destination that holds a different checkpoint.
+        memory_budget_bytes: caps the worker count at budget // largest target shard.
+        progress: called with (target ranks done, target ranks) after each rank.
+    """
+    _check_prefix(ckpt_prefix)
+    src_dir, dst = Path(src_checkpoints_dir).resolve(), Path(dst_checkpoints_dir).resolve()
+    if dst == src_dir or src_dir in dst.parents or dst in src_dir.parents:
+        raise ValueError(f"dst_checkpoints_dir={str(dst)!r} must not be, contain or lie inside src_checkpoints_dir={str(src_dir)!r}")
+    if workers is not None and (not isinstance(workers, int) or workers < 1):
+        raise ValueError(f"workers={workers!r} must be None or a positive integer")
+    source = open_source(src_dir, _source_layout_arg(src_strategy_file))
+    target = _layout(dst_strategy_file, "dst_strategy_file")
+    plans = [plan_rank(rank, source.layout, target) for rank in range(target.world_size)]  # all errors before writing
+    source.check_files(sorted({r for plan in plans for r in plan.source_ranks()}))
+    provenance = _provenance(source, target, ckpt_prefix)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    _prepare_destination(dst, provenance, overwrite)
+    staging = dst.parent / f".{dst.name}.staging-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    report = ReshardReport(dst)
+    try:
+        layout_arg = str(src_strategy_file) if src_strategy_file is not None else None
+        tasks = [(plan.rank, str(src_dir), layout_arg, target.to_json(), str(staging), ckpt_prefix) for plan in plans]
+        for done, result in enumerate(_run(tasks, plans, source, target, staging, ckpt_prefix, workers, memory_budget_bytes), 1):
+            report.ranks.append(result)
+            if progress is not None:
+                progress(done, len(plans))
+        report.ranks.sort(key=lambda r: r.rank)
+        save_layout(target, staging / "layout.json")
+        files = {r.relative_path: {"sha256": r.sha256, "bytes": r.bytes_written} for r in report.ranks}
+        from lightning_sink.reshard.writer import sha256_of_file
+
+        files["layout.json"] = {"sha256": sha256_of_file(staging / "layout.json"), "bytes": (staging / "layout.json").stat().st_size}
+        write_manifest(staging, Manifest(files=files, provenance=provenance))
+        fsync_dir(staging)
+        _commit(staging, dst)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return report
+
+
+def _run(tasks, plans, source, target, staging, ckpt_prefix, workers, memory_budget_bytes):
+    if workers is None:
+        provenance = _provenance(source, target, ckpt_prefix)
+        for plan in plans:
+            started = time.perf_counter()
+            relative = f"rank_{plan.rank}/{ckpt_prefix}{plan.rank}.pt"
+            (staging / f"rank_{plan.rank}").mkdir()
+            digest, size, stats = _convert_rank(plan, source, target, staging / relative, provenance)
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            yield RankResult(plan.rank, relative, digest, size, stats, peak, time.perf_counter() - started)
+        return
+    count = min(workers, len(tasks))
+    if memory_budget_bytes is not None:
+        largest = max((sum(s.numel * torch_dtype(s.dtype).itemsize for s in p.shards) for p in plans), default=1)
+        count = max(1, min(count, memory_budget_bytes // max(largest, 1)))
+    context = multiprocessing.get_context("spawn")
+    # maxtasksperchild=1: each target rank gets a fresh process, so its peak RSS is its own.
+    with context.Pool(count, maxtasksperchild=1) as pool:
+        yield from pool.imap_unordered(_worker_task, tasks)
+
+
+def transform_checkpoint_by_rank(
+    rank_id: int,
+    checkpoint_files_map: Mapping[int, str | os.PathLike],
+    save_checkpoint_file_name: str | os.PathLike,
+    src_strategy_file: str | os.PathLike | None,
+    dst_strategy_file: LayoutArg,
+    *,
+    overwrite: bool = False,
+) -> RankResult:
+    """Build target ``rank_id``'s file from the source files it needs ({source rank: file}; DCP ``.distcp``
+    files of one folder, or rank files). Writes ``save_checkpoint_file_name`` atomically plus a ``.sha256``
+    sidecar that ``load_resharded_checkpoint`` checks."""
+    started = time.perf_counter()
+    source = source_from_files(checkpoint_files_map, _source_layout_arg(src_strategy_file))
+    target = _layout(dst_strategy_file, "dst_strategy_file")
+    plan = plan_rank(rank_id, source.layout, target)
+    missing = [rank for rank in plan.source_ranks() if rank not in {int(r) for r in checkpoint_files_map}]
+    if missing:
+        raise ValueError(f"checkpoint_files_map lacks source rank(s) {missing} that target rank {rank_id} needs"
+                         f" (see rank_list_for_transform)")
+    source.check_files(plan.source_ranks())
+    out = Path(save_checkpoint_file_name)
+    provenance = _provenance(source, target, "")
+    if out.exists() and not overwrite:
+        header = read_rank_file_header(out) if out.is_file() else {}
+        previous = header.get("provenance") or {}
+        if header.get("rank") != rank_id or any(previous.get(k) != provenance[k] for k in ("source_fingerprint", "target_layout_sha256")):
+            raise ValueError(f"save_checkpoint_file_name={str(out)!r} already holds a different checkpoint; pass overwrite=True")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
+    sidecar = out.with_name(out.name + ".sha256")
+    try:
+        digest, size, stats = _convert_rank(plan, source, target, temp, provenance)
+        temp_sidecar = sidecar.with_name(f".{sidecar.name}.tmp")
+        temp_sidecar.write_text(f"{digest} {size}\n")
+        os.replace(temp, out)  # a kill between the two replaces leaves a digest mismatch that loaders report
+        os.replace(temp_sidecar, sidecar)
+        fsync_dir(out.parent)
+    finally:
+        temp.unlink(missing_ok=True)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return RankResult(rank_id, out.name, digest, size, stats, peak, time.perf_counter() - started)

@@ -1,0 +1,180 @@
+"""The accumulation window of an FSDP2 (+ tensor parallel) model.
+
+With FSDP2 the fp32 window buffers are FSDP2's own unsharded gradients: while gradient sync is off
+(``FSDPModule.set_requires_gradient_sync(False)``) each backward adds into the unsharded gradient of every parameter
+and nothing is reduce-scattered. With ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` FSDP2 keeps that
+sum in fp32 (``reduce_dtype``), so low-precision micro-steps lose nothing to rounding - the same guarantee as
+``GradientAccumulator``'s flat fp32 buffer, which cannot alias DTensor shards. The update step's backward runs with
+sync on: one reduce-scatter per FSDP parameter group carries the whole window's sum, averaged over the
+data-parallel ranks, into the sharded ``param.grad``. A checkpoint inside a window keeps each rank's partial sums,
+and a resume puts them back into FSDP2 before the next backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+__all__ = ["FSDPWindow"]
+
+
+def _unique_trainable(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    seen: set[int] = set()
+    unique = []
+    for param in params:
+        if param.requires_grad and id(param) not in seen:
+            seen.add(id(param))
+            unique.append(param)
+    return unique
+
+
+def _local_copy(grad: Tensor | None) -> Tensor | None:
+    if grad is None:
+        return None
+    local = grad.to_local() if isinstance(grad, DTensor) else grad
+    return local.detach().to("cpu", copy=True)
+
+
+def _like(param: Tensor, local: Tensor | None) -> Tensor | None:
+    """``local`` as a gradient of ``param``: a DTensor with the same mesh and placements when ``param`` is one."""
+    if local is None:
+        return None
+    local = local.to(param.device)
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False)
+    return local
+
+
+def _check_shape(param: Tensor, local: Tensor | None) -> None:
+    expected = tuple((param.to_local() if isinstance(param, DTensor) else param).shape)
+    if local is not None and tuple(local.shape) != expected:
+        raise ValueError(
+            f"The checkpoint's accumulation window holds a partial gradient of shape {tuple(local.shape)} where this"
+            f" rank's parameter part has shape {expected}: a checkpoint saved inside a window resumes on the same"
+            " mesh only (resume from a window-boundary checkpoint to change the mesh)."
+        )
+
+
+# FSDP2 keeps a window's partial sums where no public API reaches them. The three functions below are the only
+# places that touch its internals; tests/strategies/test_fsdp_window.py fails loudly when torch moves them.
+def _fsdp_params(modules: list[FSDPModule]) -> list[Any]:
+    return [fsdp_param for module in modules for group in module._get_fsdp_state()._fsdp_param_groups
+            for fsdp_param in group.fsdp_params]
+
+
+def _partial_sum(fsdp_param: Any) -> Tensor | None:
+    """The unreduced gradient sum: in ``reduce_dtype`` when that differs from the parameter's dtype."""
+    if fsdp_param.unsharded_accumulated_grad is not None:
+        return fsdp_param.unsharded_accumulated_grad
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    return None if unsharded is None else unsharded.grad
+
+
+def _restore_partial_sum(fsdp_param: Any, local: Tensor | None) -> None:
+    unsharded = fsdp_param._unsharded_param
+    _check_shape(unsharded, local)
+    grad = _like(unsharded, local)
+    if grad is not None and grad.dtype != unsharded.dtype:
+        fsdp_param.unsharded_accumulated_grad, unsharded.grad = grad, None
+    else:
+        fsdp_param.unsharded_accumulated_grad, unsharded.grad = None, grad
+
+
+class FSDPWindow:
+    """Window position and gradient-sync switch for the FSDP2 modules of one model.
+
+    Offers the part of ``GradientAccumulator``'s interface that the step programs use (``micro_steps``,
+    ``begin_micro_step``/``end_micro_step``, ``clear``, ``state_dict``); the update arithmetic lives in
+    ``SinkModelParallelStrategy._apply_window_update``.
+    """
+
+    def __init__(self, model: nn.Module, params: list[nn.Parameter], data_parallel_size: int) -> None:
+        self.params = _unique_trainable(params)
+        if not self.params:
+            raise ValueError("The optimizer holds no trainable parameters; there is nothing to accumulate.")
+        self.fsdp_modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
+        if data_parallel_size > 1 and not self.fsdp_modules:
+            raise ValueError(
+                f"data_parallel_size={data_parallel_size} but configure_model applied no `fully_shard`: the"
+                " gradients would never be reduced over the data-parallel ranks. Call"
+                " `fully_shard(module, mesh=self.device_mesh['data_parallel'])` in configure_model, or use"
+                " data_parallel_size=1."
+            )
+        self.micro_steps = 0
+        self._sync: bool | None = None
+        self._pending: list[Tensor | None] | None = None
+
+    def set_gradient_sync(self, enabled: bool) -> None:
+        """Off on accumulate steps (FSDP2 sums unsharded gradients locally), on for the window's last backward."""
+        if self._sync is enabled:
+            return
+        for module in self.fsdp_modules:
+            module.set_requires_gradient_sync(enabled, recurse=False)
+        self._sync = enabled
+
+    def begin_micro_step(self) -> None:
+        """Nothing to point anywhere: FSDP2 (or autograd, without FSDP) owns the window's gradient sum."""
+
+    def end_micro_step(self) -> None:
+        self.micro_steps += 1
+
+    def local_gradients(self) -> list[Tensor]:
+        """This rank's shard of every gradient (after the update step's reduce-scatter), as plain tensors."""
+        grads = []
+        for param in self.params:
+            grad = param.grad
+            if grad is not None:
+                grads.append(grad.to_local() if isinstance(grad, DTensor) else grad)
+        return grads
+
+    def clear(self) -> None:
+        for param in self.params:
+            param.grad = None
+        self.micro_steps = 0
+
+    # ------------------------------------------------------------------ checkpoint state inside a window
+    def state_dict(self) -> dict[str, Any]:
+        """The window position and, inside a window, this rank's partial sums (its local, unreduced gradients)."""
+        if not self.micro_steps:
+            return {"micro_steps": 0, "buffer": None}
+        return {"micro_steps": self.micro_steps, "buffer": [_local_copy(grad) for grad in self._partial_sums()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.micro_steps = int(state["micro_steps"])
+        self._pending = state.get("buffer")  # put back before the next backward (FSDP2 needs its params unsharded)
+        if self._pending is not None and len(self._pending) != len(self._partial_sums()):
+            raise ValueError(
+                f"The checkpoint's accumulation window holds {len(self._pending)} partial gradients but this model"
+                f" has {len(self._partial_sums())}: was it saved from a different model or sharding?"
+            )
+
+    def restore_pending(self) -> None:
+        """Give FSDP2 (or autograd) back the partial sums of a window that a checkpoint interrupted."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if not self.fsdp_modules:
+            for param, local in zip(self.params, pending):
+                _check_shape(param, local)
+                param.grad = _like(param, local)
+            return
+        for module in self.fsdp_modules:
+            module.unshard()  # creates FSDP2's unsharded parameters, which own the window's gradient sums
+        for fsdp_param, local in zip(_fsdp_params(self.fsdp_modules), pending):
+            _restore_partial_sum(fsdp_param, local)
+        for module in self.fsdp_modules:
+            module.reshard()
+
+    def _partial_sums(self) -> list[Tensor | None]:
+        if not self.fsdp_modules:
+            return [param.grad for param in self.params]
+        return [_partial_sum(fsdp_param) for fsdp_param in _fsdp_params(self.fsdp_modules)]
+
+    @torch.no_grad()
+    def divide_(self, divisor: float) -> None:
+        if divisor != 1:
+            torch._foreach_div_(self.local_gradients(), divisor)

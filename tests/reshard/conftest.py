@@ -1,0 +1,42 @@
+"""Source checkpoints for the resharding tests, each saved once per session by real gloo processes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.dcp_runs import save_dcp_checkpoint
+
+# Lightning-style keys; a 4x2 (data x tensor parallel) mesh: FSDP2+TP strided rows, column shards, uneven
+# shards, a replicated vector, bf16, Adam moments and a replicated scalar step (plain tensor).
+SPEC_4X2 = {
+    "state_dict.fc1.weight": ((16, 6), "float32", ("_StridedShard(0,sf=2)", "Shard(0)")),
+    "state_dict.fc1.bias": ((16,), "float32", ("Shard(0)", "Replicate()")),
+    "state_dict.fc2.weight": ((5, 13), "float32", ("Shard(0)", "Shard(1)")),  # uneven on both dims
+    "state_dict.norm.weight": ((7,), "bfloat16", ("Replicate()", "Replicate()")),
+    "optimizer_0.state.fc2.weight.exp_avg": ((5, 13), "float32", ("Shard(0)", "Shard(1)")),
+    "optimizer_0.state.fc2.weight.exp_avg_sq": ((5, 13), "float32", ("Shard(0)", "Shard(1)")),
+    "optimizer_0.state.fc2.weight.step": ((), "float32", ("Replicate()", "Replicate()")),
+}
+PLAIN_4X2 = ("optimizer_0.state.fc2.weight.step",)
+
+SPEC_3 = {
+    "state_dict.w": ((10, 4), "float32", ("Shard(0)",)),
+    "state_dict.v": ((4, 9), "float64", ("Shard(1)",)),
+    "state_dict.b": ((2,), "float32", ("Shard(0)",)),  # fewer rows than ranks: rank 2 holds nothing
+    "optimizer_0.state.w.exp_avg": ((10, 4), "float32", ("Shard(0)",)),
+}
+
+
+@pytest.fixture(scope="session")
+def source_8(tmp_path_factory) -> Path:
+    """8 ranks on a 4x2 mesh."""
+    return save_dcp_checkpoint(tmp_path_factory.mktemp("src8") / "ckpt", SPEC_4X2, (4, 2), ("dp", "tp"),
+                               plain_names=PLAIN_4X2)
+
+
+@pytest.fixture(scope="session")
+def source_3(tmp_path_factory) -> Path:
+    """3 ranks on a 1-D mesh."""
+    return save_dcp_checkpoint(tmp_path_factory.mktemp("src3") / "ckpt", SPEC_3, (3,), ("dp",), seed=1)
