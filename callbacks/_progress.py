@@ -1,0 +1,83 @@
+"""What one Lightning batch trained, in MindSpore's units: steps (batches through the network) and their losses.
+
+A *step* is one batch through the network, as MindSpore counts it: one micro-batch under gradient accumulation,
+one of the K batches of a sink. In sink mode (``SinkStrategy(sink_size=K)``) a Lightning batch is a whole sink: its
+``batch`` is a ``SinkToken`` and its ``outputs`` carry every step's loss in ``outputs["losses"]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+from torch import Tensor
+
+from lightning_sink.sink_data import SinkToken
+
+__all__ = ["StepCounter", "is_sink", "steps_in_batch", "batch_losses", "log_scalars"]
+
+
+def is_sink(batch: Any) -> bool:
+    return isinstance(batch, SinkToken)
+
+
+def steps_in_batch(outputs: Any, batch: Any) -> int:
+    """Steps the Lightning batch trained: K for a sink (fewer when ``max_steps`` ended it early), else 1."""
+    if is_sink(batch):
+        return int(outputs["losses"].numel())
+    return 1
+
+
+def batch_losses(trainer: pl.Trainer, outputs: Any, batch: Any) -> Tensor | None:
+    """Every step's loss of this Lightning batch as a 1-D device tensor (nothing is read back), or None.
+
+    Lightning divides the ``"loss"`` it hands to callbacks by ``trainer.accumulate_grad_batches`` (its closure
+    normalises for its own accumulation, and the sink strategies set that attribute to N outside sink mode); the
+    factor is taken back out here, which is exact when N is a power of two and within one rounding otherwise. In
+    sink mode ``"losses"`` is passed through untouched.
+    """
+    if is_sink(batch):
+        return outputs["losses"].detach().reshape(-1)
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+    if not isinstance(loss, Tensor):
+        return None  # training_step returned None (a skipped batch) or no loss
+    loss = loss.detach().reshape(-1)[-1:]
+    normalised_by = trainer.accumulate_grad_batches if trainer.lightning_module.automatic_optimization else 1
+    return loss * normalised_by if normalised_by != 1 else loss
+
+
+def log_scalars(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
+    """Write to every logger of the Trainer (rank 0 only, as Lightning's own loggers do)."""
+    if not trainer.is_global_zero:
+        return
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=step)
+
+
+class StepCounter:
+    """Steps trained in the run and in the current epoch; the run total survives a restart via ``state_dict``.
+
+    The step within the epoch is what MindSpore prints (``epoch: 1 step: 1000``): outside sink mode it is Lightning's
+    ``batch_idx + 1`` (which Lightning restores on resume); in sink mode the steps of the epoch's sinks so far.
+    """
+
+    def __init__(self) -> None:
+        self.total = 0  # steps trained in the whole run (MindSpore's cur_step_num)
+        self.in_epoch = 0
+
+    def start_epoch(self) -> None:
+        self.in_epoch = 0
+
+    def advance(self, outputs: Any, batch: Any, batch_idx: int) -> int:
+        """Count this Lightning batch's steps; returns how many it trained."""
+        steps = steps_in_batch(outputs, batch)
+        self.total += steps
+        self.in_epoch = self.in_epoch + steps if is_sink(batch) else batch_idx + 1
+        return steps
+
+    def state_dict(self) -> dict[str, int]:
+        return {"total": self.total}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.total = int(state["total"])
