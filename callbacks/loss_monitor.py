@@ -53,12 +53,12 @@ class _PendingLosses:
         bad = (~torch.isfinite(values)).nonzero()
         found = None
         if len(bad):
-            index = int(bad[0])
+            first = offset = int(bad[0])
             for epoch, first_step, losses in self.chunks:
-                if index < losses.numel():
-                    found = (epoch, first_step + index, float(values[index]))
+                if offset < losses.numel():
+                    found = (epoch, first_step + offset, float(values[first]))
                     break
-                index -= losses.numel()
+                offset -= losses.numel()
         self.chunks.clear()
         return found
 
