@@ -63,3 +63,33 @@ def epoch_windows(steps_per_epoch: int, accumulation: int, epochs: int) -> list[
 def loss_lines(text: str) -> list[tuple[int, int, str]]:
     """(epoch, step, printed loss) of every loss line in captured stdout."""
     return [(int(m[1]), int(m[2]), m[3]) for m in map(LOSS_LINE.match, text.splitlines()) if m]
+
+
+class InfAtSteps(RecordingClassifier):
+    """Multiplies the loss of the chosen steps (0-based, counted over the run) by inf: an overflow there."""
+
+    def __init__(self, inf_at: tuple[int, ...] = (), **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.inf_at = set(inf_at)
+        self.calls = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.calls += 1
+        return loss * float("inf") if self.calls - 1 in self.inf_at else loss
+
+
+def dynamic_scale_rule(updates: int, overflow_at: set[int], init_scale: float, scale_window: int) -> list[tuple]:
+    """The documented DynamicLossScale rule with hysteresis=1, factor 2: (scale, overflow, skipped) after each
+    update (1-based update numbers in ``overflow_at``)."""
+    scale, growth, skipped, states = init_scale, 0, 0, []
+    for update in range(1, updates + 1):
+        overflow = update in overflow_at
+        if overflow:
+            growth, scale, skipped = 0, max(scale / 2, 1.0), skipped + 1
+        else:
+            growth += 1
+            if growth == scale_window:
+                growth, scale = 0, min(scale * 2, 2.0**24)
+        states.append((scale, overflow, skipped))
+    return states
