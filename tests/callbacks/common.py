@@ -66,17 +66,21 @@ def loss_lines(text: str) -> list[tuple[int, int, str]]:
 
 
 class InfAtSteps(RecordingClassifier):
-    """Multiplies the loss of the chosen steps (0-based, counted over the run) by inf: an overflow there."""
+    """Multiplies the loss of the chosen steps (0-based, counted over the run) by ``factor``: an overflow there.
 
-    def __init__(self, inf_at: tuple[int, ...] = (), **kwargs: Any) -> None:
+    ``factor=1e36`` keeps the loss itself finite while the scaled loss (scale >= 1024) overflows float32, as an fp16
+    overflow does in real training; ``inf`` makes the loss itself infinite.
+    """
+
+    def __init__(self, inf_at: tuple[int, ...] = (), factor: float = float("inf"), **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.inf_at = set(inf_at)
+        self.inf_at, self.factor = set(inf_at), factor
         self.calls = 0
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
         self.calls += 1
-        return loss * float("inf") if self.calls - 1 in self.inf_at else loss
+        return loss * self.factor if self.calls - 1 in self.inf_at else loss
 
 
 def dynamic_scale_rule(updates: int, overflow_at: set[int], init_scale: float, scale_window: int) -> list[tuple]:
