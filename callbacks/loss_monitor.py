@@ -8,6 +8,7 @@ have passed since the last line (counting steps over the whole run). So outside 
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Literal
 
@@ -36,7 +37,7 @@ def format_loss(value: float, dtype: torch.dtype) -> str:
 
 
 class _PendingLosses:
-    """Losses of the steps since the last check, kept on the device with the (epoch, step) of their first step."""
+    """Losses of the steps since the last read, kept on the device with the (epoch, step) of their first step."""
 
     def __init__(self) -> None:
         self.chunks: list[tuple[int, int, Tensor]] = []
@@ -44,23 +45,25 @@ class _PendingLosses:
     def add(self, epoch: int, first_step: int, losses: Tensor) -> None:
         self.chunks.append((epoch, first_step, losses))
 
-    def first_nonfinite(self) -> tuple[int, int, float] | None:
-        """(epoch, step, value) of the first NaN/inf loss since the last call, then forgets them."""
+    def read(self) -> tuple[tuple[int, int, float] | None, float | None]:
+        """(epoch, step, value) of the first NaN/inf loss (or None), and the last loss (or None); then forgets them.
+
+        Host sync: one read (``tolist``) of all pending losses, at a print point or at the end of a sink or an
+        epoch, never per step. (float64 holds every float32, bf16 and fp16 value exactly.)
+        """
         if not self.chunks:
-            return None
-        # Host sync: one read of all pending losses, at a print point or a sink/epoch end, never per step.
-        values = torch.cat([losses.float() for _, _, losses in self.chunks]).cpu()
-        bad = (~torch.isfinite(values)).nonzero()
-        found = None
-        if len(bad):
-            first = offset = int(bad[0])
-            for epoch, first_step, losses in self.chunks:
-                if offset < losses.numel():
-                    found = (epoch, first_step + offset, float(values[first]))
-                    break
-                offset -= losses.numel()
+            return None, None
+        values = torch.cat([losses.double() for _, _, losses in self.chunks]).tolist()
+        found, start = None, 0
+        for epoch, first_step, losses in self.chunks:
+            chunk = values[start : start + losses.numel()]
+            bad = next((offset for offset, value in enumerate(chunk) if not math.isfinite(value)), None)
+            if bad is not None:
+                found = (epoch, first_step + bad, chunk[bad])
+                break
+            start += losses.numel()
         self.chunks.clear()
-        return found
+        return found, values[-1]
 
 
 class LossMonitor(Callback):
@@ -112,24 +115,24 @@ class LossMonitor(Callback):
         if losses is not None:
             self._pending.add(epoch, self.steps.in_epoch - steps + 1, losses)
         print_now = self.steps.total - self.last_print_step >= self.per_print_times
-        if print_now or is_sink(batch):  # a sink is checked as it ends: one read per sink
-            self._check_finite(trainer)
+        if not (print_now or is_sink(batch)):
+            return  # nothing is read back between print points (a sink is checked as it ends)
+        found, last_value = self._pending.read()  # the one host read of this batch
+        self._act_on_nonfinite(trainer, found)
         if print_now and losses is not None:
             self.last_print_step = self.steps.total
-            self._report(trainer, epoch, losses[-1])
+            self._report(trainer, epoch, last_value, losses.dtype)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._check_finite(trainer)  # steps after the epoch's last print point
+        self._act_on_nonfinite(trainer, self._pending.read()[0])  # steps after the epoch's last print point
 
-    def _report(self, trainer: pl.Trainer, epoch: int, loss: Tensor) -> None:
-        value = float(loss)  # host sync: one read of one loss per printed line
+    def _report(self, trainer: pl.Trainer, epoch: int, value: float, dtype: torch.dtype) -> None:
         if trainer.is_global_zero:
-            print(f"epoch: {epoch} step: {self.steps.in_epoch}, loss is {format_loss(value, loss.dtype)}", flush=True)
+            print(f"epoch: {epoch} step: {self.steps.in_epoch}, loss is {format_loss(value, dtype)}", flush=True)
         log_scalars(trainer, {"loss": value}, step=self.steps.total - 1)
 
-    def _check_finite(self, trainer: pl.Trainer) -> None:
-        found = self._pending.first_nonfinite()
+    def _act_on_nonfinite(self, trainer: pl.Trainer, found: tuple[int, int, float] | None) -> None:
         if trainer.world_size > 1:  # every rank reaches the same check points, so this collective lines up
             if not trainer.strategy.reduce_boolean_decision(found is not None, all=False):
                 return
