@@ -141,11 +141,12 @@ class LossMonitor(Callback):
         if found is None:
             if self.on_nonfinite == "warn":
                 return  # the rank that saw it warns
-            message = f"LossMonitor: another rank's loss is NaN or infinite (before epoch: {trainer.current_epoch + 1}" \
-                      f" step: {self.steps.in_epoch})"
+            message = ("LossMonitor: another rank's loss is NaN or infinite (by epoch:"
+                       f" {trainer.current_epoch + 1} step: {self.steps.in_epoch})")
         else:
             epoch, step, value = found
-            message = f"LossMonitor: the loss is {value} at epoch: {epoch} step: {step} (global rank {trainer.global_rank})"
+            message = (f"LossMonitor: the loss is {value} at epoch: {epoch} step: {step}"
+                       f" (global rank {trainer.global_rank})")
         if self.on_nonfinite == "raise":
             raise NonFiniteLossError(f"{message}; training stopped (on_nonfinite='raise').")
         if self.on_nonfinite == "stop":

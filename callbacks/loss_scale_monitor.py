@@ -23,7 +23,8 @@ __all__ = ["LossScaleMonitor"]
 
 def _strategy_logs_loss_scale(trainer: pl.Trainer) -> bool:
     """Mirrors the sink strategies' ``_log_loss_scale``: their update step logs the three names itself."""
-    return isinstance(trainer.strategy, (SinkStrategy, SinkDDPStrategy)) and trainer.lightning_module.automatic_optimization
+    sink_strategy = isinstance(trainer.strategy, (SinkStrategy, SinkDDPStrategy))
+    return sink_strategy and trainer.lightning_module.automatic_optimization
 
 
 class LossScaleMonitor(Callback):

@@ -50,13 +50,19 @@ def test_the_line_format_is_the_seeds():
         assert str(np.float32(float(value))) == value
 
 
-@pytest.mark.parametrize("accumulation, per_print_times", [(1, 3), (4, 5), (2, 1)])
-def test_per_batch_lines_show_each_steps_loss_by_the_print_rule(capsys, accumulation, per_print_times):
+@pytest.mark.parametrize("strategy, accumulation, per_print_times", [
+    ("sink", 1, 3), ("sink", 4, 5), ("sink", 2, 1),
+    ("stock", 2, 3),  # Lightning's own strategy and accumulate_grad_batches
+])
+def test_per_batch_lines_show_each_steps_loss_by_the_print_rule(capsys, strategy, accumulation, per_print_times):
     epochs = 2
     model = RecordingClassifier()
     reference = reference_losses(copy.deepcopy(model), make_dataset(num_samples=SAMPLES),
                                  epoch_windows(STEPS_PER_EPOCH, accumulation, epochs))
-    fit(model, SinkStrategy(accumulation_steps=accumulation), epochs, LossMonitor(per_print_times))
+    if strategy == "sink":
+        fit(model, SinkStrategy(accumulation_steps=accumulation), epochs, LossMonitor(per_print_times))
+    else:
+        fit(model, "auto", epochs, LossMonitor(per_print_times), accumulate_grad_batches=accumulation)
 
     totals = printed_at([1] * (STEPS_PER_EPOCH * epochs), per_print_times)
     expected = [((t - 1) // STEPS_PER_EPOCH + 1, (t - 1) % STEPS_PER_EPOCH + 1, model.step_losses[t - 1])
@@ -127,7 +133,8 @@ def test_infinite_loss_is_named_too():
 def test_nonfinite_stop_ends_training_after_the_batch(sink_size, where):
     model = RecordingClassifier(nan_at=5)  # the 6th step
     with pytest.warns(UserWarning, match=f"the loss is nan at {where} .*on_nonfinite='stop'"):
-        trainer = fit(model, SinkStrategy(accumulation_steps=1, sink_size=sink_size), 4, LossMonitor(on_nonfinite="stop"))
+        trainer = fit(model, SinkStrategy(accumulation_steps=1, sink_size=sink_size), 4,
+                      LossMonitor(on_nonfinite="stop"))
     ran = 6 if sink_size is None else 10  # the step's batch, or the whole sink, then stop
     assert len(model.step_losses) == ran and trainer.global_step == ran and trainer.should_stop
 

@@ -51,7 +51,8 @@ def assert_within_clocks(lines, before, after, steps_per_epoch):
     """The monitor's readings lie between the clocks read just before and just after its own."""
     rounding = 0.0005  # the line prints 3 decimals
     for (epoch_ms, step_ms, throughput), outer, inner in zip(lines, before.epochs, after.epochs):
-        assert (outer["end"] - inner["start"]) * 1e3 - rounding <= epoch_ms <= (inner["end"] - outer["start"]) * 1e3 + rounding
+        epoch_low, epoch_high = outer["end"] - inner["start"], inner["end"] - outer["start"]
+        assert epoch_low * 1e3 - rounding <= epoch_ms <= epoch_high * 1e3 + rounding
         train_low = outer["batch_ends"][-1] - inner["start"]
         train_high = inner["batch_ends"][-1] - outer["start"]
         assert train_low * 1e3 - rounding <= step_ms * steps_per_epoch <= train_high * 1e3 + rounding * steps_per_epoch

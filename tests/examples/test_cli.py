@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 import yaml
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -58,7 +57,8 @@ def test_loss_scale_config_runs_fp16_with_the_loss_scale_plugin(tmp_path):
     assert sum(map(bool, map(TIME_LINE.match, stdout.splitlines()))) == 1
     saved = yaml.safe_load((tmp_path / "lightning_logs" / "version_0" / "config.yaml").read_text())
     (plugin,) = saved["trainer"]["plugins"]
-    assert plugin["class_path"] == "lightning_sink.LossScalePrecision" and plugin["init_args"]["precision"] == "16-mixed"
+    assert plugin["class_path"] == "lightning_sink.LossScalePrecision"
+    assert plugin["init_args"]["precision"] == "16-mixed"
     assert [c["class_path"] for c in saved["trainer"]["callbacks"]] == [
         "callbacks.LossMonitor", "callbacks.LossScaleMonitor", "callbacks.TimeMonitor"]
 
@@ -71,7 +71,8 @@ def test_printed_config_runs_again_unchanged(tmp_path):
     assert config["trainer"]["strategy"] == {"class_path": "lightning_sink.SinkStrategy", "init_args": {
         "accumulation_steps": 1, "partial_window": "scale", "sink_size": 5, "prefetch_depth": 2, "device": None,
         "accelerator": None, "checkpoint_io": None, "precision_plugin": None}}
-    assert [c["class_path"] for c in config["trainer"]["callbacks"]] == ["callbacks.LossMonitor", "callbacks.TimeMonitor"]
+    callbacks = [c["class_path"] for c in config["trainer"]["callbacks"]]
+    assert callbacks == ["callbacks.LossMonitor", "callbacks.TimeMonitor"]
     (tmp_path / "printed.yaml").write_text(printed)
     again = cli(tmp_path, "fit", "--config", str(tmp_path / "printed.yaml"))
     assert [(e, s) for e, s, _ in loss_lines(again)] == [(1, 5), (2, 5), (3, 5)]  # once per sink, as seed 001
