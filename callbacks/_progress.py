@@ -29,22 +29,22 @@ def steps_in_batch(outputs: Any, batch: Any) -> int:
     return 1
 
 
-def batch_losses(trainer: pl.Trainer, outputs: Any, batch: Any) -> Tensor | None:
-    """Every step's loss of this Lightning batch as a 1-D device tensor (nothing is read back), or None.
+def batch_losses(trainer: pl.Trainer, outputs: Any, batch: Any) -> tuple[Tensor, int] | None:
+    """This Lightning batch's step losses as Lightning hands them over (a device tensor: one element per step), and
+    the factor they must be multiplied by once read; None when the batch has no loss.
 
     Lightning divides the ``"loss"`` it hands to callbacks by ``trainer.accumulate_grad_batches`` (its closure
-    normalises for its own accumulation, and the sink strategies set that attribute to N outside sink mode); the
-    factor is taken back out here, which is exact when N is a power of two and within one rounding otherwise. In
-    sink mode ``"losses"`` is passed through untouched.
+    normalises for its own accumulation, and the sink strategies set that attribute to N outside sink mode), so the
+    factor is N there: exact when N is a power of two, within one float32 rounding otherwise. It is applied on the
+    host, when the values are read, so a step costs no tensor operation. In sink mode ``"losses"`` is untouched.
     """
     if is_sink(batch):
-        return outputs["losses"].detach().reshape(-1)
+        return outputs["losses"].detach(), 1
     loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
     if not isinstance(loss, Tensor):
         return None  # training_step returned None (a skipped batch) or no loss
-    loss = loss.detach().reshape(-1)[-1:]
     normalised_by = trainer.accumulate_grad_batches if trainer.lightning_module.automatic_optimization else 1
-    return loss * normalised_by if normalised_by != 1 else loss
+    return loss.detach(), normalised_by
 
 
 def log_scalars(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:

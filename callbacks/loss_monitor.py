@@ -37,13 +37,14 @@ def format_loss(value: float, dtype: torch.dtype) -> str:
 
 
 class _PendingLosses:
-    """Losses of the steps since the last read, kept on the device with the (epoch, step) of their first step."""
+    """Losses of the steps since the last read, kept on the device with the (epoch, step) of their first step and
+    the factor to multiply them by once read."""
 
     def __init__(self) -> None:
-        self.chunks: list[tuple[int, int, Tensor]] = []
+        self.chunks: list[tuple[int, int, Tensor, int]] = []
 
-    def add(self, epoch: int, first_step: int, losses: Tensor) -> None:
-        self.chunks.append((epoch, first_step, losses))
+    def add(self, epoch: int, first_step: int, losses: Tensor, factor: int) -> None:
+        self.chunks.append((epoch, first_step, losses, factor))
 
     def read(self) -> tuple[tuple[int, int, float] | None, float | None]:
         """(epoch, step, value) of the first NaN/inf loss (or None), and the last loss (or None); then forgets them.
@@ -53,17 +54,16 @@ class _PendingLosses:
         """
         if not self.chunks:
             return None, None
-        values = torch.cat([losses.double() for _, _, losses in self.chunks]).tolist()
+        values = torch.cat([losses.reshape(-1).double() for _, _, losses, _ in self.chunks]).tolist()
         found, start = None, 0
-        for epoch, first_step, losses in self.chunks:
-            chunk = values[start : start + losses.numel()]
+        for epoch, first_step, losses, factor in self.chunks:
+            chunk = [value * factor for value in values[start : start + losses.numel()]]
             bad = next((offset for offset, value in enumerate(chunk) if not math.isfinite(value)), None)
-            if bad is not None:
+            if bad is not None and found is None:
                 found = (epoch, first_step + bad, chunk[bad])
-                break
             start += losses.numel()
         self.chunks.clear()
-        return found, values[-1]
+        return found, chunk[-1]
 
 
 class LossMonitor(Callback):
@@ -113,7 +113,7 @@ class LossMonitor(Callback):
         steps = self.steps.advance(outputs, batch, batch_idx)
         epoch = trainer.current_epoch + 1
         if losses is not None:
-            self._pending.add(epoch, self.steps.in_epoch - steps + 1, losses)
+            self._pending.add(epoch, self.steps.in_epoch - steps + 1, *losses)
         print_now = self.steps.total - self.last_print_step >= self.per_print_times
         if not (print_now or is_sink(batch)):
             return  # nothing is read back between print points (a sink is checked as it ends)
@@ -121,7 +121,7 @@ class LossMonitor(Callback):
         self._act_on_nonfinite(trainer, found)
         if print_now and losses is not None:
             self.last_print_step = self.steps.total
-            self._report(trainer, epoch, last_value, losses.dtype)
+            self._report(trainer, epoch, last_value, losses[0].dtype)
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -75,6 +75,8 @@ class LossScaleMonitor(Callback):
         if updates - self.last_print_update < self.per_print_times:
             return
         self.last_print_update = updates
+        if not trainer.is_global_zero:
+            return  # only rank 0 prints and logs; the scale is the same on every rank
         scaler = trainer.precision_plugin.scaler
         if scaler is None:  # bf16/fp32 without scaling: the scale is 1 and nothing is ever skipped
             scale, overflow, skipped = 1.0, False, 0
@@ -83,9 +85,8 @@ class LossScaleMonitor(Callback):
             scale, found_inf, skipped = torch.stack([scaler.scale.float(), scaler.found_inf.float(),
                                                      scaler.skipped.float()]).tolist()
             overflow, skipped = found_inf > 0, int(skipped)
-        if trainer.is_global_zero:
-            print(f"epoch: {trainer.current_epoch + 1} step: {self.steps.in_epoch}, loss scale is {scale},"
-                  f" overflow is {overflow}, skipped updates is {skipped}", flush=True)
+        print(f"epoch: {trainer.current_epoch + 1} step: {self.steps.in_epoch}, loss scale is {scale},"
+              f" overflow is {overflow}, skipped updates is {skipped}", flush=True)
         if scaler is not None and not _strategy_logs_loss_scale(trainer):
             # Lightning's step for a value of update u is u - 1 (as self.log and the sink strategies use).
             log_scalars(trainer, {"loss_scale": scale, "overflow": float(overflow), "skipped_updates": float(skipped)},

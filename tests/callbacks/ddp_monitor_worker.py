@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from callbacks import LossMonitor, TimeMonitor
-from lightning_sink import SinkDDPStrategy
+from callbacks import LossMonitor, LossScaleMonitor, TimeMonitor
+from lightning_sink import DynamicLossScale, LossScalePrecision, SinkDDPStrategy
 from tests.callbacks.common import MICRO, RecordingClassifier
 from tests.helpers import loader, make_dataset, quiet_trainer
 
@@ -29,7 +29,9 @@ def main(out_dir: Path, scenario: str) -> None:
     model = NanOnRankOne() if scenario == "nan" else RecordingClassifier()
     loss_monitor = LossMonitor(1, on_nonfinite="stop" if scenario == "nan" else "raise")
     strategy = SinkDDPStrategy(accumulation_steps=2, process_group_backend="gloo")
-    trainer = quiet_trainer(strategy=strategy, devices=2, max_epochs=2, callbacks=[loss_monitor, TimeMonitor()])
+    plugin = LossScalePrecision("32-true", DynamicLossScale(init_scale=1024.0))
+    trainer = quiet_trainer(strategy=strategy, devices=2, max_epochs=2, plugins=[plugin],
+                            callbacks=[loss_monitor, TimeMonitor(), LossScaleMonitor()])
     trainer.fit(model, loader(make_dataset(num_samples=SAMPLES), MICRO))
     torch.save({"losses": torch.stack(model.step_losses), "global_step": trainer.global_step,
                 "monitor_steps": loss_monitor.steps.total}, out_dir / f"rank{trainer.global_rank}.pt")

@@ -34,6 +34,9 @@ def test_only_rank_zero_prints_its_own_losses(tmp_path):
     assert loss_lines(done.stdout) == expected  # every step once, rank 0's loss
     assert not torch.equal(rank0["losses"], rank1["losses"])  # (rank 1's lines would differ)
     assert sum(line.startswith("epoch time: ") for line in done.stdout.splitlines()) == 2
+    scale_lines = [line for line in done.stdout.splitlines() if ", loss scale is " in line]
+    assert scale_lines == [f"epoch: {e} step: {s}, loss scale is 1024.0, overflow is False, skipped updates is 0"
+                           for e in (1, 2) for s in (2, 4)]  # one per update (2 micro-batches each), rank 0 only
 
 
 @pytest.mark.slow
