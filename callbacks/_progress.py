@@ -15,18 +15,11 @@ from torch import Tensor
 
 from lightning_sink.sink_data import SinkToken
 
-__all__ = ["StepCounter", "is_sink", "steps_in_batch", "batch_losses", "log_scalars"]
+__all__ = ["StepCounter", "is_sink", "batch_losses", "log_scalars"]
 
 
 def is_sink(batch: Any) -> bool:
     return isinstance(batch, SinkToken)
-
-
-def steps_in_batch(outputs: Any, batch: Any) -> int:
-    """Steps the Lightning batch trained: K for a sink (fewer when ``max_steps`` ended it early), else 1."""
-    if is_sink(batch):
-        return int(outputs["losses"].numel())
-    return 1
 
 
 def batch_losses(trainer: pl.Trainer, outputs: Any, batch: Any) -> tuple[Tensor, int] | None:
@@ -39,12 +32,12 @@ def batch_losses(trainer: pl.Trainer, outputs: Any, batch: Any) -> tuple[Tensor,
     host, when the values are read, so a step costs no tensor operation. In sink mode ``"losses"`` is untouched.
     """
     if is_sink(batch):
-        return outputs["losses"].detach(), 1
-    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        return outputs["losses"], 1  # (the strategy hands over detached losses)
+    loss = outputs.get("loss") if isinstance(outputs, (dict, Mapping)) else outputs  # (a dict is checked fastest)
     if not isinstance(loss, Tensor):
         return None  # training_step returned None (a skipped batch) or no loss
     normalised_by = trainer.accumulate_grad_batches if trainer.lightning_module.automatic_optimization else 1
-    return loss.detach(), normalised_by
+    return (loss.detach() if loss.requires_grad else loss), normalised_by
 
 
 def log_scalars(trainer: pl.Trainer, metrics: dict[str, float], step: int) -> None:
@@ -71,9 +64,12 @@ class StepCounter:
 
     def advance(self, outputs: Any, batch: Any, batch_idx: int) -> int:
         """Count this Lightning batch's steps; returns how many it trained."""
-        steps = steps_in_batch(outputs, batch)
+        if is_sink(batch):
+            steps = int(outputs["losses"].numel())
+            self.in_epoch += steps
+        else:
+            steps, self.in_epoch = 1, batch_idx + 1
         self.total += steps
-        self.in_epoch = self.in_epoch + steps if is_sink(batch) else batch_idx + 1
         return steps
 
     def state_dict(self) -> dict[str, int]:

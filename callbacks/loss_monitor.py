@@ -54,7 +54,12 @@ class _PendingLosses:
         """
         if not self.chunks:
             return None, None
-        values = torch.cat([losses.reshape(-1).double() for _, _, losses, _ in self.chunks]).tolist()
+        tensors = [losses for _, _, losses, _ in self.chunks]
+        if all(t.dim() == 0 for t in tensors):  # outside sink mode: one 0-d loss per step
+            flat = torch.stack(tensors)
+        else:
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+        values = flat.double().tolist()
         found, start = None, 0
         for epoch, first_step, losses, factor in self.chunks:
             chunk = [value * factor for value in values[start : start + losses.numel()]]
@@ -125,7 +130,8 @@ class LossMonitor(Callback):
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._act_on_nonfinite(trainer, self._pending.read()[0])  # steps after the epoch's last print point
+        if self._pending.chunks:  # steps after the epoch's last check (the same on every rank: no collective skew)
+            self._act_on_nonfinite(trainer, self._pending.read()[0])
 
     def _report(self, trainer: pl.Trainer, epoch: int, value: float, dtype: torch.dtype) -> None:
         if trainer.is_global_zero:
