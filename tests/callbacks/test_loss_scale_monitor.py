@@ -59,3 +59,21 @@ def test_without_a_loss_scale_plugin_is_a_clear_error():
 def test_bad_per_print_times_is_a_clear_error():
     with pytest.raises(ValueError, match=r"per_print_times=-1 is not valid: pass an int >= 1"):
         LossScaleMonitor(-1)
+
+
+def test_print_period_survives_a_checkpoint_resume(tmp_path, capsys):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(epochs, callbacks, inf_at=(3,), **kwargs):  # the overflow is in epoch 1
+        plugin = LossScalePrecision("32-true", DynamicLossScale(init_scale=1024.0, scale_window=3))
+        trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=2), max_epochs=epochs, plugins=[plugin],
+                                callbacks=callbacks, enable_checkpointing=len(callbacks) > 1)
+        trainer.fit(InfAtSteps(inf_at=inf_at), loader(make_dataset(num_samples=SAMPLES), MICRO), **kwargs)
+        return [line for line in capsys.readouterr().out.splitlines() if SCALE_LINE.match(line)]
+
+    uninterrupted = run(2, [LossScaleMonitor(4)])  # 5 updates per epoch: lines at updates 4 and 8
+    first = run(1, [LossScaleMonitor(4), ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)])
+    second = run(2, [LossScaleMonitor(4)], inf_at=(), ckpt_path=tmp_path / "last.ckpt")
+    assert first + second == uninterrupted
+    # Update 8 is step 6 of epoch 2; a period restarted at the resume would print at update 6 (step 2) instead.
+    assert [line.split(",")[0] for line in second] == ["epoch: 2 step: 6"]

@@ -100,6 +100,20 @@ def test_mid_epoch_validation_is_not_step_time(capsys):
     assert epoch_ms > wall_ms
 
 
+def test_step_count_survives_a_checkpoint_resume(tmp_path):
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    first, second = TimeMonitor(), TimeMonitor()
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
+    data = loader(make_dataset(num_samples=SAMPLES), MICRO)
+    quiet_trainer(strategy=SinkStrategy(accumulation_steps=1), max_epochs=1, enable_checkpointing=True,
+                  callbacks=[first, checkpoints]).fit(RecordingClassifier(), data)
+    quiet_trainer(strategy=SinkStrategy(accumulation_steps=1), max_epochs=2, callbacks=[second]).fit(
+        RecordingClassifier(), data, ckpt_path=tmp_path / "last.ckpt")
+    steps = SAMPLES // MICRO
+    assert (first.steps.total, second.steps.total) == (steps, 2 * steps)  # the logging step runs on
+
+
 def test_bad_data_size_is_a_clear_error():
     with pytest.raises(ValueError, match=r"data_size=0 is not valid: pass an int >= 1"):
         TimeMonitor(0)
