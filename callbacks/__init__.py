@@ -1,7 +1,11 @@
-"""lightning-sink callbacks (top-level package per the design card; may import ``lightning_sink``, never the reverse).
+"""lightning-sink callbacks: MindSpore's monitoring callbacks for Lightning (top-level package per the design card).
 
-The monitoring and resharding callbacks are built in their own issue; this package exists so that the
-distribution installs both import packages from the start.
+This package may import ``lightning_sink``; ``lightning_sink`` never imports it. ``ReshardCheckpoint`` (issue 7)
+is not here yet: it needs the resharding engine.
 """
 
-__all__: list[str] = []
+from callbacks.loss_monitor import LossMonitor, NonFiniteLossError
+from callbacks.loss_scale_monitor import LossScaleMonitor
+from callbacks.time_monitor import TimeMonitor
+
+__all__ = ["LossMonitor", "NonFiniteLossError", "TimeMonitor", "LossScaleMonitor"]
