@@ -400,7 +400,8 @@ class StepProgramsMixin:
         module = self.lightning_module
         for name, value in (("loss_scale", scaling.scaler.scale), ("overflow", found_inf),
                             ("skipped_updates", scaling.scaler.skipped)):
-            module.log(name, value.clone(), on_step=True, on_epoch=False, batch_size=1)
+            # float: Lightning warns when it converts an integer tensor for the logger itself
+            module.log(name, value.to(torch.float32, copy=True), on_step=True, on_epoch=False, batch_size=1)
 
     def _sync_module_buffers(self) -> None:
         """Overridden by distributed strategies (rank 0's buffers win, as DDP's ``broadcast_buffers``)."""
