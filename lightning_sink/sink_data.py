@@ -38,7 +38,9 @@ class SinkLoader:
     """One ``SinkToken`` per Lightning epoch. It exposes no sampler: the stream sets sampler epochs per data pass."""
 
     def __init__(self, loader: Any) -> None:
-        if iter(loader) is loader:
+        # Not ``iter(loader) is loader``: starting a DataLoader iterator draws its base seed from the loader's
+        # generator, which would shift the shuffling of every later pass.
+        if isinstance(loader, Iterator):
             raise ValueError(
                 f"The training loader {type(loader).__name__} is an iterator and cannot be iterated again; sink mode"
                 " traverses the data pass after pass. Pass a DataLoader or another re-iterable object."

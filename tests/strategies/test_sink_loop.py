@@ -71,6 +71,28 @@ def test_sinks_traverse_the_data_continuously_and_match_the_plain_loop(prefetch_
     assert per_sink.steps == [2, 4, 7, 9, 11]  # global_step counts updates inside sinks
 
 
+def test_a_loader_shuffled_by_its_own_generator_keeps_the_plain_loops_order():
+    """Regression: checking the loader once with iter() drew from its generator and shifted every pass's order."""
+    def generator_loader():
+        return DataLoader(make_dataset(num_samples=SAMPLES), batch_size=MICRO, shuffle=True,
+                          generator=torch.Generator().manual_seed(5))
+
+    model = TinyClassifier(optimizer="sgd", lr=0.05)
+    reference = copy.deepcopy(model)
+    quiet_trainer(strategy=SinkStrategy(sink_size=7), max_epochs=3).fit(model, generator_loader())  # 21 batches
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    loader, trained = generator_loader(), 0
+    while trained < 21:  # passes one after another, as a hand-written loop iterates
+        for x, y in loader:
+            optimizer.zero_grad()
+            torch.nn.functional.cross_entropy(reference(x), y).backward()
+            optimizer.step()
+            trained += 1
+            if trained == 21:
+                break
+    assert relative_error(flat_params(model), flat_params(reference)) <= 1e-6
+
+
 def test_sink_size_minus_one_is_one_data_pass_per_sink():
     model = TinyClassifier(optimizer="sgd", lr=0.05)
     reference = copy.deepcopy(model)
