@@ -29,21 +29,26 @@ def final_accuracy(stdout: str) -> float:
     return float(re.search(r"^final test accuracy: ([0-9.]+)$", stdout, re.MULTILINE).group(1))
 
 
-def logged_losses(tmp_path: Path) -> list:
+def logged(tmp_path: Path, name: str = "train_loss") -> list:
     # fit and test each open an event file in the run's folder; read the folder, not one file.
     run_dir = next((tmp_path / "tb").rglob("events.out.tfevents.*")).parent
     accumulator = EventAccumulator(str(run_dir))
     accumulator.Reload()
-    return accumulator.Scalars("train_loss")
+    return accumulator.Scalars(name)
 
 
 def test_quickstart_on_sklearn_digits(tmp_path):
     stdout = run_quickstart(tmp_path, "--data", "digits")  # the default recipe a fresh machine without MNIST runs
     assert "data: scikit-learn's bundled 8x8 digits" in stdout and "; 20 epochs" in stdout
     assert final_accuracy(stdout) > 0.9  # 10 classes: chance is 0.1
-    # 1497 samples // 32 = 46 micro-batches = 11 whole windows + 1 partial window (scaled) = 12 updates per epoch
-    assert "trained 240 updates" in stdout
-    assert logged_losses(tmp_path)
+    # 1497 samples // 32 = 46 micro-batches per pass, one pass per sink; windows of 4 run on across sinks:
+    # 20 x 46 = 920 micro-batches = 230 updates.
+    assert "trained 230 updates" in stdout
+    assert re.findall(r"^epoch: (\d+) step: 46, loss is [0-9.e-]+$", stdout, re.MULTILINE) == [str(e) for e in
+                                                                                            range(1, 21)]
+    # One point per sink (log_every_n_steps=1), at Lightning's step for the sink's last update: updates - 1.
+    assert [event.step for event in logged(tmp_path)] == [46 * epoch // 4 - 1 for epoch in range(1, 21)]
+    assert {event.value for event in logged(tmp_path, "loss_scale")} == {2.0**16}  # fp32: never overflows
 
 
 @pytest.mark.skipif(not (SHARED_DATA / "MNIST" / "raw").exists(), reason="MNIST is not next to this checkout")
@@ -52,8 +57,9 @@ def test_quickstart_on_mnist(tmp_path):
                             "--max-train-samples", "8192")
     assert f"data: MNIST from {SHARED_DATA}" in stdout
     assert final_accuracy(stdout) > 0.6  # 64 updates; chance is 0.1
-    steps = [event.step for event in logged_losses(tmp_path)]
-    assert steps == sorted(steps) and steps[-1] < 64  # 8192 // 32 // 4 = 64 updates; logged every 50 steps
+    assert "trained 64 updates" in stdout  # 8192 // 32 // 4, one sink
+    assert re.search(r"^epoch: 1 step: 256, loss is [0-9.e-]+$", stdout, re.MULTILINE)
+    assert [event.step for event in logged(tmp_path)] == [63]
 
 
 def test_mnist_required_but_missing_is_a_clear_error(tmp_path):
