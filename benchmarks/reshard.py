@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
@@ -133,20 +131,15 @@ def run_reshard(source: Path, out: Path, layout, workers: int | None) -> dict:
             "header_bytes_read": stats.header_bytes_read, "peak_rss_per_worker": [r.peak_rss_bytes for r in report.ranks]}
 
 
-def _idle_rss(queue) -> None:
-    import lightning_sink.reshard.transform  # noqa: F401  (what a worker imports)
-
-    queue.put(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-
-
 def idle_worker_rss() -> int:
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    process = context.Process(target=_idle_rss, args=(queue,))
-    process.start()
-    value = queue.get(timeout=300)
-    process.join()
-    return value
+    """Peak RSS of a worker interpreter that imports what a worker imports and converts nothing."""
+    from lightning_sink.reshard.workers import _BOOTSTRAP
+
+    probe = _BOOTSTRAP.replace("sys.exit(worker_main(json.loads(sys.stdin.read())))",
+                               "from lightning_sink.reshard.transform import peak_rss_bytes; print(peak_rss_bytes())")
+    done = subprocess.run([sys.executable, "-c", probe, str(REPO / "lightning_sink")], capture_output=True, text=True,
+                          check=True)
+    return int(done.stdout.strip().splitlines()[-1])
 
 
 def check_equal(mine: Path, anchor: Path, world_size: int) -> bool:
@@ -177,6 +170,7 @@ def main() -> None:
         print(f"source: {source_bytes / 2**30:.2f} GiB in {time.perf_counter() - started:.0f} s", file=sys.stderr)
         base = load_layout(source)
         results: dict = {}
+        idle = idle_worker_rss()
         for ranks in (3, 1):
             layout = layout_on_mesh(base, MeshLayout.one_dimensional(ranks), lambda f, t: ["Shard(0)"] if t.global_shape else ["Replicate()"])
             largest = max(sum(t.chunks_of_rank(r)[0].numel * 4 for t in layout.tensors.values()) for r in range(ranks))
@@ -211,9 +205,9 @@ def main() -> None:
                 "read_over_needed": round((last["payload_bytes_read"] + last["header_bytes_read"]) / last["bytes_needed"], 4),
                 "largest_target_shard_mib": round(largest / 2**20, 1),
                 "peak_rss_per_worker_mib": [round(b / 2**20, 1) for b in last["peak_rss_per_worker"]],
+                "peak_rss_over_idle_worker_mib": [round((b - idle) / 2**20, 1) for b in last["peak_rss_per_worker"]],
                 "bit_exact_vs_anchor": equal,
             }
-        idle = idle_worker_rss()
         print(json.dumps({
             "benchmark": "reshard", "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
             "source_gib": round(source_bytes / 2**30, 3), "source_ranks": 8, "source_mesh": list(MESH),

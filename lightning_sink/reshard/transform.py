@@ -8,7 +8,6 @@ the destination, with a manifest of SHA-256 digests written last, then renamed i
 from __future__ import annotations
 
 import os
-import resource
 import shutil
 import time
 import uuid
@@ -137,6 +136,21 @@ def _provenance(source: Source, dst: Layout, ckpt_prefix: str) -> dict[str, Any]
             "ckpt_prefix": ckpt_prefix, "world_size": dst.world_size}
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM). Not ``ru_maxrss``: Linux carries that across exec, so a worker
+    would report its launcher's peak."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def worker_main(task: dict) -> int:
     """A worker process's entry (see workers.py): convert one target rank, print the result as JSON."""
     import json
@@ -162,7 +176,7 @@ def _convert_task(task: dict) -> dict:
     plan = plan_rank(rank, source.layout, dst)
     digest, size, stats = _convert_rank(plan, source, dst, staging / relative, _provenance(source, dst, ckpt_prefix))
     return {"rank": rank, "relative_path": relative, "sha256": digest, "bytes_written": size, "stats": vars(stats),
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": peak_rss_bytes(),
             "seconds": time.perf_counter() - started}
 
 
@@ -272,7 +286,7 @@ def _run(tasks, plans, source, target, staging, ckpt_prefix, workers, memory_bud
             relative = f"rank_{plan.rank}/{ckpt_prefix}{plan.rank}.pt"
             (staging / f"rank_{plan.rank}").mkdir()
             digest, size, stats = _convert_rank(plan, source, target, staging / relative, provenance)
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            peak = peak_rss_bytes()
             yield RankResult(plan.rank, relative, digest, size, stats, peak, time.perf_counter() - started)
         return
     count = min(workers, len(tasks))
@@ -324,5 +338,5 @@ def transform_checkpoint_by_rank(
         fsync_dir(out.parent)
     finally:
         temp.unlink(missing_ok=True)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     return RankResult(rank_id, out.name, digest, size, stats, peak, time.perf_counter() - started)
