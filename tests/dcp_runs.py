@@ -56,7 +56,8 @@ def _parse_placement(text: str):
     return Shard(int(re.match(r"^Shard\((\d+)\)$", text).group(1)))
 
 
-def _worker(rank: int, world_size: int, init_file: str, mesh_shape, dim_names, spec, seed, out_dir, plain_names):
+def _worker(rank: int, world_size: int, init_file: str, mesh_shape, dim_names, spec, seed, out_dir, plain_names,
+            thread_count):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -74,7 +75,8 @@ def _worker(rank: int, world_size: int, init_file: str, mesh_shape, dim_names, s
                 flat[name] = distribute_tensor(tensor, mesh, placements)
         state = _nest(flat)
         state["meta"] = dict(NON_TENSOR_STATE)
-        dcp.save(state, checkpoint_id=out_dir)
+        # thread_count > 1: each rank writes several files (__{rank}_0.distcp, __{rank}_1.distcp, ...)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(out_dir, thread_count=thread_count))
         # Each rank's own shards, as distribute_tensor cut them: the ground truth for the layout's chunks.
         local = {name: (v.to_local() if hasattr(v, "to_local") else v) for name, v in flat.items()}
         torch.save(local, Path(out_dir).parent / f"{Path(out_dir).name}.local_{rank}.pt")
@@ -94,6 +96,7 @@ def save_dcp_checkpoint(
     dim_names: tuple[str, ...] | None = None,
     seed: int = 0,
     plain_names: tuple[str, ...] = (),
+    thread_count: int = 1,
 ) -> Path:
     world_size = 1
     for size in mesh_shape:
@@ -104,7 +107,7 @@ def save_dcp_checkpoint(
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     mp.start_processes(
         _worker,
-        args=(world_size, init_file, mesh_shape, dim_names, spec, seed, str(out_dir), plain_names),
+        args=(world_size, init_file, mesh_shape, dim_names, spec, seed, str(out_dir), plain_names, thread_count),
         nprocs=world_size,
         start_method="spawn",
     )

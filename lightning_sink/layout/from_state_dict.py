@@ -38,7 +38,7 @@ def _is_stateful(value: object) -> bool:
 def role_of(fqn: str, parameter_names: Iterable[str] = (), buffer_names: Iterable[str] = ()) -> str:
     """Classify a DCP FQN; with the module's parameter/buffer names, parameters and buffers are told apart."""
     segments = fqn.split(".")
-    if any(segment.startswith(_OPTIMIZER_PREFIXES) for segment in segments[:1]) or ".state." in f".{fqn}.":
+    if segments[0].startswith(_OPTIMIZER_PREFIXES):
         return "optimizer_state"
     if any(fqn.endswith(name) for name in buffer_names):
         return "buffer"

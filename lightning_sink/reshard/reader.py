@@ -24,6 +24,8 @@ from lightning_sink.reshard.plan import Box
 __all__ = ["ReadStats", "TensorLocation", "RangeFile", "locate_tensors", "copy_region", "FileCache"]
 
 _DATA_DESCRIPTOR_SIGNATURE = 0x08074B50
+READ_BUFFER_BYTES = 16 * 2**20  # the bounded staging buffer for regions that are contiguous only in the file
+DIRECT_RUN_BYTES = 1 * 2**20  # runs at least this long are read straight into the target shard
 
 
 @dataclass
@@ -178,34 +180,77 @@ def copy_region(
     src_start = [r - s for r, s in zip(region_offsets, source_offsets)]
     dst_start = [r - t for r, t in zip(region_offsets, target_offsets)]
     src_shape, dst_shape = source.shape, tuple(target.shape)
-    # Split point k: dims after k are whole in both the source chunk and the target shard, so each index over
-    # dims < k is one contiguous run in the file and in memory.
+    whole_record = source.storage_offset == 0 and sizes == src_shape and math.prod(src_shape) * item == source.storage_nbytes
+    split = _split_dim(sizes, src_shape, dst_shape)
+    run = math.prod(sizes[split:])
+    if run * item < DIRECT_RUN_BYTES and _split_dim(sizes, src_shape, src_shape) == 0:
+        # Contiguous in the file but not in the target (e.g. half-rows into full rows): few big reads into a
+        # bounded buffer, scattered by torch, instead of many small reads.
+        crc = _copy_span_buffered(fd, source, src_start, region, target, dst_start, stats, whole_record)
+    else:
+        crc = _copy_runs_direct(fd, source, src_start, sizes, split, target, dst_start, stats, whole_record)
+    if whole_record:
+        _check_crc(fd, source, crc, stats)
+
+
+def _split_dim(sizes, src_shape, dst_shape) -> int:
+    """The dim k such that dims after k are whole in both shapes: each index over dims < k is one contiguous
+    run (dim k partial, later dims whole) in both."""
     split = len(sizes)
     while split > 0 and sizes[split - 1] == src_shape[split - 1] == dst_shape[split - 1]:
         split -= 1
-    split = max(split - 1, 0) if split > 0 else 0
+    return max(split - 1, 0)
+
+
+def _copy_runs_direct(fd, source: TensorLocation, src_start, sizes, split, target, dst_start, stats, whole_record) -> int:
+    item = source.dtype.itemsize
     run = math.prod(sizes[split:])
-    src_strides, dst_strides = _contiguous_strides(src_shape), _contiguous_strides(dst_shape)
+    src_strides, dst_strides = _contiguous_strides(source.shape), _contiguous_strides(tuple(target.shape))
     out = _as_bytes(target)
-    whole_record = source.storage_offset == 0 and sizes == src_shape and math.prod(src_shape) * item == source.storage_nbytes
     crc = 0
     for index in itertools.product(*(range(size) for size in sizes[:split])):
-        src_element = source.storage_offset + sum(
-            (start + (index[dim] if dim < split else 0)) * stride for dim, (start, stride) in enumerate(zip(src_start, src_strides))
-        )
-        dst_element = sum(
-            (start + (index[dim] if dim < split else 0)) * stride for dim, (start, stride) in enumerate(zip(dst_start, dst_strides))
-        )
+        position = [start + (index[dim] if dim < split else 0) for dim, start in enumerate(src_start)]
+        src_element = source.storage_offset + sum(p * s for p, s in zip(position, src_strides))
+        dst_element = sum((start + (index[dim] if dim < split else 0)) * stride
+                          for dim, (start, stride) in enumerate(zip(dst_start, dst_strides)))
         view = out[dst_element * item : (dst_element + run) * item]
-        got = os.preadv(fd, [view], source.data_offset + src_element * item)
-        if got != len(view):
-            raise ValueError(f"{source.what}: truncated: wanted {len(view)} bytes at offset"
-                             f" {source.data_offset + src_element * item}, the file ended after {got}")
-        stats.payload_bytes_read += got
+        _pread_exact(fd, view, source.data_offset + src_element * item, source)
+        stats.payload_bytes_read += len(view)
         if whole_record:
             crc = zlib.crc32(view, crc)
-    if whole_record and run > 0:
-        _check_crc(fd, source, crc, stats)
+    return crc
+
+
+def _copy_span_buffered(fd, source: TensorLocation, src_start, region, target, dst_start, stats, whole_record) -> int:
+    """The region is one contiguous span of the file (rows of the stored chunk): read it in blocks of whole
+    dim-0 slices that fit the buffer, copying each block into the target's strided view."""
+    item = source.dtype.itemsize
+    sizes = region[1]
+    row_elements = math.prod(sizes[1:]) if sizes else 1
+    rows = sizes[0] if sizes else 1
+    rows_per_block = max(1, READ_BUFFER_BYTES // max(row_elements * item, 1))
+    buffer = torch.empty(min(rows, rows_per_block) * row_elements, dtype=source.dtype)
+    raw = _as_bytes(buffer)
+    start_element = source.storage_offset + (src_start[0] * math.prod(source.shape[1:]) if sizes else 0)
+    crc = 0
+    for first in range(0, rows, rows_per_block):
+        count = min(rows_per_block, rows - first)
+        view = raw[: count * row_elements * item]
+        _pread_exact(fd, view, source.data_offset + (start_element + first * row_elements) * item, source)
+        stats.payload_bytes_read += len(view)
+        if whole_record:
+            crc = zlib.crc32(view, crc)
+        block = buffer[: count * row_elements].view(count, *sizes[1:]) if sizes else buffer.view(())
+        index = tuple(slice(d + (first if dim == 0 else 0), d + (first + count if dim == 0 else n))
+                      for dim, (d, n) in enumerate(zip(dst_start, sizes)))
+        target[index].copy_(block)
+    return crc
+
+
+def _pread_exact(fd: int, view: memoryview, offset: int, source: TensorLocation) -> None:
+    got = os.preadv(fd, [view], offset)
+    if got != len(view):
+        raise ValueError(f"{source.what}: truncated: wanted {len(view)} bytes at offset {offset}, the file ended after {got}")
 
 
 def _check_crc(fd: int, source: TensorLocation, crc: int, stats: ReadStats) -> None:

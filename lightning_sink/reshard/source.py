@@ -66,15 +66,15 @@ class DcpSource(Source):
         storage = layout_from_dcp_metadata(folder, world_size=declared.world_size if declared else None)
         if declared is not None:
             _check_layout_matches_storage(declared, storage, str(resolve_layout_path(declared_path)), str(folder))
-        files = {}
+        # A rank may have written several files (__{rank}_0.distcp, __{rank}_1.distcp, ...): keep them all.
+        self.rank_files: dict[int, set[Path]] = {}
         for info in (self.metadata.storage_data or {}).values():
-            rank = storage_rank(info.relative_path)
-            files.setdefault(rank, folder / info.relative_path)
-        if allowed is not None:  # transform_checkpoint_by_rank: only the files in the map may be read
-            files = {rank: Path(allowed[rank]) for rank in files if rank in allowed}
+            self.rank_files.setdefault(storage_rank(info.relative_path), set()).add(folder / info.relative_path)
+        files = {rank: min(paths) for rank, paths in self.rank_files.items()}
+        if allowed is not None:  # transform_checkpoint_by_rank: only the ranks in the map may be read
+            files = {rank: path for rank, path in files.items() if rank in allowed}
         paths = {fqn: list(path) for fqn, path in (self.metadata.planner_data or {}).items()}
         super().__init__(f"DCP checkpoint {str(folder)!r}", storage, files, _digest_file(folder / DCP_METADATA_FILE), paths)
-        self._storage_files = {storage_rank(i.relative_path) for i in (self.metadata.storage_data or {}).values()}
 
     def _info(self, fqn: str, chunk: Chunk):
         item = self.metadata.state_dict_metadata[fqn]
@@ -85,14 +85,17 @@ class DcpSource(Source):
 
     def check_files(self, ranks: list[int]) -> None:
         super().check_files(ranks)
+        for rank in ranks:
+            for path in sorted(self.rank_files.get(rank, ())):
+                if not path.is_file():
+                    raise FileNotFoundError(f"{self.description}: the file {str(path)!r} of source rank {rank} is missing")
         for fqn, item in self.metadata.state_dict_metadata.items():  # sizes: a truncated file fails here, early
             if isinstance(item, BytesStorageMetadata):
                 continue
             for index, stored in enumerate(item.chunks):
                 info = self.metadata.storage_data[MetadataIndex(fqn, stored.offsets, index)]
-                rank = storage_rank(info.relative_path)
-                path = self.files.get(rank)
-                if rank in ranks and path is not None and os.path.getsize(path) < info.offset + info.length:
+                rank, path = storage_rank(info.relative_path), self.folder / info.relative_path
+                if rank in ranks and os.path.getsize(path) < info.offset + info.length:
                     raise ValueError(
                         f"{self.description}: file {str(path)!r} is truncated: tensor {fqn!r} needs bytes up to"
                         f" {info.offset + info.length}, the file has {os.path.getsize(path)}"
@@ -100,7 +103,9 @@ class DcpSource(Source):
 
     def locate(self, chunk: Chunk, fqn: str, stats: ReadStats, fds) -> TensorLocation:
         info = self._info(fqn, chunk)
-        path = self.files[chunk.rank]
+        if chunk.rank not in self.files:
+            raise ValueError(f"{self.description}: source rank {chunk.rank} is not among the files given")
+        path = self.folder / info.relative_path
         what = f"tensor {fqn!r} (chunk at {list(chunk.offsets)}) in file {str(path)!r}"
         location = locate_tensors(fds.fd(path), path, info.offset, info.length, what, stats)
         if not isinstance(location, TensorLocation):

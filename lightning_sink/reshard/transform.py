@@ -7,9 +7,7 @@ the destination, with a manifest of SHA-256 digests written last, then renamed i
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import resource
 import shutil
 import time
 import uuid
@@ -28,6 +26,7 @@ from lightning_sink.reshard.manifest import Manifest, read_manifest, write_manif
 from lightning_sink.reshard.plan import RankPlan, plan_rank
 from lightning_sink.reshard.reader import FileCache, ReadStats, copy_region
 from lightning_sink.reshard.source import RESHARDED_FORMAT, Source, open_source, source_from_files
+from lightning_sink.reshard.workers import run_in_workers
 from lightning_sink.reshard.writer import fsync_dir, save_hashed
 
 __all__ = ["ReshardReport", "RankResult", "transform_checkpoints", "transform_checkpoint_by_rank", "rank_list_for_transform"]
@@ -137,18 +136,48 @@ def _provenance(source: Source, dst: Layout, ckpt_prefix: str) -> dict[str, Any]
             "ckpt_prefix": ckpt_prefix, "world_size": dst.world_size}
 
 
-def _worker_task(args: tuple) -> RankResult:
-    """One target rank in a worker process: reopen the source, convert, report peak RSS."""
-    rank, src_dir, src_layout, dst_json, staging, ckpt_prefix = args
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM). Not ``ru_maxrss``: Linux carries that across exec, so a worker
+    would report its launcher's peak."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def worker_main(task: dict) -> int:
+    """A worker process's entry (see workers.py): convert one target rank, print the result as JSON."""
+    import json
+    import sys
+
+    try:
+        result = _convert_task(task)
+    except (ValueError, FileNotFoundError, TypeError) as error:
+        print(json.dumps({"error": type(error).__name__, "message": str(error)}))
+        return 1
+    print(json.dumps({"result": result}))
+    sys.stdout.flush()
+    return 0
+
+
+def _convert_task(task: dict) -> dict:
     started = time.perf_counter()
-    source = open_source(src_dir, src_layout)
-    dst = Layout.from_json(dst_json)
-    provenance = _provenance(source, dst, ckpt_prefix)
+    rank, staging, ckpt_prefix = task["rank"], Path(task["staging"]), task["ckpt_prefix"]
+    source = open_source(task["src_dir"], task["src_layout"])
+    dst = Layout.from_json(task["dst_layout"])
     relative = f"rank_{rank}/{ckpt_prefix}{rank}.pt"
-    (Path(staging) / f"rank_{rank}").mkdir(parents=True, exist_ok=True)
-    digest, size, stats = _convert_rank(plan_rank(rank, source.layout, dst), source, dst, Path(staging) / relative, provenance)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return RankResult(rank, relative, digest, size, stats, peak, time.perf_counter() - started)
+    (staging / f"rank_{rank}").mkdir(parents=True, exist_ok=True)
+    plan = plan_rank(rank, source.layout, dst)
+    digest, size, stats = _convert_rank(plan, source, dst, staging / relative, _provenance(source, dst, ckpt_prefix))
+    return {"rank": rank, "relative_path": relative, "sha256": digest, "bytes_written": size, "stats": vars(stats),
+            "peak_rss_bytes": peak_rss_bytes(),
+            "seconds": time.perf_counter() - started}
 
 
 def _prepare_destination(dst: Path, provenance: dict, overwrite: bool) -> None:
@@ -228,7 +257,8 @@ def transform_checkpoints(
     report = ReshardReport(dst)
     try:
         layout_arg = str(src_strategy_file) if src_strategy_file is not None else None
-        tasks = [(plan.rank, str(src_dir), layout_arg, target.to_json(), str(staging), ckpt_prefix) for plan in plans]
+        tasks = [{"rank": plan.rank, "src_dir": str(src_dir), "src_layout": layout_arg, "dst_layout": target.to_json(),
+                  "staging": str(staging), "ckpt_prefix": ckpt_prefix} for plan in plans]
         for done, result in enumerate(_run(tasks, plans, source, target, staging, ckpt_prefix, workers, memory_budget_bytes), 1):
             report.ranks.append(result)
             if progress is not None:
@@ -256,17 +286,16 @@ def _run(tasks, plans, source, target, staging, ckpt_prefix, workers, memory_bud
             relative = f"rank_{plan.rank}/{ckpt_prefix}{plan.rank}.pt"
             (staging / f"rank_{plan.rank}").mkdir()
             digest, size, stats = _convert_rank(plan, source, target, staging / relative, provenance)
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            peak = peak_rss_bytes()
             yield RankResult(plan.rank, relative, digest, size, stats, peak, time.perf_counter() - started)
         return
     count = min(workers, len(tasks))
     if memory_budget_bytes is not None:
         largest = max((sum(s.numel * torch_dtype(s.dtype).itemsize for s in p.shards) for p in plans), default=1)
         count = max(1, min(count, memory_budget_bytes // max(largest, 1)))
-    context = multiprocessing.get_context("spawn")
-    # maxtasksperchild=1: each target rank gets a fresh process, so its peak RSS is its own.
-    with context.Pool(count, maxtasksperchild=1) as pool:
-        yield from pool.imap_unordered(_worker_task, tasks)
+    for result in run_in_workers(tasks, count):
+        yield RankResult(result["rank"], result["relative_path"], result["sha256"], result["bytes_written"],
+                         ReadStats(**result["stats"]), result["peak_rss_bytes"], result["seconds"])
 
 
 def transform_checkpoint_by_rank(
@@ -309,5 +338,5 @@ def transform_checkpoint_by_rank(
         fsync_dir(out.parent)
     finally:
         temp.unlink(missing_ok=True)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     return RankResult(rank_id, out.name, digest, size, stats, peak, time.perf_counter() - started)

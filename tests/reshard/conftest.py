@@ -38,5 +38,5 @@ def source_8(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def source_3(tmp_path_factory) -> Path:
-    """3 ranks on a 1-D mesh."""
-    return save_dcp_checkpoint(tmp_path_factory.mktemp("src3") / "ckpt", SPEC_3, (3,), ("dp",), seed=1)
+    """3 ranks on a 1-D mesh, each rank writing two storage files (DCP's thread_count=2)."""
+    return save_dcp_checkpoint(tmp_path_factory.mktemp("src3") / "ckpt", SPEC_3, (3,), ("dp",), seed=1, thread_count=2)

@@ -54,7 +54,8 @@ def test_truncated_shard_file(source: Path, two_ranks, tmp_path: Path):
     assert nothing_written(tmp_path, tmp_path / "out")
 
 
-def test_corrupted_tensor_bytes_fail_the_crc(source: Path, two_ranks, tmp_path: Path):
+@pytest.mark.parametrize("workers", [None, 1])
+def test_corrupted_tensor_bytes_fail_the_crc(source: Path, two_ranks, tmp_path: Path, workers):
     """Flip one byte inside a chunk's raw tensor data: the record is read whole, so its CRC-32 catches it."""
     metadata = read_dcp_metadata(source)
     from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -68,8 +69,8 @@ def test_corrupted_tensor_bytes_fail_the_crc(source: Path, two_ranks, tmp_path: 
     blob[position] ^= 0xFF
     (source / info.relative_path).write_bytes(bytes(blob))
     one = layout_on_mesh(load_layout(source), MeshLayout.one_dimensional(1), rows)
-    with pytest.raises(ValueError, match=r"tensor 'state_dict.w' .*__0_0\.distcp.*corrupt: CRC-32"):
-        convert(source, one, tmp_path / "out")
+    with pytest.raises(ValueError, match=rf"tensor 'state_dict.w' .*{info.relative_path}.*corrupt: CRC-32"):
+        convert(source, one, tmp_path / "out", workers=workers)  # a worker process's error reaches the caller
     assert nothing_written(tmp_path, tmp_path / "out")
 
 

@@ -99,7 +99,7 @@ def _resume(rank: int, source: str, mode: str, out: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from lightning_sink.layout import layout_from_state_dict, save_layout
-    from lightning_sink.reshard import load_into_state_dict, load_resharded_checkpoint, transform_checkpoints
+    from lightning_sink.reshard import load_into_state_dict, load_resharded_checkpoint, to_dtensors, transform_checkpoints
 
     # A fresh model and optimizer per mode.
     mesh, model, optimizer = build((2,), ("tp",))
@@ -112,6 +112,11 @@ def _resume(rank: int, source: str, mode: str, out: str) -> None:
         dist.barrier()
         checkpoint = load_resharded_checkpoint(Path(out) / "resharded" / f"rank_{rank}" / f"ckpt_{rank}.pt")
         load_into_state_dict(state, checkpoint)
+        # The same shards as DTensors on this mesh (to_dtensors) are the values just loaded.
+        rebuilt = to_dtensors(checkpoint, mesh)
+        for name, value in state["model"].items():
+            assert rebuilt[f"model.{name}"].placements == value.placements, name
+            assert torch.equal(rebuilt[f"model.{name}"].full_tensor(), value.full_tensor()), name
     else:
         dcp.load(state, checkpoint_id=source)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])

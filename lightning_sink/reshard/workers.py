@@ -1,0 +1,63 @@
+"""Worker processes for ``transform_checkpoints(workers=k)``: one fresh interpreter per target rank.
+
+A worker imports only ``lightning_sink.layout`` and ``lightning_sink.reshard`` (and torch), not the
+``lightning_sink`` package root, which imports Lightning to register strategies: that would cost every worker
+seconds of start-up and a few hundred MiB of memory for nothing. A fresh process per rank also makes its peak
+RSS that rank's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+__all__ = ["run_in_workers", "WorkerError"]
+
+# Registers a bare `lightning_sink` package (its __path__ only) so that importing its subpackages does not run
+# lightning_sink/__init__.py; then runs one task read from stdin and prints the result as JSON.
+_BOOTSTRAP = """
+import json, sys, types
+package = types.ModuleType("lightning_sink")
+package.__path__ = [sys.argv[1]]
+sys.modules["lightning_sink"] = package
+from lightning_sink.reshard.transform import worker_main
+sys.exit(worker_main(json.loads(sys.stdin.read())))
+"""
+
+
+class WorkerError(RuntimeError):
+    """A worker process died without reporting an error (killed, out of memory)."""
+
+
+def _run_one(task: dict) -> dict:
+    package_dir = str(Path(__file__).resolve().parents[1])
+    environment = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    done = subprocess.run([sys.executable, "-c", _BOOTSTRAP, package_dir], input=json.dumps(task), env=environment,
+                          capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    reply = json.loads(lines[-1]) if lines else {}
+    if "error" in reply:
+        error_type = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "TypeError": TypeError}
+        raise error_type.get(reply["error"], RuntimeError)(reply["message"])
+    if done.returncode != 0 or "result" not in reply:
+        raise WorkerError(f"worker for target rank {task['rank']} exited with status {done.returncode}: {done.stderr[-2000:]}")
+    return reply["result"]
+
+
+def run_in_workers(tasks: Iterable[dict], count: int) -> Iterator[dict]:
+    """Run tasks in at most ``count`` concurrent worker processes; yield results as they complete."""
+    with ThreadPoolExecutor(count) as pool:
+        futures = [pool.submit(_run_one, task) for task in tasks]
+        from concurrent.futures import as_completed
+
+        try:
+            for future in as_completed(futures):
+                yield future.result()
+        finally:
+            for future in futures:
+                future.cancel()
