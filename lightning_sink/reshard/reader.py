@@ -25,7 +25,7 @@ __all__ = ["ReadStats", "TensorLocation", "RangeFile", "locate_tensors", "copy_r
 
 _DATA_DESCRIPTOR_SIGNATURE = 0x08074B50
 READ_BUFFER_BYTES = 16 * 2**20  # the bounded staging buffer for regions that are contiguous only in the file
-DIRECT_RUN_BYTES = 1 * 2**20  # runs at least this long are read straight into the target shard
+DIRECT_RUN_BYTES = 2**20  # runs at least this long are read straight into the target shard
 
 
 @dataclass
