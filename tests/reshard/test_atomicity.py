@@ -3,7 +3,6 @@ completes. Kills happen in a real subprocess at chosen points and at a random mo
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess

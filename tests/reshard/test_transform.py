@@ -3,7 +3,6 @@ built from, and DCP's own load-time resharding in real gloo processes."""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import pytest
