@@ -1,0 +1,98 @@
+"""Gloo runs for loading resharded checkpoints with ``Trainer.fit(ckpt_path=DST)``, launched by Lightning.
+
+``python -m tests.strategies.resharded_load_worker OUT train``: 4 ranks (data_parallel=2 x tensor_parallel=2),
+AdamW, windows of 2, 2 epochs; ``ReshardCheckpoint`` saves ``OUT/stage1`` and reshards it to the layout in
+``OUT/target_dp1_tp2.json`` (written by the test with ``infer_layout``) into ``OUT/resharded_dp1_tp2``.
+
+``python -m tests.strategies.resharded_load_worker OUT resume``: 2 ranks fit from ``OUT/resharded_dp1_tp2`` on a
+1 x 2 mesh, then from ``OUT/resharded_dp2_tp1`` (converted by the test) on a 2 x 1 mesh, 2 more epochs each.
+
+Rank 0 writes what the test checks into ``OUT/<name>.pt``: the full parameters and AdamW state right after the
+load, the loss on the whole data set (the "probe") at the end of stage 1, after the load and after each epoch.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+
+from callbacks import ReshardCheckpoint
+from lightning_sink import SinkModelParallelStrategy
+from tests.helpers import loader, make_dataset, quiet_trainer
+from tests.strategies.mp_models import TPClassifier, full_parameters
+
+MICRO_BATCH, STEPS, SAMPLES, LR = 4, 2, 48, 0.01
+
+
+def full_tensor(value):
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def probe_loss(module) -> float:
+    """The loss of the current parameters on the whole data set (same input on every rank: a valid collective)."""
+    x, y = make_dataset(num_samples=SAMPLES).tensors
+    with torch.no_grad():
+        return F.cross_entropy(module(x), y).item()
+
+
+class Record(Callback):
+    """Full parameters and optimizer state after the checkpoint is restored; probe losses at epoch and fit ends."""
+
+    def __init__(self) -> None:
+        self.result: dict = {"epoch_probes": []}
+
+    def on_train_start(self, trainer, pl_module):
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        optimizer_state = get_optimizer_state_dict(pl_module, trainer.optimizers[0])["state"]
+        self.result.update(
+            start_global_step=trainer.global_step, start_epoch=trainer.current_epoch, start_probe=probe_loss(pl_module),
+            params=full_parameters(pl_module),
+            optimizer={f"{name}.{key}": full_tensor(value).clone() for name, state in optimizer_state.items()
+                       for key, value in state.items()},
+            lr=trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.result["epoch_probes"].append(probe_loss(pl_module))
+
+    def on_fit_end(self, trainer, pl_module):  # (listed before ReshardCheckpoint: the state it saves)
+        self.result.update(end_global_step=trainer.global_step, end_probe=probe_loss(pl_module))
+
+
+def fit(dp: int, tp: int, epochs: int, callbacks=(), ckpt_path=None) -> dict:
+    record = Record()
+    strategy = SinkModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp, accumulation_steps=STEPS,
+                                         process_group_backend="gloo")
+    trainer = quiet_trainer(strategy=strategy, devices=dp * tp, max_epochs=epochs, callbacks=[record, *callbacks])
+    trainer.fit(TPClassifier(optimizer="adamw", lr=LR, seed=dp * 10 + tp), loader(make_dataset(num_samples=SAMPLES), MICRO_BATCH),
+                ckpt_path=ckpt_path)
+    return record.result
+
+
+def save(out: Path, name: str, result: dict) -> None:
+    if dist.get_rank() == 0:
+        torch.save(result, out / f"{name}.pt")
+
+
+def train(out: Path) -> None:
+    reshard = ReshardCheckpoint(out / "target_dp1_tp2.json", out / "resharded_dp1_tp2", ckpt_prefix="ckpt_",
+                                src_dir=out / "stage1")
+    result = fit(2, 2, epochs=2, callbacks=[reshard])
+    result["bytes_written"] = sum(r.bytes_written for r in reshard.report.ranks) if reshard.report else None
+    save(out, "stage1", result)
+
+
+def resume(out: Path) -> None:
+    save(out, "resumed_dp1_tp2", fit(1, 2, epochs=4, ckpt_path=out / "resharded_dp1_tp2"))
+    save(out, "resumed_dp2_tp1", fit(2, 1, epochs=4, ckpt_path=out / "resharded_dp2_tp1"))
+
+
+if __name__ == "__main__":
+    {"train": train, "resume": resume}[sys.argv[2]](Path(sys.argv[1]))
+    dist.barrier()
+    dist.destroy_process_group()  # before the interpreter exits: a live process group can abort it

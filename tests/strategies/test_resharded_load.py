@@ -1,0 +1,108 @@
+"""``Trainer.fit(ckpt_path=DST)`` from a ``transform_checkpoints`` output, with ``SinkModelParallelStrategy``.
+
+Stage 1: 4 gloo ranks (data_parallel=2 x tensor_parallel=2), whose ``ReshardCheckpoint`` saves the final checkpoint
+and reshards it to the 1 x 2 layout ``infer_layout`` predicts; the test also reshards it to 2 x 1 itself. Stage 2:
+2 ranks fit from each. The reference for every loaded value is DCP's own ``dcp_to_torch_save`` of the stage-1
+folder; the continuation is checked on the loss of the whole data set.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from lightning_sink.layout import save_layout
+from lightning_sink.layout_inference import infer_layout
+from lightning_sink.reshard import load_resharded_checkpoint, transform_checkpoints, verify_checkpoint
+from tests.conftest import clean_subprocess_env
+from tests.strategies import resharded_load_worker as worker
+from tests.strategies.mp_models import TPClassifier
+
+REPO = Path(__file__).resolve().parents[2]
+INIT_ARGS = {"optimizer": "adamw", "lr": worker.LR}
+MESHES = {"resumed_dp1_tp2": (1, 2), "resumed_dp2_tp1": (2, 1)}
+
+
+def launch(out: Path, phase: str) -> None:
+    env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "tests.strategies.resharded_load_worker", str(out), phase], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("resharded_load")
+    save_layout(infer_layout(TPClassifier, 1, 2, init_args=INIT_ARGS), out / "target_dp1_tp2.json")
+    launch(out, "train")
+    transform_checkpoints(out / "stage1", out / "resharded_dp2_tp1", "ckpt_", None,
+                          infer_layout(TPClassifier, 2, 1, init_args=INIT_ARGS))
+    launch(out, "resume")
+    return out
+
+
+def full_reference(runs: Path) -> dict[str, torch.Tensor]:
+    dcp_to_torch_save(runs / "stage1", runs / "full.pt")  # DCP's own offline load of the stage-1 checkpoint
+    flat, _ = flatten_state_dict(torch.load(runs / "full.pt", weights_only=True))
+    return flat
+
+
+def updates_per_epoch(dp: int) -> int:
+    batches = worker.SAMPLES // dp // worker.MICRO_BATCH  # each data-parallel rank's share of the samples
+    return -(-batches // worker.STEPS)  # windows of STEPS; a last partial window also updates ("scale")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MESHES))
+def test_loaded_parameters_and_adam_state_are_dcps_full_values(runs: Path, name: str):
+    full = full_reference(runs)
+    result = torch.load(runs / f"{name}.pt", weights_only=True)
+    assert result["params"].keys() == {"net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias"}
+    for param, value in result["params"].items():
+        assert torch.equal(value, full[f"state_dict.{param}"]), param
+    assert len(result["optimizer"]) == 3 * len(result["params"])  # exp_avg, exp_avg_sq, step of each
+    for key, value in result["optimizer"].items():
+        assert torch.equal(value, full[f"optimizer_0.state.{key}"]), key
+    assert result["lr"] == full["optimizer_0.param_groups.0.lr"] == worker.LR
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MESHES))
+def test_training_continues_from_stage_one(runs: Path, name: str):
+    stage1 = torch.load(runs / "stage1.pt", weights_only=True)
+    result = torch.load(runs / f"{name}.pt", weights_only=True)
+    dp, _ = MESHES[name]
+    assert stage1["end_global_step"] == 2 * updates_per_epoch(2)
+    assert (result["start_global_step"], result["start_epoch"]) == (stage1["end_global_step"], 2)
+    assert result["end_global_step"] == stage1["end_global_step"] + 2 * updates_per_epoch(dp)
+    # The first loss of the fine-tuning is the last of stage 1 (same parameters; TP changes the summation order).
+    assert result["start_probe"] == pytest.approx(stage1["end_probe"], rel=1e-5)
+    assert stage1["epoch_probes"][-1] == pytest.approx(stage1["end_probe"], rel=1e-6)
+    probes = [result["start_probe"], *result["epoch_probes"]]
+    assert all(later < earlier for earlier, later in zip(probes, probes[1:])), probes
+
+
+@pytest.mark.slow
+def test_reshard_checkpoint_output_is_verified_slices_of_the_full_tensors(runs: Path):
+    """ReshardCheckpoint's output (4 training ranks -> the 1 x 2 layout): complete, and every shard a slice."""
+    verify_checkpoint(runs / "resharded_dp1_tp2")
+    layout = infer_layout(TPClassifier, 1, 2, init_args=INIT_ARGS)
+    full = full_reference(runs)
+    for rank in range(2):
+        checkpoint = load_resharded_checkpoint(runs / "resharded_dp1_tp2" / f"rank_{rank}" / f"ckpt_{rank}.pt")
+        assert checkpoint["layout"] == layout
+        assert set(checkpoint["tensors"]) == set(layout.tensors)
+        for fqn, shard in checkpoint["tensors"].items():
+            (chunk,) = layout.tensors[fqn].chunks_of_rank(rank)
+            expected = full[fqn][tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))]
+            assert torch.equal(shard, expected), (rank, fqn)
+        assert checkpoint["extra_files"]["meta.pt"] == (runs / "stage1" / "meta.pt").read_bytes()
+    stage1 = torch.load(runs / "stage1.pt", weights_only=True)
+    assert stage1["bytes_written"] == sum((runs / "resharded_dp1_tp2" / f"rank_{r}" / f"ckpt_{r}.pt").stat().st_size
+                                          for r in range(2))
