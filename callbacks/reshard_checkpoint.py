@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -174,4 +175,6 @@ def _save_one_rank_dcp(trainer: pl.Trainer, pl_module: pl.LightningModule, targe
     state: dict[str, Any] = {"state_dict": get_model_state_dict(pl_module)}
     for index, optimizer in enumerate(trainer.optimizers):
         state[f"optimizer_{index}"] = get_optimizer_state_dict(pl_module, optimizer)
-    save_dcp_atomically(state, metadata, target, global_rank=0, world_size=1, barrier=lambda: None)
+    with warnings.catch_warnings():  # DCP warns that it saves without a process group: that is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        save_dcp_atomically(state, metadata, target, global_rank=0, world_size=1, barrier=lambda: None)

@@ -5,7 +5,8 @@ AdamW, windows of 2, 2 epochs; ``ReshardCheckpoint`` saves ``OUT/stage1`` and re
 ``OUT/target_dp1_tp2.json`` (written by the test with ``infer_layout``) into ``OUT/resharded_dp1_tp2``.
 
 ``python -m tests.strategies.resharded_load_worker OUT resume``: 2 ranks fit from ``OUT/resharded_dp1_tp2`` on a
-1 x 2 mesh, then from ``OUT/resharded_dp2_tp1`` (converted by the test) on a 2 x 1 mesh, 2 more epochs each.
+1 x 2 mesh, then from ``OUT/resharded_dp2_tp1`` (converted by the test) on a 2 x 1 mesh, then from
+``OUT/resharded_single`` (a one-device run's ``ReshardCheckpoint`` output) on a 1 x 2 mesh, 2 more epochs each.
 
 Rank 0 writes what the test checks into ``OUT/<name>.pt``: the full parameters and AdamW state right after the
 load, the loss on the whole data set (the "probe") at the end of stage 1, after the load and after each epoch.
@@ -90,6 +91,7 @@ def train(out: Path) -> None:
 def resume(out: Path) -> None:
     save(out, "resumed_dp1_tp2", fit(1, 2, epochs=4, ckpt_path=out / "resharded_dp1_tp2"))
     save(out, "resumed_dp2_tp1", fit(2, 1, epochs=4, ckpt_path=out / "resharded_dp2_tp1"))
+    save(out, "resumed_single", fit(1, 2, epochs=4, ckpt_path=out / "resharded_single"))
 
 
 if __name__ == "__main__":

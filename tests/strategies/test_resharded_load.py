@@ -41,10 +41,30 @@ def runs(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("resharded_load")
     save_layout(infer_layout(TPClassifier, 1, 2, init_args=INIT_ARGS), out / "target_dp1_tp2.json")
     launch(out, "train")
+    train_one_device(out)
     transform_checkpoints(out / "stage1", out / "resharded_dp2_tp1", "ckpt_", None,
                           infer_layout(TPClassifier, 2, 1, init_args=INIT_ARGS))
     launch(out, "resume")
     return out
+
+
+def train_one_device(out: Path) -> None:
+    """Stage 1 on one device (SinkStrategy, same data and windows), resharded to 1 x 2 by ReshardCheckpoint; the
+    trained parameters and AdamW state, by name, are the reference for what the 2-rank run loads from it."""
+    from callbacks import ReshardCheckpoint
+    from lightning_sink import SinkStrategy
+    from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
+
+    model = TinyClassifier(**INIT_ARGS)
+    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=worker.STEPS), devices=1, max_epochs=2,
+                            callbacks=[ReshardCheckpoint(out / "target_dp1_tp2.json", out / "resharded_single")])
+    trainer.fit(model, loader(make_dataset(num_samples=worker.SAMPLES), worker.MICRO_BATCH))
+    optimizer = trainer.optimizers[0]
+    reference = {f"state_dict.{name}": p.detach().clone() for name, p in model.named_parameters()}
+    reference.update({f"optimizer_0.state.{name}.{key}": value.clone() for name, p in model.named_parameters()
+                      for key, value in optimizer.state[p].items()})
+    torch.save({"tensors": reference, "global_step": trainer.global_step, "end_probe": worker.probe_loss(model)},
+               out / "single.pt")
 
 
 def full_reference(runs: Path) -> dict[str, torch.Tensor]:
@@ -106,3 +126,16 @@ def test_reshard_checkpoint_output_is_verified_slices_of_the_full_tensors(runs: 
     stage1 = torch.load(runs / "stage1.pt", weights_only=True)
     assert stage1["bytes_written"] == sum((runs / "resharded_dp1_tp2" / f"rank_{r}" / f"ckpt_{r}.pt").stat().st_size
                                           for r in range(2))
+
+
+@pytest.mark.slow
+def test_a_one_device_run_continues_on_two_tensor_parallel_ranks(runs: Path):
+    single = torch.load(runs / "single.pt", weights_only=True)
+    result = torch.load(runs / "resumed_single.pt", weights_only=True)
+    for param, value in result["params"].items():
+        assert torch.equal(value, single["tensors"][f"state_dict.{param}"]), param
+    for key, value in result["optimizer"].items():
+        assert torch.equal(value, single["tensors"][f"optimizer_0.state.{key}"]), key
+    assert result["start_global_step"] == single["global_step"] == 2 * updates_per_epoch(1)
+    assert result["start_probe"] == pytest.approx(single["end_probe"], rel=1e-5)
+    assert result["epoch_probes"][-1] < result["start_probe"]
