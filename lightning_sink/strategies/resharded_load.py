@@ -36,12 +36,22 @@ __all__ = ["is_resharded_checkpoint", "rank_file", "check_layout_matches_mesh", 
 
 
 def is_resharded_checkpoint(path: Path) -> bool:
-    """A ``transform_checkpoints`` output folder (a manifest, no DCP ``.metadata``)."""
-    return path.is_dir() and (path / MANIFEST_FILE_NAME).is_file() and not (path / ".metadata").exists()
+    """A ``transform_checkpoints`` output folder (a manifest, no DCP ``.metadata``), or a folder of ``rank_{r}/``
+    files written one by one by ``transform_checkpoint_by_rank`` (each with its ``.sha256`` sidecar)."""
+    if not path.is_dir() or (path / ".metadata").exists():
+        return False
+    return (path / MANIFEST_FILE_NAME).is_file() or any((path / "rank_0").glob("*.pt.sha256"))
 
 
 def rank_file(folder: Path, rank: int) -> Path:
-    """``rank_{rank}/{prefix}{rank}.pt`` of a resharded folder, the prefix from its manifest."""
+    """``rank_{rank}/{prefix}{rank}.pt`` of a resharded folder: the prefix from its manifest, or (per-rank output
+    without a manifest) the one ``.pt`` file with a ``.sha256`` sidecar in ``rank_{rank}/``."""
+    if not (folder / MANIFEST_FILE_NAME).is_file():
+        files = sorted(sidecar.with_suffix("") for sidecar in (folder / f"rank_{rank}").glob("*.pt.sha256"))
+        if len(files) != 1:
+            raise ValueError(f"resharded checkpoint {str(folder)!r} has no MANIFEST.json and {len(files)} rank files"
+                             f" with a .sha256 sidecar in rank_{rank}/ (expected exactly 1 for this rank)")
+        return files[0]
     manifest = read_manifest(folder)
     prefix = manifest.provenance.get("ckpt_prefix")
     world_size = manifest.provenance.get("world_size")
