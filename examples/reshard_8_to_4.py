@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default=None, help="folder holding MNIST/raw (torchvision layout)")
     parser.add_argument("--out-dir", default="runs/reshard_8_to_4")
-    parser.add_argument("--train-samples", type=int, default=2048)
+    parser.add_argument("--train-samples", type=int, default=1024)
     parser.add_argument("--test-samples", type=int, default=1000)
     parser.add_argument("--probe-samples", type=int, default=512)
     parser.add_argument("--batch-size", type=int, default=16, help="micro-batch size per data-parallel rank")

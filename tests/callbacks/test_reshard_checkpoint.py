@@ -113,3 +113,16 @@ def test_model_parallel_without_distributed_checkpoints_is_refused(tmp_path: Pat
     trainer = quiet_trainer(strategy=ModelParallelStrategy(save_distributed_checkpoint=False), devices=1)
     with pytest.raises(ValueError, match="save_distributed_checkpoint=True"):
         callback.setup(trainer, TPClassifier(), "fit")
+
+
+def test_workers_convert_in_separate_processes_to_the_same_files(tmp_path: Path, target_layout: Path):
+    in_process = ReshardCheckpoint(target_layout, tmp_path / "a", src_dir=tmp_path / "src_a")
+    in_workers = ReshardCheckpoint(target_layout, tmp_path / "b", src_dir=tmp_path / "src_b", workers=2)
+    train_one_device(in_process)
+    train_one_device(in_workers)  # the same seed and data: the same final state
+    assert [r.rank for r in in_workers.report.ranks] == [0, 1]
+    for rank in range(2):
+        a = load_resharded_checkpoint(tmp_path / "a" / f"rank_{rank}" / f"checkpoint_{rank}.pt")
+        b = load_resharded_checkpoint(tmp_path / "b" / f"rank_{rank}" / f"checkpoint_{rank}.pt")
+        assert a["tensors"].keys() == b["tensors"].keys()
+        assert all(torch.equal(a["tensors"][fqn], b["tensors"][fqn]) for fqn in a["tensors"])
