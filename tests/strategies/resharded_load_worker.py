@@ -6,7 +6,8 @@ AdamW, windows of 2, 2 epochs; ``ReshardCheckpoint`` saves ``OUT/stage1`` and re
 
 ``python -m tests.strategies.resharded_load_worker OUT resume``: 2 ranks fit from ``OUT/resharded_dp1_tp2`` on a
 1 x 2 mesh, then from ``OUT/resharded_dp2_tp1`` (converted by the test) on a 2 x 1 mesh, then from
-``OUT/resharded_single`` (a one-device run's ``ReshardCheckpoint`` output) on a 1 x 2 mesh, 2 more epochs each.
+``OUT/resharded_single`` (a one-device run's ``ReshardCheckpoint`` output) on a 1 x 2 mesh, 2 more epochs each,
+and from ``OUT/resharded_sink`` (a one-device sink-mode run stopped in the middle of a data pass), one more sink.
 
 Rank 0 writes what the test checks into ``OUT/<name>.pt``: the full parameters and AdamW state right after the
 load, the loss on the whole data set (the "probe") at the end of stage 1, after the load and after each epoch.
@@ -65,14 +66,26 @@ class Record(Callback):
         self.result.update(end_global_step=trainer.global_step, end_probe=probe_loss(pl_module))
 
 
-def fit(dp: int, tp: int, epochs: int, callbacks=(), ckpt_path=None) -> dict:
+class RecordingTPClassifier(TPClassifier):
+    """Records the first feature of every sample it trains on (to see where in the data a run starts)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append(batch[0][:, 0].clone())
+        return super().training_step(batch, batch_idx)
+
+
+def fit(dp: int, tp: int, epochs: int, callbacks=(), ckpt_path=None, sink_size=None) -> dict:
     record = Record()
     strategy = SinkModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp, accumulation_steps=STEPS,
-                                         process_group_backend="gloo")
+                                         sink_size=sink_size, process_group_backend="gloo")
     trainer = quiet_trainer(strategy=strategy, devices=dp * tp, max_epochs=epochs, callbacks=[record, *callbacks])
-    trainer.fit(TPClassifier(optimizer="adamw", lr=LR, seed=dp * 10 + tp), loader(make_dataset(num_samples=SAMPLES), MICRO_BATCH),
-                ckpt_path=ckpt_path)
-    return record.result
+    model = RecordingTPClassifier(optimizer="adamw", lr=LR, seed=dp * 10 + tp)
+    trainer.fit(model, loader(make_dataset(num_samples=SAMPLES), MICRO_BATCH), ckpt_path=ckpt_path)
+    return {**record.result, "seen": torch.cat(model.seen)}
 
 
 def save(out: Path, name: str, result: dict) -> None:
@@ -92,6 +105,8 @@ def resume(out: Path) -> None:
     save(out, "resumed_dp1_tp2", fit(1, 2, epochs=4, ckpt_path=out / "resharded_dp1_tp2"))
     save(out, "resumed_dp2_tp1", fit(2, 1, epochs=4, ckpt_path=out / "resharded_dp2_tp1"))
     save(out, "resumed_single", fit(1, 2, epochs=4, ckpt_path=out / "resharded_single"))
+    # sink mode: a one-device run stopped after 2 sinks of 4 batches (8 of 12 batches of the pass), one more sink
+    save(out, "resumed_sink", fit(1, 2, epochs=3, ckpt_path=out / "resharded_sink", sink_size=4))
 
 
 if __name__ == "__main__":

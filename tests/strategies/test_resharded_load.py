@@ -42,10 +42,23 @@ def runs(tmp_path_factory) -> Path:
     save_layout(infer_layout(TPClassifier, 1, 2, init_args=INIT_ARGS), out / "target_dp1_tp2.json")
     launch(out, "train")
     train_one_device(out)
+    train_one_device_sink_mode(out)
     transform_checkpoints(out / "stage1", out / "resharded_dp2_tp1", "ckpt_", None,
                           infer_layout(TPClassifier, 2, 1, init_args=INIT_ARGS))
     launch(out, "resume")
     return out
+
+
+def train_one_device_sink_mode(out: Path) -> None:
+    """2 sinks of 4 batches (the pass has 12): the checkpoint lies in the middle of the first data pass."""
+    from callbacks import ReshardCheckpoint
+    from lightning_sink import SinkStrategy
+    from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
+
+    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=worker.STEPS, sink_size=4), devices=1, max_epochs=2,
+                            callbacks=[ReshardCheckpoint(out / "target_dp1_tp2.json", out / "resharded_sink")])
+    trainer.fit(TinyClassifier(**INIT_ARGS), loader(make_dataset(num_samples=worker.SAMPLES), worker.MICRO_BATCH))
+    assert trainer.global_step == 4
 
 
 def train_one_device(out: Path) -> None:
@@ -139,3 +152,21 @@ def test_a_one_device_run_continues_on_two_tensor_parallel_ranks(runs: Path):
     assert result["start_global_step"] == single["global_step"] == 2 * updates_per_epoch(1)
     assert result["start_probe"] == pytest.approx(single["end_probe"], rel=1e-5)
     assert result["epoch_probes"][-1] < result["start_probe"]
+
+
+@pytest.mark.slow
+def test_sink_mode_restarts_the_interrupted_data_pass(runs: Path):
+    """The source stopped after 8 of the pass's 12 batches; on the new mesh the pass is read again from its start."""
+    from torch.utils.data import DistributedSampler
+
+    from tests.helpers import make_dataset
+
+    result = torch.load(runs / "resumed_sink.pt", weights_only=True)
+    assert (result["start_global_step"], result["end_global_step"]) == (4, 4 + 2)  # one sink: 4 batches, 2 windows
+    dataset = make_dataset(num_samples=worker.SAMPLES)
+    # Lightning gives a distributed run's training loader a DistributedSampler(shuffle=True, seed=0); the sink
+    # stream sets its epoch to the pass index, 0 here. The restarted pass starts at that order's beginning.
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=0)
+    sampler.set_epoch(0)
+    order = list(sampler)
+    assert torch.equal(result["seen"], dataset.tensors[0][order[: 4 * worker.MICRO_BATCH], 0])
