@@ -101,8 +101,14 @@ class ReshardCheckpoint(Callback):
         elif trainer.world_size != 1:
             raise ValueError(f"ReshardCheckpoint supports model-parallel strategies and one-device runs, not"
                              f" {type(strategy).__name__} on {trainer.world_size} processes.")
+        # A missing or invalid target layout fails before training, on every rank (rank 0 reads the file).
+        error = None
         if trainer.is_global_zero:
-            load_layout(self.dst_strategy_file)  # a missing or invalid target layout fails before training
+            try:
+                load_layout(self.dst_strategy_file)
+            except (ValueError, FileNotFoundError) as failure:
+                error = failure
+        self._raise_everywhere(strategy, error, f"reading the target layout {str(self.dst_strategy_file)!r}")
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -118,13 +124,18 @@ class ReshardCheckpoint(Callback):
         if trainer.is_global_zero:
             try:
                 self.report = self._transform_and_verify(src)
-            except Exception as failure:  # reported to every rank below, then raised
+            except Exception as failure:  # reported to every rank, then raised
                 error = failure
+        self._raise_everywhere(strategy, error, f"resharding {str(src)!r}")
+
+    @staticmethod
+    def _raise_everywhere(strategy: Any, error: Exception | None, what: str) -> None:
+        """Rank 0's error raised on every rank (the others would otherwise wait for it in a collective)."""
         message = strategy.broadcast(None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
             raise error
         if message is not None:
-            raise RuntimeError(f"ReshardCheckpoint: resharding {str(src)!r} failed on global rank 0: {message}")
+            raise RuntimeError(f"ReshardCheckpoint: {what} failed on global rank 0: {message}")
 
     def _transform_and_verify(self, src: Path) -> ReshardReport:
         bar = _ProgressBar(f"resharding {src.name} -> {self.dst_dir.name}")

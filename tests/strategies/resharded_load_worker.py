@@ -109,7 +109,20 @@ def resume(out: Path) -> None:
     save(out, "resumed_sink", fit(1, 2, epochs=3, ckpt_path=out / "resharded_sink", sink_size=4))
 
 
+def fail(out: Path) -> None:
+    """2 ranks whose ReshardCheckpoint target layout does not fit the model: rank 0 records what was raised.
+
+    (Lightning's launcher kills the other ranks once rank 0's fit raises, so only rank 0 gets to record.)"""
+    reshard = ReshardCheckpoint(out / "bad_layout.json", out / "bad_dst", src_dir=out / "bad_src")
+    try:
+        fit(1, 2, epochs=1, callbacks=[reshard])
+    except Exception as error:  # the test checks the type and message
+        torch.save({"type": type(error).__name__, "message": str(error)}, out / "fail.pt")
+        sys.exit(0)
+    sys.exit(3)  # fit did not raise
+
+
 if __name__ == "__main__":
-    {"train": train, "resume": resume}[sys.argv[2]](Path(sys.argv[1]))
+    {"train": train, "resume": resume, "fail": fail}[sys.argv[2]](Path(sys.argv[1]))
     dist.barrier()
     dist.destroy_process_group()  # before the interpreter exits: a live process group can abort it

@@ -8,6 +8,7 @@ folder; the continuation is checked on the loss of the whole data set.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -170,3 +171,18 @@ def test_sink_mode_restarts_the_interrupted_data_pass(runs: Path):
     sampler.set_epoch(0)
     order = list(sampler)
     assert torch.equal(result["seen"], dataset.tensors[0][order[: 4 * worker.MICRO_BATCH], 0])
+
+
+@pytest.mark.slow
+def test_a_failed_conversion_raises_the_reason_and_leaves_no_destination(tmp_path: Path):
+    layout = infer_layout(TPClassifier, 1, 2, init_args=INIT_ARGS)
+    data = json.loads(layout.to_json())
+    for chunk in data["tensors"]["state_dict.net.2.weight"]["chunks"]:  # another model: 8 classes, not 4
+        chunk["sizes"] = [8, *chunk["sizes"][1:]]
+    data["tensors"]["state_dict.net.2.weight"]["global_shape"][0] = 8
+    (tmp_path / "bad_layout.json").write_text(json.dumps(data))
+    launch(tmp_path, "fail")
+    failure = torch.load(tmp_path / "fail.pt", weights_only=True)
+    assert failure["type"] == "ValueError" and "state_dict.net.2.weight" in failure["message"], failure
+    assert not (tmp_path / "bad_dst").exists() and not list(tmp_path.glob(".bad_dst*"))
+    assert (tmp_path / "bad_src" / ".metadata").is_file()  # the saved source checkpoint is complete
