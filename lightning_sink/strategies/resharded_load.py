@@ -111,6 +111,10 @@ def load_resharded_into_strategy(strategy: Any, folder: Path, weights_only: bool
     file = rank_file(folder, strategy.global_rank)
     checkpoint = load_resharded_checkpoint(file)  # digest-verified, every tensor checked against its layout
     check_layout_matches_mesh(checkpoint["layout"], strategy.device_mesh, strategy.world_size, file)
+    meta = checkpoint["extra_files"].get(compat.DCP_METADATA_FILE_NAME)
+    if meta is None:
+        raise ValueError(f"resharded checkpoint file {str(file)!r} carries no {compat.DCP_METADATA_FILE_NAME!r}"
+                         " (Lightning's loops and callbacks): its source was not a Lightning checkpoint")
     module, strict = strategy.model, strategy.lightning_module.strict_loading
     model_state = {"state_dict": get_model_state_dict(module)}
     load_into_state_dict(model_state, checkpoint, strict=strict)
@@ -118,11 +122,15 @@ def load_resharded_into_strategy(strategy: Any, folder: Path, weights_only: bool
     for index, optimizer in enumerate(strategy.optimizers):
         key = f"optimizer_{index}"
         optimizer_state = {key: get_optimizer_state_dict(module, optimizer)}  # (initialises Adam's state first)
-        load_into_state_dict(optimizer_state, checkpoint, strict=True)
+        try:
+            load_into_state_dict(optimizer_state, checkpoint, strict=True)
+        except ValueError as error:
+            raise ValueError(
+                f"resharded checkpoint file {str(file)!r} lacks state of optimizer {index} ({error}). A file converted"
+                " for inference (a layout with parameters only, `lightning-sink layout --no-optimizer`) can be used by"
+                " Trainer.test/predict, not to resume Trainer.fit: reshard with a layout that includes the optimizer."
+            ) from None
         set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state[key],
                                  options=StateDictOptions(cpu_offload=True))
-    meta = checkpoint["extra_files"].get(compat.DCP_METADATA_FILE_NAME)
-    if meta is None:
-        raise ValueError(f"resharded checkpoint file {str(file)!r} carries no {compat.DCP_METADATA_FILE_NAME!r}"
-                         " (Lightning's loops and callbacks): its source was not a Lightning checkpoint")
     return torch.load(io.BytesIO(meta), map_location="cpu", weights_only=weights_only)
+

@@ -9,14 +9,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.device_mesh import init_device_mesh
 
 from callbacks import ReshardCheckpoint
-from lightning_sink import SinkStrategy
+from lightning_sink import SinkModelParallelStrategy, SinkStrategy
 from lightning_sink.layout import save_layout
 from lightning_sink.layout_inference import infer_layout
-from lightning_sink.reshard import load_resharded_checkpoint, unpickle_carried
+from lightning_sink.reshard import load_resharded_checkpoint, transform_checkpoints, unpickle_carried
 from lightning_sink.strategies.resharded_load import adapt_sink_state, check_layout_matches_mesh, rank_file
 from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
 from tests.strategies.mp_models import TPClassifier
@@ -85,3 +87,31 @@ def test_a_rank_beyond_the_resharded_world_is_refused(tmp_path: Path):
     folder = resharded(tmp_path, "end", SinkStrategy(accumulation_steps=2), 4, max_epochs=1)
     with pytest.raises(ValueError, match="made for 2 ranks; this run has rank 3"):
         rank_file(folder, 3)
+
+
+class TPClassifierWithTestStep(TPClassifier):
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_loss", torch.nn.functional.cross_entropy(self(x), y))
+
+
+def test_a_parameters_only_conversion_serves_test_but_not_fit(tmp_path: Path):
+    """In this process on a 1 x 1 mesh: Trainer.test loads the weights; Trainer.fit is refused with the reason."""
+    resharded(tmp_path, "end", SinkStrategy(accumulation_steps=2), 4, max_epochs=1)
+    source = tmp_path / "end.source"  # ReshardCheckpoint's one-rank DCP folder of the trained state
+    weights_only = infer_layout(TPClassifier, 1, 1, init_args=INIT_ARGS, with_optimizer=False)
+    assert not any(fqn.startswith("optimizer_0.") for fqn in weights_only.tensors)
+    transform_checkpoints(source, tmp_path / "params_only", "checkpoint_", None, weights_only)
+    data = loader(make_dataset(num_samples=8), 4)
+
+    def trainer():
+        return quiet_trainer(strategy=SinkModelParallelStrategy(1, 1, accumulation_steps=2), devices=1, max_epochs=2)
+
+    model = TPClassifierWithTestStep(**INIT_ARGS, seed=5)
+    trainer().test(model, data, ckpt_path=tmp_path / "params_only", verbose=False)
+    dcp_to_torch_save(source, tmp_path / "full.pt")
+    reference = torch.load(tmp_path / "full.pt", weights_only=True)["state_dict"]
+    for name, param in model.named_parameters():  # reference: DCP's own offline load of the source folder
+        assert torch.equal(param.full_tensor(), reference[name]), name
+    with pytest.raises(ValueError, match=r"lacks state of optimizer 0 .*not to resume Trainer.fit"):
+        trainer().fit(TPClassifierWithTestStep(**INIT_ARGS), data, ckpt_path=tmp_path / "params_only")
