@@ -108,8 +108,8 @@ def lightning(model_name: str, steps: int, device: torch.device, strategy, defau
     timer = StepTimer(warmup_batches=SINK if sink else WARMUP)  # sinks are timed from the second sink on
     settings = dict(strategy=strategy or "auto", accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
                     max_steps=steps + timer.warmup_batches, max_epochs=-1, callbacks=[timer])
-    with tempfile.TemporaryDirectory() as root, open(os.devnull, "w") as sink_out, \
-            contextlib.redirect_stderr(sink_out):  # the progress bar's output
+    with tempfile.TemporaryDirectory() as root, open(os.devnull, "w") as quiet, \
+            contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):  # the progress bar's output
         trainer = default_trainer(root, **settings) if defaults else quiet_trainer(**settings)
         trainer.fit(NetClassifier(make_model(model_name), log_loss=defaults), make_loader(model_name, steps))
     return timer.steps / timer.seconds

@@ -79,7 +79,7 @@ def _run_reshard(args: argparse.Namespace) -> int:
     if not args.no_progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=None, unit="rank", desc="reshard", file=sys.stderr)
+        bar = tqdm(total=None, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard", file=sys.stderr)
 
     def progress(done: int, total: int) -> None:
         if bar is not None:

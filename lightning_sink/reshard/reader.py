@@ -14,7 +14,7 @@ import math
 import os
 import struct
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ __all__ = ["ReadStats", "TensorLocation", "RangeFile", "locate_tensors", "copy_r
 
 _DATA_DESCRIPTOR_SIGNATURE = 0x08074B50
 READ_BUFFER_BYTES = 16 * 2**20  # the bounded staging buffer for regions that are contiguous only in the file
-DIRECT_RUN_BYTES = 1 * 2**20  # runs at least this long are read straight into the target shard
+DIRECT_RUN_BYTES = 2**20  # runs at least this long are read straight into the target shard
 
 
 @dataclass
@@ -269,7 +269,6 @@ def _check_crc(fd: int, source: TensorLocation, crc: int, stats: ReadStats) -> N
 
 def _copy_region_strided(fd, source: TensorLocation, source_offsets, region, target, target_offsets, stats) -> None:
     """Non-row-major storage (e.g. a saved transpose): read the storage span once and slice it in memory."""
-    item = source.dtype.itemsize
     span = bytearray(source.storage_nbytes)
     got = os.preadv(fd, [span], source.data_offset)
     if got != len(span):
@@ -281,4 +280,3 @@ def _copy_region_strided(fd, source: TensorLocation, source_offsets, region, tar
     src_index = tuple(slice(r - s, r - s + n) for r, s, n in zip(region_offsets, source_offsets, sizes))
     dst_index = tuple(slice(r - t, r - t + n) for r, t, n in zip(region_offsets, target_offsets, sizes))
     target[dst_index] = stored[src_index]
-    del item

@@ -16,11 +16,12 @@ def die() -> None:
 
 def main(src: str, dst: str, layout: str, point: str) -> None:
     progress = None
-    if point.startswith("after_rank_"):
-        stop_after = int(point.removeprefix("after_rank_"))
+    if point.startswith("after_shard_"):  # progress is reported once per target shard filled
+        stop_after, calls = int(point.removeprefix("after_shard_")), []
 
         def progress(done: int, total: int) -> None:
-            if done == stop_after:
+            calls.append(done)
+            if len(calls) == stop_after:
                 die()
     elif point in ("between_renames", "after_commit_rename"):
         real_rename, calls = os.rename, []

@@ -3,7 +3,6 @@ built from, and DCP's own load-time resharding in real gloo processes."""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import pytest
@@ -132,8 +131,11 @@ def test_rank_list_is_exactly_the_files_a_target_rank_needs(source_8: Path, tmp_
 @pytest.mark.slow
 def test_worker_processes_write_the_same_files(source_8: Path, tmp_path: Path):
     layout = target(source_8, MeshLayout.one_dimensional(3), rows_1d)
-    serial = transform_checkpoints(source_8, tmp_path / "serial", "ckpt_", None, layout)
+    calls: list[tuple[int, int]] = []
+    serial = transform_checkpoints(source_8, tmp_path / "serial", "ckpt_", None, layout, progress=lambda *a: calls.append(a))
     parallel = transform_checkpoints(source_8, tmp_path / "parallel", "ckpt_", None, layout, workers=2)
+    total = sum(c.numel * (2 if t.dtype == "bfloat16" else 4) for t in layout.tensors.values() for c in t.chunks)
+    assert calls[-1] == (total, total) and [done for done, _ in calls] == sorted(done for done, _ in calls)
     assert [r.sha256 for r in serial.ranks] == [r.sha256 for r in parallel.ranks]
     assert all(r.peak_rss_bytes > 0 for r in parallel.ranks)
 
