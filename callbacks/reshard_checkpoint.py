@@ -153,12 +153,13 @@ class ReshardCheckpoint(Callback):
 
 
 class _ProgressBar:
-    """Target ranks converted, on stderr (tqdm, which Lightning's progress bar already depends on)."""
+    """Target bytes written, as the engine reports them, on stderr (tqdm: Lightning's progress bar needs it too)."""
 
     def __init__(self, description: str) -> None:
         from tqdm import tqdm
 
-        self._bar = tqdm(desc=description, unit="rank", file=sys.stderr, leave=True, dynamic_ncols=True)
+        self._bar = tqdm(desc=description, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=True,
+                         dynamic_ncols=True)
 
     def update(self, done: int, total: int) -> None:
         self._bar.total = total

@@ -8,6 +8,7 @@ the model-parallel structure and is resharded to 2 tensor-parallel shards; failu
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -37,9 +38,10 @@ def target_layout(tmp_path: Path) -> Path:
     return save_layout(infer_layout(TPClassifier, 1, 2, init_args=INIT_ARGS), tmp_path / "tp2.json")
 
 
-def test_one_device_run_is_resharded_to_two_tensor_parallel_shards(tmp_path: Path, target_layout: Path):
+def test_one_device_run_is_resharded_to_two_tensor_parallel_shards(tmp_path: Path, target_layout: Path, capfd):
     callback = ReshardCheckpoint(target_layout, tmp_path / "tp2", ckpt_prefix="ckpt_")
     model, optimizer, trainer = train_one_device(callback)
+    assert re.search(r"resharding tp2\.source -> tp2: 100%", capfd.readouterr().err)  # the progress bar, finished
     source = tmp_path / "tp2.source"  # the default src_dir: beside dst_dir
     assert (source / ".metadata").is_file() and (source / "layout.json").is_file() and (source / "meta.pt").is_file()
     assert load_layout(source).world_size == 1
