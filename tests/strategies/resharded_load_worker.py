@@ -110,14 +110,17 @@ def resume(out: Path) -> None:
 
 
 def fail(out: Path) -> None:
-    """2 ranks whose ReshardCheckpoint target layout does not fit the model: rank 0 records what was raised.
+    """2 ranks whose ReshardCheckpoint target layout does not fit the model: each rank records what it raised.
 
-    (Lightning's launcher kills the other ranks once rank 0's fit raises, so only rank 0 gets to record.)"""
+    (Lightning's launcher kills the other ranks once rank 0's fit raises, so rank 1 may not get to record.)"""
+    import os
+
     reshard = ReshardCheckpoint(out / "bad_layout.json", out / "bad_dst", src_dir=out / "bad_src")
     try:
         fit(1, 2, epochs=1, callbacks=[reshard])
     except Exception as error:  # the test checks the type and message
-        torch.save({"type": type(error).__name__, "message": str(error)}, out / "fail.pt")
+        rank = int(os.environ.get("LOCAL_RANK", "0"))  # (the process group may be gone by now)
+        torch.save({"type": type(error).__name__, "message": str(error)}, out / f"fail_{rank}.pt")
         sys.exit(0)
     sys.exit(3)  # fit did not raise
 

@@ -182,7 +182,11 @@ def test_a_failed_conversion_raises_the_reason_and_leaves_no_destination(tmp_pat
     data["tensors"]["state_dict.net.2.weight"]["global_shape"][0] = 8
     (tmp_path / "bad_layout.json").write_text(json.dumps(data))
     launch(tmp_path, "fail")
-    failure = torch.load(tmp_path / "fail.pt", weights_only=True)
+    failure = torch.load(tmp_path / "fail_0.pt", weights_only=True)
     assert failure["type"] == "ValueError" and "state_dict.net.2.weight" in failure["message"], failure
+    if (tmp_path / "fail_1.pt").exists():  # rank 1, unless the launcher killed it first: the same reason
+        other = torch.load(tmp_path / "fail_1.pt", weights_only=True)
+        assert other["type"] == "RuntimeError" and "failed on global rank 0" in other["message"], other
+        assert "state_dict.net.2.weight" in other["message"]
     assert not (tmp_path / "bad_dst").exists() and not list(tmp_path.glob(".bad_dst*"))
     assert (tmp_path / "bad_src" / ".metadata").is_file()  # the saved source checkpoint is complete
