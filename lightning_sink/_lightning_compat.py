@@ -25,6 +25,7 @@ __all__ = [
     "checkpoint_every_n_train_steps",
     "DCP_METADATA_FILE_NAME",
     "set_module_device_mesh",
+    "saves_distributed_checkpoint",
 ]
 
 # The file in which Lightning's ModelParallelStrategy keeps the non-tensor part (loops, callbacks, ...) of a DCP folder.
@@ -121,3 +122,8 @@ def checkpoint_every_n_train_steps(callback: Any) -> int:
 def set_module_device_mesh(module: pl.LightningModule, mesh: Any) -> None:
     """What ``ModelParallelStrategy.setup_environment`` does, so ``configure_model`` sees ``self.device_mesh``."""
     module._device_mesh = mesh
+
+
+def saves_distributed_checkpoint(strategy: Any) -> bool:
+    """``ModelParallelStrategy(save_distributed_checkpoint=...)``'s value (a DCP folder, not one full file)."""
+    return bool(strategy._save_distributed_checkpoint)

@@ -63,3 +63,10 @@ def test_model_parallel_private_names_still_mean_the_same():
     module = TinyClassifier()
     compat.set_module_device_mesh(module, "mesh")
     assert module.device_mesh == "mesh"
+
+
+def test_model_parallel_strategy_keeps_save_distributed_checkpoint_where_the_compat_layer_reads_it():
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    assert compat.saves_distributed_checkpoint(ModelParallelStrategy(save_distributed_checkpoint=True)) is True
+    assert compat.saves_distributed_checkpoint(ModelParallelStrategy(save_distributed_checkpoint=False)) is False

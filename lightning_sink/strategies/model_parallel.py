@@ -19,6 +19,11 @@ from lightning_sink import _lightning_compat as compat
 from lightning_sink.accumulation import MicroStep
 from lightning_sink.strategies.atomic_dcp import check_checkpoint_dir, save_dcp_atomically
 from lightning_sink.strategies.fsdp_window import FSDPWindow
+from lightning_sink.strategies.resharded_load import (
+    adapt_sink_state,
+    is_resharded_checkpoint,
+    load_resharded_into_strategy,
+)
 from lightning_sink.strategies.step_programs import CHECKPOINT_KEY, StepProgramsMixin
 
 __all__ = ["SinkModelParallelStrategy"]
@@ -184,8 +189,17 @@ class SinkModelParallelStrategy(StepProgramsMixin, ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        check_checkpoint_dir(Path(checkpoint_path))
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        """A DCP folder (Lightning's loading), or a ``transform_checkpoints`` output folder: each rank then reads only
+        its own file (see ``resharded_load.py`` for what happens to the window and the data position)."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        check_checkpoint_dir(path)
+        if not is_resharded_checkpoint(path):
+            return super().load_checkpoint(path, weights_only=weights_only)
+        checkpoint = load_resharded_into_strategy(self, path, weights_only)
+        if CHECKPOINT_KEY in checkpoint:
+            checkpoint[CHECKPOINT_KEY] = adapt_sink_state(checkpoint[CHECKPOINT_KEY], path, self.sink_size is not None)
+        self._restore_sink_state(checkpoint, path)
+        return checkpoint
 
     @classmethod
     @override

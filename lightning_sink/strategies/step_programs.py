@@ -465,6 +465,11 @@ class StepProgramsMixin:
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        self._restore_sink_state(checkpoint, checkpoint_path)
+        return checkpoint
+
+    def _restore_sink_state(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
+        """Take this package's state from a loaded checkpoint (also called for resharded checkpoints)."""
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is not None:
             if state.get("version") != _STATE_VERSION:
@@ -476,4 +481,3 @@ class StepProgramsMixin:
             # are applied in on_train_start, once they exist.
             self._data_position.load_state_dict(state["data"])
             self._pending_state = state
-        return checkpoint

@@ -1,0 +1,192 @@
+"""``ReshardCheckpoint``: at the end of fit, save the final distributed checkpoint and reshard it for another layout.
+
+MindSpore's multi-stage recipe (seed 002: train on 8 cards, transform, fine-tune or infer on 4) as one callback:
+
+1. the final state is saved as a DCP folder with its layout file in ``src_dir``:
+   - a model-parallel run (``SinkModelParallelStrategy``, or Lightning's ``ModelParallelStrategy`` with
+     ``save_distributed_checkpoint=True``) saves through ``trainer.save_checkpoint`` on every rank;
+   - a one-device run (``SinkStrategy``, Lightning's single-device strategy) writes the full model and optimizer
+     state as a one-rank DCP folder with the structure a model-parallel run writes
+     (``{"state_dict": get_model_state_dict, "optimizer_0": get_optimizer_state_dict}``, FQN-keyed), so its
+     names match a model-parallel target layout, plus Lightning's metadata (``meta.pt``);
+2. global rank 0 converts it with ``transform_checkpoints`` (in this process, or in ``workers`` processes, one target
+   rank each) into ``dst_dir/rank_{r}/{ckpt_prefix}{r}.pt`` with a progress bar, while the other ranks wait.
+   The engine stages the whole output beside ``dst_dir`` and commits it with one rename, manifest last; converting
+   on rank 0 keeps that single commit (spreading target ranks over the training ranks would need a second,
+   hand-written commit protocol for a gain that only matters for checkpoints far larger than a host's memory -
+   use ``workers`` for parallelism);
+3. rank 0 runs ``verify_checkpoint`` (digests, completeness, every file against the layout).
+
+A failure leaves nothing at ``dst_dir`` (the engine removes its staging folder) and raises on every rank with the
+reason; the source checkpoint in ``src_dir`` stays (it is a complete, committed checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
+from typing_extensions import override
+
+from lightning_sink import _lightning_compat as compat
+from lightning_sink.layout import load_layout
+from lightning_sink.reshard import ReshardReport, transform_checkpoints, verify_checkpoint
+from lightning_sink.strategies.atomic_dcp import save_dcp_atomically
+
+__all__ = ["ReshardCheckpoint"]
+
+
+def _path(name: str, value: object) -> Path:
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name}={value!r} must be a path (str or os.PathLike).")
+    return Path(value)
+
+
+class ReshardCheckpoint(Callback):
+    """Save the final checkpoint at ``on_fit_end`` and reshard it to the layout in ``dst_strategy_file``.
+
+    Args:
+        dst_strategy_file: the target layout (e.g. written by ``lightning-sink layout``).
+        dst_dir: the resharded output folder (``Trainer.fit(ckpt_path=dst_dir)`` on the target mesh loads it).
+        ckpt_prefix: rank files are ``rank_{r}/{ckpt_prefix}{r}.pt``.
+        workers: None: convert in rank 0's process; k: in k spawned processes (one target rank each).
+        src_dir: where the final distributed checkpoint is saved; default ``<dst_dir>.source`` beside ``dst_dir``.
+        overwrite: replace a ``dst_dir`` that holds a different checkpoint.
+    """
+
+    def __init__(
+        self,
+        dst_strategy_file: str | os.PathLike,
+        dst_dir: str | os.PathLike,
+        ckpt_prefix: str = "checkpoint_",
+        workers: int | None = None,
+        src_dir: str | os.PathLike | None = None,
+        overwrite: bool = False,
+    ) -> None:
+        self.dst_strategy_file = _path("dst_strategy_file", dst_strategy_file)
+        self.dst_dir = _path("dst_dir", dst_dir)
+        self.src_dir = _path("src_dir", src_dir) if src_dir is not None else self.dst_dir.with_name(
+            f"{self.dst_dir.name}.source")
+        if not isinstance(ckpt_prefix, str) or not ckpt_prefix or any(c in ckpt_prefix for c in "/\\\x00"):
+            raise ValueError(f"ckpt_prefix={ckpt_prefix!r} must be a non-empty file-name prefix without path separators.")
+        if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+            raise ValueError(f"workers={workers!r} must be None (convert in rank 0's process) or an int >= 1.")
+        if not isinstance(overwrite, bool):
+            raise TypeError(f"overwrite={overwrite!r} must be a bool.")
+        src, dst = self.src_dir.resolve(), self.dst_dir.resolve()
+        if src == dst or src in dst.parents or dst in src.parents:
+            raise ValueError(f"src_dir={str(self.src_dir)!r} and dst_dir={str(self.dst_dir)!r} must not be or"
+                             " contain one another.")
+        self.ckpt_prefix, self.workers, self.overwrite = ckpt_prefix, workers, overwrite
+        self.report: ReshardReport | None = None
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        strategy = trainer.strategy
+        if isinstance(strategy, ModelParallelStrategy):
+            if not compat.saves_distributed_checkpoint(strategy):
+                raise ValueError("ReshardCheckpoint needs distributed (DCP) checkpoints: use"
+                                 " ModelParallelStrategy(save_distributed_checkpoint=True) or SinkModelParallelStrategy.")
+        elif trainer.world_size != 1:
+            raise ValueError(f"ReshardCheckpoint supports model-parallel strategies and one-device runs, not"
+                             f" {type(strategy).__name__} on {trainer.world_size} processes.")
+        # A missing or invalid target layout fails before training, on every rank (rank 0 reads the file).
+        error = None
+        if trainer.is_global_zero:
+            try:
+                load_layout(self.dst_strategy_file)
+            except (ValueError, FileNotFoundError) as failure:
+                error = failure
+        self._raise_everywhere(strategy, error, f"reading the target layout {str(self.dst_strategy_file)!r}")
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.interrupted:  # (an exception or a stop signal: the state is not final)
+            return
+        strategy = trainer.strategy
+        src = Path(strategy.broadcast(str(self.src_dir)))
+        if isinstance(strategy, ModelParallelStrategy):
+            trainer.save_checkpoint(src)  # every rank writes its shards; committed atomically with its layout
+        else:
+            _save_one_rank_dcp(trainer, pl_module, src)
+        error = None
+        if trainer.is_global_zero:
+            try:
+                self.report = self._transform_and_verify(src)
+            except Exception as failure:  # reported to every rank, then raised
+                error = failure
+        self._raise_everywhere(strategy, error, f"resharding {str(src)!r}")
+
+    @staticmethod
+    def _raise_everywhere(strategy: Any, error: Exception | None, what: str) -> None:
+        """Rank 0's error raised on every rank (the others would otherwise wait for it in a collective)."""
+        message = strategy.broadcast(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        if message is not None:
+            raise RuntimeError(f"ReshardCheckpoint: {what} failed on global rank 0: {message}")
+
+    def _transform_and_verify(self, src: Path) -> ReshardReport:
+        bar = _ProgressBar(f"resharding {src.name} -> {self.dst_dir.name}")
+        try:
+            report = transform_checkpoints(src, self.dst_dir, self.ckpt_prefix, None, self.dst_strategy_file,
+                                           workers=self.workers, overwrite=self.overwrite, progress=bar.update)
+        finally:
+            bar.close()
+        try:
+            verify_checkpoint(self.dst_dir)
+        except Exception:
+            shutil.rmtree(self.dst_dir, ignore_errors=True)  # committed but not whole: leave nothing that looks whole
+            raise
+        return report
+
+
+class _ProgressBar:
+    """Target bytes written, as the engine reports them, on stderr (tqdm: Lightning's progress bar needs it too)."""
+
+    def __init__(self, description: str) -> None:
+        from tqdm import tqdm
+
+        self._bar = tqdm(desc=description, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=True,
+                         dynamic_ncols=True)
+
+    def update(self, done: int, total: int) -> None:
+        self._bar.total = total
+        self._bar.update(done - self._bar.n)
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def _save_one_rank_dcp(trainer: pl.Trainer, pl_module: pl.LightningModule, target: Path) -> None:
+    """A one-device run's full state as the one-rank DCP folder a model-parallel run would write (module docstring).
+
+    Lightning's metadata (loops, callbacks, schedulers, the strategy's own state) is what ``trainer.save_checkpoint``
+    writes minus the weights and optimizer states, which go through DCP under FQN keys instead.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.meta-") as scratch:
+        full = Path(scratch) / "full.ckpt"
+        trainer.save_checkpoint(full)
+        metadata = torch.load(full, map_location="cpu", weights_only=False)  # (the file this run just wrote)
+    metadata.pop("state_dict", None)
+    metadata.pop("optimizer_states", None)
+    state: dict[str, Any] = {"state_dict": get_model_state_dict(pl_module)}
+    for index, optimizer in enumerate(trainer.optimizers):
+        state[f"optimizer_{index}"] = get_optimizer_state_dict(pl_module, optimizer)
+    with warnings.catch_warnings():  # DCP warns that it saves without a process group: that is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        save_dcp_atomically(state, metadata, target, global_rank=0, world_size=1, barrier=lambda: None)
