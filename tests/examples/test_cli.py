@@ -69,7 +69,8 @@ def test_printed_config_runs_again_unchanged(tmp_path):
                   f"--trainer.default_root_dir={tmp_path}", "--print_config")
     config = yaml.safe_load(printed)
     assert config["trainer"]["strategy"] == {"class_path": "lightning_sink.SinkStrategy", "init_args": {
-        "accumulation_steps": 1, "partial_window": "scale", "sink_size": 5, "prefetch_depth": 2, "device": None,
+        "accumulation_steps": 1, "partial_window": "scale", "sink_size": 5, "prefetch_depth": 2, "graph_mode": "eager",
+        "device": None,
         "accelerator": None, "checkpoint_io": None, "precision_plugin": None}}
     callbacks = [c["class_path"] for c in config["trainer"]["callbacks"]]
     assert callbacks == ["callbacks.LossMonitor", "callbacks.TimeMonitor"]
