@@ -131,24 +131,14 @@ class SinkModelParallelStrategy(StepProgramsMixin, ModelParallelStrategy):
     def _apply_window_update(self) -> None:
         """After the update step's backward FSDP2 has reduce-scattered the window's sum, averaged over the
         data-parallel ranks, into the sharded ``param.grad``: divide by the micro-steps, unscale, clip, step."""
-        window, optimizer, trainer = self._accumulator, self.optimizers[0], self._trainer
+        window, optimizer = self._accumulator, self.optimizers[0]
         scaling = self._loss_scaling
         found_inf = None
         if scaling is None:
             window.divide_(window.micro_steps)
         else:
             found_inf = self._unscale_window(scaling, window)
-        self._before_optimizer_step(optimizer)
-        if scaling is None:
-            optimizer.step()
-        else:
-            scaling.step_or_skip(optimizer, found_inf)
-            scaling.update_scale(found_inf)
-            self._log_loss_scale(scaling, found_inf)
-        window.clear()
-        compat.record_optimizer_update(trainer)
-        if self._step_schedulers() and not (scaling is not None and scaling.window_overflowed(found_inf)):
-            self._step_lr_schedulers()
+        self._finish_window(optimizer, scaling, found_inf)
 
     @torch.no_grad()
     def _unscale_window(self, scaling: Any, window: FSDPWindow) -> torch.Tensor | None:

@@ -367,7 +367,7 @@ class StepProgramsMixin:
         return output
 
     def _apply_window_update(self) -> None:
-        accumulator, optimizer, trainer = self._accumulator, self.optimizers[0], self._trainer
+        accumulator, optimizer = self._accumulator, self.optimizers[0]
         assert accumulator is not None
         if self.world_size > 1:
             accumulator.reduce()  # also carries any rank's overflow (inf/NaN) to every rank
@@ -381,6 +381,12 @@ class StepProgramsMixin:
         else:
             found_inf = scaling.unscale_window(accumulator.flat, divisor)
         accumulator.write_gradients()
+        self._finish_window(optimizer, scaling, found_inf)
+
+    def _finish_window(self, optimizer: Optimizer, scaling: LossScalePrecision | None,
+                       found_inf: Tensor | None) -> None:
+        """Once the window's mean gradient is in ``.grad``: hooks and clipping, the step (or skip), the loss scale,
+        clearing the window, the update count and the step-interval LR schedulers (held on a skipped window)."""
         self._before_optimizer_step(optimizer)
         if scaling is None:
             optimizer.step()
@@ -388,8 +394,8 @@ class StepProgramsMixin:
             scaling.step_or_skip(optimizer, found_inf)
             scaling.update_scale(found_inf)
             self._log_loss_scale(scaling, found_inf)
-        accumulator.clear()
-        compat.record_optimizer_update(trainer)
+        self._accumulator.clear()
+        compat.record_optimizer_update(self._trainer)
         if self._step_schedulers() and not (scaling is not None and scaling.window_overflowed(found_inf)):
             self._step_lr_schedulers()
 
