@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Parameter
 
-__all__ = ["PARTIAL_WINDOW_MODES", "MicroStep", "plan_micro_step", "GradientAccumulator"]
+__all__ = ["PARTIAL_WINDOW_MODES", "MicroStep", "plan_micro_step", "GradientAccumulator", "unique_trainable"]
 
 PARTIAL_WINDOW_MODES = ("scale", "drop", "carry")
 
@@ -48,7 +48,8 @@ def plan_micro_step(window_position: int, accumulation_steps: int, is_last: bool
     return MicroStep.UPDATE if partial_window == "scale" else MicroStep.ACCUMULATE_THEN_DROP
 
 
-def _unique_trainable(params: Iterable[Parameter]) -> list[Parameter]:
+def unique_trainable(params: Iterable[Parameter]) -> list[Parameter]:
+    """The parameters that get gradients, each once (an optimizer may list a shared parameter twice)."""
     seen: set[int] = set()
     unique = []
     for param in params:
@@ -62,7 +63,7 @@ class GradientAccumulator:
     """The fp32 gradient sum of one window, for the parameters of one optimizer."""
 
     def __init__(self, params: Iterable[Parameter]) -> None:
-        self.params = _unique_trainable(params)
+        self.params = unique_trainable(params)
         if not self.params:
             raise ValueError("GradientAccumulator(params=...) got no trainable parameters; the optimizer is empty.")
         device = self.params[0].device

@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.layout import LAYOUT_FILE_NAME, Layout, layout_from_state_dict, save_layout
+from lightning_sink.reshard.writer import fsync_dir
 
 __all__ = ["staging_dir", "previous_dir", "save_dcp_atomically", "check_checkpoint_dir", "checkpoint_layout"]
 
@@ -52,21 +53,13 @@ def _remove(path: Path) -> None:
         path.unlink()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _commit(staging: Path, target: Path) -> None:
     previous = previous_dir(target)
     if target.exists():
         _remove(previous)
         os.rename(target, previous)
     os.rename(staging, target)
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
     _remove(previous)
 
 

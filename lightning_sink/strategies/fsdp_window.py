@@ -19,17 +19,9 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_sink.accumulation import unique_trainable
+
 __all__ = ["FSDPWindow"]
-
-
-def _unique_trainable(params: list[nn.Parameter]) -> list[nn.Parameter]:
-    seen: set[int] = set()
-    unique = []
-    for param in params:
-        if param.requires_grad and id(param) not in seen:
-            seen.add(id(param))
-            unique.append(param)
-    return unique
 
 
 def _local_copy(grad: Tensor | None) -> Tensor | None:
@@ -93,7 +85,7 @@ class FSDPWindow:
     """
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], data_parallel_size: int) -> None:
-        self.params = _unique_trainable(params)
+        self.params = unique_trainable(params)
         if not self.params:
             raise ValueError("The optimizer holds no trainable parameters; there is nothing to accumulate.")
         self.fsdp_modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
