@@ -31,6 +31,7 @@ from lightning_sink.precision import LossScalePrecision
 from lightning_sink.sink_data import PASS_END, MicroBatchStream, SinkLoader
 from lightning_sink.strategies.graph_modes import check_graph_mode_device, step_function, validate_graph_mode
 from lightning_sink.strategies.hooks import HookPlan
+from lightning_sink.strategies.sink_logging import SinkLogBuffer
 from lightning_sink.strategies.step_triggers import warn_about_unaligned_step_triggers
 
 __all__ = ["StepProgramsMixin", "CHECKPOINT_KEY"]
@@ -112,6 +113,7 @@ class StepProgramsMixin:
         self._data_position = DataPosition()
         self._pending_state: dict[str, Any] | None = None
         self._planned: tuple[int, bool] | None = None
+        self._log_buffer: SinkLogBuffer | None = None
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -198,6 +200,8 @@ class StepProgramsMixin:
             warn_about_unaligned_step_triggers(self._trainer, self.sink_size, self.accumulation_steps)
             self._stream = MicroBatchStream(self._sink_loader.loader, self._data_position, self.prefetch_depth,
                                             copier=self._device_copier())
+            module = self.lightning_module
+            self._log_buffer = SinkLogBuffer(module) if SinkLogBuffer.usable(module) else None
         compat.install_loop_overrides(self._trainer, self._batch_has_no_update)
 
     def _device_copier(self) -> CudaBatchCopier | None:
@@ -294,8 +298,21 @@ class StepProgramsMixin:
 
         Windows run on across sinks and data passes (the data is one endless stream), so ``partial_window`` does
         not apply here. A ``max_steps`` reached inside the sink ends it; the data position records what was trained.
+        ``self.log`` calls are recorded during the sink and handed to Lightning at its end (``sink_logging.py``).
         """
-        trainer, stream = self._trainer, self._stream
+        buffer = self._log_buffer
+        if buffer is None:
+            return self._run_micro_steps()
+        buffer.install()
+        try:
+            output = self._run_micro_steps()
+            buffer.flush()
+        finally:
+            buffer.uninstall()
+        return output
+
+    def _run_micro_steps(self) -> dict[str, Tensor]:
+        trainer, stream, buffer = self._trainer, self._stream, self._log_buffer
         losses: list[Tensor] = []
         micro_index = 0
         while self.sink_size == -1 or micro_index < self.sink_size:
@@ -306,8 +323,10 @@ class StepProgramsMixin:
                 if self.sink_size == -1 and losses:
                     break  # one data pass per sink
                 continue
-            if self._stream.copier is None:
+            if stream.copier is None:
                 batch = self._to_device(batch)
+            if buffer is not None:
+                buffer.begin_micro_step(batch)
             program = self.update_step if self._accumulator.micro_steps + 1 == self.accumulation_steps \
                 else self.accumulate_step
             losses.append(_loss_of(program(batch, micro_index)))
