@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from lightning_sink.layout.schema import Chunk, Layout, TensorLayout
 
-__all__ = ["Box", "CopyOp", "TargetShard", "RankPlan", "plan_rank", "check_compatible", "intersect"]
+__all__ = ["Box", "CopyOp", "TargetShard", "Band", "bands_of", "RankPlan", "plan_rank", "check_compatible", "intersect"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in global coordinates
 
@@ -36,6 +36,37 @@ class TargetShard:
     @property
     def numel(self) -> int:
         return self.chunk.numel
+
+
+@dataclass(frozen=True)
+class Band:
+    """Rows ``start..stop`` (dim 0, counted from the shard's first row) of a target shard and the copies that fill
+    them; a scalar shard is one band of one "row"."""
+
+    start: int
+    stop: int
+    copies: tuple[CopyOp, ...]
+
+
+def bands_of(shard: TargetShard) -> list[Band]:
+    """Cut a shard along dim 0 into bands that each contain whole copies (the rows whose copies overlap).
+
+    A band is written as soon as it is filled, so the writer holds one band, not the shard; and a copy never
+    spans two bands, so a source record read whole is still read whole (and CRC-checked) by one band.
+    """
+    if not shard.chunk.sizes:
+        return [Band(0, 1, shard.copies)]
+    origin = shard.chunk.offsets[0]
+    bands: list[list] = []
+    for copy in sorted(shard.copies, key=lambda c: c.region[0][0]):
+        start = copy.region[0][0] - origin
+        stop = start + copy.region[1][0]
+        if bands and start < bands[-1][1]:
+            bands[-1][1] = max(bands[-1][1], stop)
+            bands[-1][2].append(copy)
+        else:
+            bands.append([start, stop, [copy]])
+    return [Band(start, stop, tuple(copies)) for start, stop, copies in bands]
 
 
 @dataclass(frozen=True)

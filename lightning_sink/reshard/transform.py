@@ -23,11 +23,11 @@ from lightning_sink.layout.schema import Layout
 from lightning_sink.layout.validation import torch_dtype
 from lightning_sink.reshard.loading import RESHARDED_VERSION, read_rank_file_header
 from lightning_sink.reshard.manifest import Manifest, read_manifest, write_manifest
-from lightning_sink.reshard.plan import RankPlan, plan_rank
+from lightning_sink.reshard.plan import RankPlan, bands_of, plan_rank
 from lightning_sink.reshard.reader import READ_BUFFER_BYTES, FileCache, ReadStats, copy_region
 from lightning_sink.reshard.source import RESHARDED_FORMAT, Source, open_source, source_from_files
 from lightning_sink.reshard.workers import run_in_workers
-from lightning_sink.reshard.writer import fsync_dir, save_hashed
+from lightning_sink.reshard.writer import StreamedRankFile, fsync_dir
 
 __all__ = ["ReshardReport", "RankResult", "transform_checkpoints", "transform_checkpoint_by_rank", "rank_list_for_transform"]
 
@@ -98,32 +98,14 @@ def _shard_bytes(plan: RankPlan) -> int:
     return sum(shard.numel * torch_dtype(shard.dtype).itemsize for shard in plan.shards)
 
 
-def _payload(plan: RankPlan, source: Source, dst: Layout, stats: ReadStats, provenance: dict,
-             on_shard: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """Read this rank's shards: one contiguous tensor per shard, each filled from exact byte ranges."""
-    tensors: dict[str, torch.Tensor] = {}
-    fds = FileCache()
-    try:
-        for shard in plan.shards:
-            target = torch.empty(shard.chunk.sizes, dtype=torch_dtype(shard.dtype))
-            for copy in shard.copies:
-                location = source.locate(copy.src_chunk, shard.fqn, stats, fds)
-                if location.shape != copy.src_chunk.sizes or location.dtype != target.dtype:
-                    raise ValueError(f"{location.what}: stored as {list(location.shape)} {location.dtype}, the source"
-                                     f" layout says {list(copy.src_chunk.sizes)} {shard.dtype}")
-                copy_region(fds.fd(location.path), location, copy.src_chunk.offsets, copy.region, target,
-                            shard.chunk.offsets, stats)
-            tensors[shard.fqn] = target
-            if on_shard is not None:
-                on_shard(target.numel() * target.element_size())
-    finally:
-        fds.close()
+def _payload(plan: RankPlan, source: Source, dst: Layout, stats: ReadStats, provenance: dict) -> dict[str, Any]:
+    """What a rank file holds; its tensors are untouched placeholders that ``_fill`` writes band by band."""
     return {
         "format": RESHARDED_FORMAT,
         "version": RESHARDED_VERSION,
         "rank": plan.rank,
         "layout": dst.to_json(),
-        "tensors": tensors,
+        "tensors": {shard.fqn: torch.empty(shard.chunk.sizes, dtype=torch_dtype(shard.dtype)) for shard in plan.shards},
         "non_tensor_state": source.non_tensor_state(stats),
         "extra_files": source.extra_files(),
         "paths": {fqn: path for fqn, path in source.paths.items()},
@@ -131,11 +113,40 @@ def _payload(plan: RankPlan, source: Source, dst: Layout, stats: ReadStats, prov
     }
 
 
+def _fill(plan: RankPlan, source: Source, out: StreamedRankFile, stats: ReadStats,
+          on_shard: Callable[[int], None] | None) -> None:
+    """Every shard in file order, band by band: each band filled from exact byte ranges, then written."""
+    fds = FileCache()
+    try:
+        for shard in sorted(plan.shards, key=lambda s: out.offset(s.fqn)):
+            dtype = torch_dtype(shard.dtype)
+            for band in bands_of(shard):
+                rows = out.buffer(dtype, (band.stop - band.start, *shard.chunk.sizes[1:]) if shard.chunk.sizes else ())
+                band_offsets = (shard.chunk.offsets[0] + band.start, *shard.chunk.offsets[1:]) if shard.chunk.sizes else ()
+                for copy in band.copies:
+                    location = source.locate(copy.src_chunk, shard.fqn, stats, fds)
+                    if location.shape != copy.src_chunk.sizes or location.dtype != dtype:
+                        raise ValueError(f"{location.what}: stored as {list(location.shape)} {location.dtype}, the"
+                                         f" source layout says {list(copy.src_chunk.sizes)} {shard.dtype}")
+                    copy_region(fds.fd(location.path), location, copy.src_chunk.offsets, copy.region, rows,
+                                band_offsets, stats)
+                out.write_rows(shard.fqn, band.start, rows)
+            if on_shard is not None:
+                on_shard(shard.numel * dtype.itemsize)
+    finally:
+        fds.close()
+
+
 def _convert_rank(plan: RankPlan, source: Source, dst: Layout, out_path: Path, provenance: dict,
                   on_shard: Callable[[int], None] | None = None) -> tuple[str, int, ReadStats]:
     stats = ReadStats()
-    payload = _payload(plan, source, dst, stats, provenance, on_shard)
-    digest, size = save_hashed(payload, out_path)
+    out = StreamedRankFile(out_path, _payload(plan, source, dst, stats, provenance))
+    try:
+        _fill(plan, source, out, stats, on_shard)
+    except BaseException:
+        out.close()
+        raise
+    digest, size = out.finish()
     return digest, size, stats
 
 
