@@ -7,11 +7,13 @@ the destination, with a manifest of SHA-256 digests written last, then renamed i
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,7 @@ from lightning_sink.reshard.plan import RankPlan, bands_of, plan_rank
 from lightning_sink.reshard.reader import READ_BUFFER_BYTES, FileCache, ReadStats, copy_region
 from lightning_sink.reshard.source import RESHARDED_FORMAT, Source, open_source, source_from_files
 from lightning_sink.reshard.workers import run_in_workers
-from lightning_sink.reshard.writer import StreamedRankFile, fsync_dir
+from lightning_sink.reshard.writer import StreamedRankFile, fsync_dir, sha256_of_file
 
 __all__ = ["ReshardReport", "RankResult", "transform_checkpoints", "transform_checkpoint_by_rank", "rank_list_for_transform"]
 
@@ -224,6 +226,37 @@ def _prepare_destination(dst: Path, provenance: dict, overwrite: bool) -> None:
                          " pass overwrite=True to replace it, or choose an empty folder")
 
 
+@contextmanager
+def _exclusive(dst: Path) -> Iterator[None]:
+    """Only one conversion at a time into ``dst``: another would clear this one's staging folder as a leftover.
+
+    An ``flock`` on ``.<dst>.lock`` beside it; the kernel drops it when the process dies, so a killed conversion
+    never blocks the next. The file is removed on the way out; a waiter that locked a file removed meanwhile
+    sees another inode at the path and tries again.
+    """
+    path = dst.parent / f".{dst.name}.lock"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ValueError(f"dst_checkpoints_dir={str(dst)!r}: another conversion into it is running (it holds"
+                             f" {str(path)!r}); wait for it to finish or choose another destination") from None
+        try:
+            current = os.stat(path).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(fd).st_ino:
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
 def _commit(staging: Path, dst: Path) -> None:
     """Rename the staging folder into place; a previous output is retired first and removed after."""
     retired = None
@@ -274,7 +307,15 @@ def transform_checkpoints(
     source.check_files(sorted({r for plan in plans for r in plan.source_ranks()}))
     provenance = _provenance(source, target, ckpt_prefix)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    _prepare_destination(dst, provenance, overwrite)
+    with _exclusive(dst):
+        _prepare_destination(dst, provenance, overwrite)
+        return _convert_all(plans, source, target, src_dir, src_strategy_file, dst, ckpt_prefix, provenance, workers,
+                            memory_budget_bytes, progress)
+
+
+def _convert_all(plans, source, target, src_dir, src_strategy_file, dst, ckpt_prefix, provenance, workers,
+                 memory_budget_bytes, progress) -> ReshardReport:
+    """Every target rank into a staging folder, then the manifest, then the rename into place."""
     staging = dst.parent / f".{dst.name}.staging-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     report = ReshardReport(dst)
@@ -295,8 +336,6 @@ def transform_checkpoints(
         report.ranks.sort(key=lambda r: r.rank)
         save_layout(target, staging / "layout.json")
         files = {r.relative_path: {"sha256": r.sha256, "bytes": r.bytes_written} for r in report.ranks}
-        from lightning_sink.reshard.writer import sha256_of_file
-
         files["layout.json"] = {"sha256": sha256_of_file(staging / "layout.json"), "bytes": (staging / "layout.json").stat().st_size}
         write_manifest(staging, Manifest(files=files, provenance=provenance))
         fsync_dir(staging)

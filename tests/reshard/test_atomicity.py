@@ -83,3 +83,33 @@ def test_kill_at_a_random_moment(source_3: Path, layouts, tmp_path: Path):
         assert state is None or len([n for n in state if n.startswith("rank_")]) == 5
     transform_checkpoints(source_3, dst, "ckpt_", None, five, overwrite=True)
     assert verify_checkpoint(dst).world_size == 5
+
+
+def test_a_second_conversion_into_a_destination_in_use_is_refused_and_the_first_completes(source_8: Path,
+                                                                                         tmp_path: Path):
+    """Without the guard the second run would clear the first one's staging folder as a leftover of a killed run."""
+    import threading
+
+    layout = layout_on_mesh(load_layout(source_8), MeshLayout.one_dimensional(2), rows)
+    dst, paused, resume = tmp_path / "out", threading.Event(), threading.Event()
+
+    def pause_once(done, total):
+        if not paused.is_set():
+            paused.set()
+            resume.wait(timeout=60)
+
+    first: dict = {}
+    thread = threading.Thread(target=lambda: first.setdefault(
+        "report", transform_checkpoints(source_8, dst, "ckpt_", None, layout, progress=pause_once)))
+    thread.start()
+    try:
+        assert paused.wait(timeout=60)
+        with pytest.raises(ValueError, match=r"another conversion into it is running"):
+            transform_checkpoints(source_8, dst, "ckpt_", None, layout, overwrite=True)
+    finally:
+        resume.set()
+        thread.join(timeout=120)
+    assert first["report"].destination == dst.resolve()
+    verify_checkpoint(dst)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".out")) == []  # the lock file is gone
+    transform_checkpoints(source_8, dst, "ckpt_", None, layout)  # free again: the same conversion is accepted
