@@ -2,6 +2,7 @@
 
     python examples/reshard_8_to_4.py                          # CI size: 8 + 4 gloo processes on CPU, ~2 minutes
     python examples/reshard_8_to_4.py --per-rank-conversion    # one process per target rank converts its file
+    python examples/reshard_8_to_4.py --pipeline               # stage 1 in 2 pipeline stages, merged layouts
     python examples/reshard_8_to_4.py --train-samples 60000 --stage1-epochs 2 --stage2-epochs 1   # a full run
 
 The seed's MLP ``layer1 = Dense(in, 512), layer2 = Dense(512, 512), layer3 = Dense(512, 10)`` with ReLUs, on
@@ -19,6 +20,13 @@ MNIST as ``examples/digits.py`` prepares it for the seeds (32x32, normalised), s
    features split, the seed's target strategy), layer2 column-wise and layer3 row-wise - and FSDP2 over 2
    data-parallel ranks, which shards the optimizer state (MindSpore's optimizer parallel). ``Trainer.fit(
    ckpt_path=<resharded folder>)`` continues: the global step goes on and the first loss is stage 1's last.
+
+``--pipeline``: stage 1 runs instead as 2 pipeline stages of 4 processes (``pipeline_stage1.py``; Lightning has no
+pipeline strategy, so it is a plain PyTorch loop). Each rank saves ``rank_{r}/checkpoint_{r}.pt`` and each stage
+its layout file; ``merge_pipeline_strategies`` merges those into the source layout and ``transform_checkpoints``
+converts the rank files to the stage-2 layout. The files hold no Lightning loops, so stage 2 fills the model and
+optimizer from them with ``LoadResharded`` (``load_resharded_checkpoint`` + ``load_into_state_dict``) instead of
+``ckpt_path``, and its global step starts at 0.
 
 The "probe loss" is the loss on a fixed set of training samples, computed on every rank with the same input (a
 valid collective): at the end of stage 1, right after stage 2 loaded the converted checkpoint, and at its end.
@@ -111,6 +119,41 @@ class ProbeLoss(Callback):
         self._probe(trainer, pl_module, "end")
 
 
+class LoadResharded(Callback):
+    """Fills the model (and, before fit, the optimizer) from this rank's file of a resharded folder whose source
+    was not a Lightning checkpoint, so there are no loops to resume and ``ckpt_path`` does not apply."""
+
+    def __init__(self, folder: Path, prefix: str = "checkpoint_") -> None:
+        self.folder, self.prefix = Path(folder), prefix
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._load(trainer, pl_module, with_optimizer=False)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._load(trainer, pl_module, with_optimizer=True)
+
+    def _load(self, trainer: pl.Trainer, pl_module: pl.LightningModule, with_optimizer: bool) -> None:
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                             set_model_state_dict, set_optimizer_state_dict)
+
+        from lightning_sink.layout import flatten_like_dcp
+        from lightning_sink.reshard import load_into_state_dict, load_resharded_checkpoint
+
+        rank = trainer.global_rank
+        checkpoint = load_resharded_checkpoint(self.folder / f"rank_{rank}" / f"{self.prefix}{rank}.pt")
+        state = {"state_dict": get_model_state_dict(pl_module)}
+        if with_optimizer:
+            state["optimizer_0"] = get_optimizer_state_dict(pl_module, trainer.optimizers[0])
+        missing = [fqn for fqn, value in flatten_like_dcp(state).items()
+                   if isinstance(value, torch.Tensor) and fqn not in checkpoint["tensors"]]
+        if missing:
+            raise ValueError(f"resharded file of rank {rank} lacks tensors {missing[:5]}")
+        load_into_state_dict(state, checkpoint, strict=False)  # the optimizer's settings stay configure_optimizers'
+        set_model_state_dict(pl_module, state["state_dict"])
+        if with_optimizer:
+            set_optimizer_state_dict(pl_module, trainer.optimizers[0], state["optimizer_0"])
+
+
 def trainer_for(stage: str, args: argparse.Namespace, epochs: int, callbacks: list) -> pl.Trainer:
     dp, tp = MESHES[stage]
     strategy = SinkModelParallelStrategy(dp, tp, accumulation_steps=args.accumulation_steps, process_group_backend="gloo")
@@ -145,15 +188,17 @@ def run_stage2(args: argparse.Namespace) -> None:
     """4 processes: inference on the converted checkpoint, then fine-tuning from it."""
     resharded = Path(args.out_dir) / "resharded"
     module = data(args)
-    tester = trainer_for("stage2", args, 1, [])
-    accuracy = tester.test(SeedMLP("stage2"), datamodule=module, ckpt_path=resharded, verbose=False)[0]["test_accuracy"]
+    # A Lightning source resumes through ckpt_path; the pipeline's rank files are loaded by LoadResharded.
+    loading, ckpt_path = ([LoadResharded(resharded)], None) if args.pipeline else ([], resharded)
+    tester = trainer_for("stage2", args, 1, loading)
+    accuracy = tester.test(SeedMLP("stage2"), datamodule=module, ckpt_path=ckpt_path, verbose=False)[0]["test_accuracy"]
     if tester.is_global_zero:
         print(f"inference on the converted checkpoint (4 processes, mesh 2 x 2): test accuracy {accuracy:.4f}"
               f" on {len(module.test_set)} samples", flush=True)
-    trainer = trainer_for("stage2", args, args.stage1_epochs + args.stage2_epochs,
-                          [ProbeLoss("stage 2", args.probe_samples)])
+    epochs = args.stage2_epochs if args.pipeline else args.stage1_epochs + args.stage2_epochs
+    trainer = trainer_for("stage2", args, epochs, [*loading, ProbeLoss("stage 2", args.probe_samples)])
     started = time.perf_counter()
-    trainer.fit(SeedMLP("stage2", lr=args.lr), datamodule=module, ckpt_path=resharded)
+    trainer.fit(SeedMLP("stage2", lr=args.lr), datamodule=module, ckpt_path=ckpt_path)
     if trainer.is_global_zero:
         print(f"stage 2: 4 processes, mesh 2 x 2, global_step {trainer.global_step} after"
               f" {time.perf_counter() - started:.1f} s")
@@ -164,11 +209,38 @@ def convert_rank(args: argparse.Namespace) -> None:
     from lightning_sink.reshard import rank_list_for_transform, transform_checkpoint_by_rank
 
     out, rank = Path(args.out_dir), args.convert_rank
-    needed = rank_list_for_transform(rank, out / "stage1", out / "stage2_layout.json")
-    files = {source: out / "stage1" / f"__{source}_0.distcp" for source in needed}
+    if args.pipeline:  # the pipeline stages' rank files, described by the merged stage layouts
+        source_layout = out / "stage1_pipeline" / "merged_layout.json"
+        needed = rank_list_for_transform(rank, source_layout, out / "stage2_layout.json")
+        files = {source: out / "stage1_pipeline" / "checkpoints" / f"rank_{source}" / f"checkpoint_{source}.pt"
+                 for source in needed}
+    else:  # the DCP folder of stage 1, which holds its own layout
+        source_layout = None
+        needed = rank_list_for_transform(rank, out / "stage1", out / "stage2_layout.json")
+        files = {source: out / "stage1" / f"__{source}_0.distcp" for source in needed}
     result = transform_checkpoint_by_rank(rank, files, out / "resharded" / f"rank_{rank}" / f"checkpoint_{rank}.pt",
-                                          None, out / "stage2_layout.json", overwrite=True)
+                                          source_layout, out / "stage2_layout.json", overwrite=True)
     print(f"target rank {rank}: read source ranks {needed}, wrote {result.bytes_written} bytes", flush=True)
+
+
+def convert_pipeline_stages(args: argparse.Namespace) -> None:
+    """Stage 1 as 2 pipeline stages, then MindSpore's steps: merge the stage layouts, convert the rank files."""
+    from pipeline_stage1 import run_pipeline_stage1
+
+    from lightning_sink.layout import merge_pipeline_strategies
+    from lightning_sink.reshard import transform_checkpoints
+
+    out = Path(args.out_dir)
+    started = time.perf_counter()
+    run_pipeline_stage1(args)
+    print(f"stage 1: 8 processes in 2 pipeline stages of 2 x 2 in {time.perf_counter() - started:.1f} s", flush=True)
+    stage_files = out / "stage1_pipeline"
+    merged = merge_pipeline_strategies(stage_files / "strategy", stage_files / "merged_layout.json")
+    print(f"merged {merged.pipeline.num_stages} stage layouts: {len(merged.tensors)} tensors on mesh"
+          f" {dict(zip(merged.mesh.dim_names, merged.mesh.shape))}", flush=True)
+    if not args.per_rank_conversion:
+        transform_checkpoints(stage_files / "checkpoints", out / "resharded", "checkpoint_",
+                              stage_files / "merged_layout.json", out / "stage2_layout.json", overwrite=True)
 
 
 def run(command: list[str]) -> None:
@@ -187,7 +259,10 @@ def orchestrate(args: argparse.Namespace, argv: list[str]) -> None:
     # Compile the target network, MindSpore-style: its layout, predicted without launching its 4 processes.
     save_layout(infer_layout(SeedMLP, *MESHES["stage2"], init_args={"plan": "stage2", "lr": args.lr}),
                 out / "stage2_layout.json")
-    run([*argv, "--run", "stage1"])
+    if args.pipeline:
+        convert_pipeline_stages(args)
+    else:
+        run([*argv, "--run", "stage1"])
     if args.per_rank_conversion:
         import shutil
 
@@ -214,6 +289,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stage2-epochs", type=int, default=1)
     parser.add_argument("--per-rank-conversion", action="store_true",
                         help="convert with transform_checkpoint_by_rank, one process per target rank")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="stage 1 in 2 pipeline stages (plain PyTorch), merged with merge_pipeline_strategies")
     parser.add_argument("--run", choices=("stage1", "stage2"), help=argparse.SUPPRESS)
     parser.add_argument("--convert-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

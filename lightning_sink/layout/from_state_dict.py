@@ -115,7 +115,8 @@ def _tuples(node: Any) -> Any:
 def _placements_and_chunks(fqn: str, value: torch.Tensor, mesh: MeshLayout, world_size: int):
     shape = tuple(value.shape)
     if not isinstance(value, DTensor):
-        return tuple("Replicate()" for _ in mesh.shape), replicated_chunks(shape, range(world_size))
+        # held by every rank of the mesh this state dict lives on (the world, or a pipeline stage's ranks)
+        return tuple("Replicate()" for _ in mesh.shape), replicated_chunks(shape, mesh.flat_ranks())
     placements = _placements_on_main_mesh(fqn, value, mesh)
     return tuple(placement_to_str(p) for p in placements), chunks_for_placements(shape, mesh, placements)
 

@@ -39,7 +39,7 @@ class SinkDDPStrategy(StepProgramsMixin, DDPStrategy):
         accumulation_steps: int | None = None,
         partial_window: str = "scale",
         sink_size: int | None = None,
-        prefetch_depth: int = 2,
+        prefetch_depth: int | None = None,
         graph_mode: str = "eager",
         **kwargs: Any,
     ) -> None:

@@ -64,7 +64,7 @@ class SinkModelParallelStrategy(StepProgramsMixin, ModelParallelStrategy):
         accumulation_steps: int | None = None,
         partial_window: str = "scale",
         sink_size: int | None = None,
-        prefetch_depth: int = 2,
+        prefetch_depth: int | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:

@@ -30,6 +30,8 @@ class SinkStrategy(StepProgramsMixin, SingleDeviceStrategy):
             data pass per sink; ``None`` (default): no sinking, one Lightning batch per micro-batch.
         prefetch_depth: micro-batches a background thread reads ahead in sink mode (on CUDA it also copies them to
             the GPU: pinned memory, non-blocking copies on a side stream); ``0`` reads in the training thread.
+            ``None`` (default): 2 on CUDA; 0 on CPU, where the thread's GIL hand-offs cost more than the reads it
+            hides for in-memory data (measured in ``benchmarks/sink_throughput.py``; set it for slow loaders).
         graph_mode: ``"eager"`` (default); ``"compile"``: ``training_step`` and its backward compiled with
             ``torch.compile`` (both step programs share the forward and backward graphs); ``"cuda_graph"``: the
             same graphs captured as CUDA graphs (``torch.compile(mode="reduce-overhead")``), CUDA only.
@@ -43,7 +45,7 @@ class SinkStrategy(StepProgramsMixin, SingleDeviceStrategy):
         accumulation_steps: int | None = None,
         partial_window: str = "scale",
         sink_size: int | None = None,
-        prefetch_depth: int = 2,
+        prefetch_depth: int | None = None,
         graph_mode: str = "eager",
         device: str | torch.device | None = None,
         accelerator: Accelerator | None = None,

@@ -41,7 +41,8 @@ _STATE_VERSION = 1
 
 
 def validate_accumulation_args(
-    accumulation_steps: int | None, partial_window: str, sink_size: int | None = None, prefetch_depth: int = 2
+    accumulation_steps: int | None, partial_window: str, sink_size: int | None = None,
+    prefetch_depth: int | None = None,
 ) -> None:
     if accumulation_steps is not None and (
         isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1
@@ -56,10 +57,11 @@ def validate_accumulation_args(
             f"sink_size={sink_size!r} is not valid: pass an int >= 1 (micro-batches per sink), -1 (one data pass per"
             " sink), or None (no sinking: one Lightning batch per micro-batch)."
         )
-    if isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int) or prefetch_depth < 0:
+    if prefetch_depth is not None and (isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int)
+                                       or prefetch_depth < 0):
         raise ValueError(
             f"prefetch_depth={prefetch_depth!r} is not valid: pass an int >= 1 (batches a background thread reads"
-            " ahead) or 0 (read in the training thread)."
+            " ahead), 0 (read in the training thread) or None (2 on CUDA, 0 on CPU)."
         )
     if partial_window not in PARTIAL_WINDOW_MODES:
         raise ValueError(
@@ -97,7 +99,7 @@ class StepProgramsMixin:
         accumulation_steps: int | None,
         partial_window: str,
         sink_size: int | None = None,
-        prefetch_depth: int = 2,
+        prefetch_depth: int | None = None,
         graph_mode: str = "eager",
     ) -> None:
         validate_accumulation_args(accumulation_steps, partial_window, sink_size, prefetch_depth)
@@ -198,16 +200,22 @@ class StepProgramsMixin:
             self._pending_state = None
         if self._sink_loader is not None:
             warn_about_unaligned_step_triggers(self._trainer, self.sink_size, self.accumulation_steps)
-            self._stream = MicroBatchStream(self._sink_loader.loader, self._data_position, self.prefetch_depth,
+            self._stream = MicroBatchStream(self._sink_loader.loader, self._data_position, self._prefetch_depth(),
                                             copier=self._device_copier())
             module = self.lightning_module
             self._log_buffer = SinkLogBuffer(module) if SinkLogBuffer.usable(module) else None
         compat.install_loop_overrides(self._trainer, self._batch_has_no_update)
 
+    def _prefetch_depth(self) -> int:
+        """``prefetch_depth``, or by default: 2 on CUDA (the thread's copies overlap compute); 0 on CPU."""
+        if self.prefetch_depth is not None:
+            return self.prefetch_depth
+        return 2 if self.root_device.type == "cuda" else 0  # type: ignore[attr-defined]
+
     def _device_copier(self) -> CudaBatchCopier | None:
         """On CUDA, the prefetch thread copies batches to the GPU, unless transfer hooks must run in this thread."""
         device = self.root_device  # type: ignore[attr-defined]
-        if device.type != "cuda" or not self._hooks.direct_transfer or self.prefetch_depth == 0:
+        if device.type != "cuda" or not self._hooks.direct_transfer or self._prefetch_depth() == 0:
             return None
         return CudaBatchCopier(device)
 

@@ -122,21 +122,14 @@ def test_lightning_is_called_at_most_twice_per_key_per_sink(monkeypatch):
 
 
 def test_a_logging_module_has_no_host_sync_inside_a_sink():
+    from tests.strategies.test_sink_loop import count_syncs_per_sink
     from tests.test_precision import SyncCounter
 
     counter = SyncCounter()
-    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=2, sink_size=8), max_epochs=2,
-                            callbacks=[counter])
-    sink_syncs, original = [], trainer.strategy._run_sink
-
-    def counted_sink():
-        before, counter._phase = counter._count, "sink"
-        try:
-            return original()
-        finally:
-            counter._phase = None
-            sink_syncs.append(counter._count - before)
-    trainer.strategy._run_sink = counted_sink
+    # prefetch_depth=2: the loader's own CPU work (a sampler's tolist()) then runs in its thread, not counted
+    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=2, sink_size=8, prefetch_depth=2),
+                            max_epochs=2, callbacks=[counter])
+    sink_syncs = count_syncs_per_sink(trainer, counter)
     trainer.fit(TinyClassifier(optimizer="adamw_fused"), DataLoader(make_dataset(num_samples=SAMPLES),
                                                                      batch_size=MICRO))
     assert sink_syncs == [0, 0]

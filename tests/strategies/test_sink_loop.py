@@ -167,25 +167,30 @@ def test_iterable_dataset_without_length(sink_size, expected_lengths):
     assert trainer.global_step == sum(expected_lengths) // 2
 
 
-def test_no_host_sync_inside_a_sink():
-    from tests.test_precision import SyncCounter, Unlogged
-
-    counter = SyncCounter()
-    model = Unlogged(optimizer="adamw_fused", lr=0.01)
-    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=2, sink_size=8), max_epochs=2,
-                            callbacks=[counter])
-    sink_syncs = []
-    original = trainer.strategy._run_sink
+def count_syncs_per_sink(trainer, counter) -> list[int]:
+    """Has ``counter`` (tests.test_precision.SyncCounter) count host syncs inside each sink; one entry per sink."""
+    sink_syncs, original = [], trainer.strategy._run_sink
 
     def counted_sink():
-        before = counter._count
-        counter._phase = "sink"
+        before, counter._phase = counter._count, "sink"
         try:
             return original()
         finally:
             counter._phase = None
             sink_syncs.append(counter._count - before)
     trainer.strategy._run_sink = counted_sink
+    return sink_syncs
+
+
+def test_no_host_sync_inside_a_sink():
+    from tests.test_precision import SyncCounter, Unlogged
+
+    counter = SyncCounter()
+    model = Unlogged(optimizer="adamw_fused", lr=0.01)
+    # prefetch_depth=2: the loader's own CPU work (a sampler's tolist()) then runs in its thread, not counted
+    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=2, sink_size=8, prefetch_depth=2),
+                            max_epochs=2, callbacks=[counter])
+    sink_syncs = count_syncs_per_sink(trainer, counter)
     trainer.fit(model, shuffled_loader(make_dataset(num_samples=SAMPLES)))
     assert sink_syncs == [0, 0] and trainer.global_step == 8
 
@@ -228,7 +233,7 @@ def test_sink_size_must_be_valid(bad):
 
 
 def test_prefetch_depth_must_be_valid():
-    with pytest.raises(ValueError, match=r"prefetch_depth=-1 is not valid: pass an int >= 1 .* or 0"):
+    with pytest.raises(ValueError, match=r"prefetch_depth=-1 is not valid: pass an int >= 1 .*, 0 .* or None"):
         SinkStrategy(sink_size=4, prefetch_depth=-1)
 
 
@@ -257,7 +262,21 @@ def test_a_failing_run_stops_the_prefetch_thread():
                 raise RuntimeError("boom")
             return super().training_step(batch, batch_idx)
 
-    trainer = quiet_trainer(strategy=SinkStrategy(sink_size=5), max_epochs=3)
+    trainer = quiet_trainer(strategy=SinkStrategy(sink_size=5, prefetch_depth=2), max_epochs=3)
     with pytest.raises(RuntimeError, match="boom"):
         trainer.fit(Failing(), shuffled_loader(make_dataset(num_samples=SAMPLES)))
     assert not any(thread.name == "lightning-sink-prefetch" for thread in threading.enumerate())
+
+
+@pytest.mark.parametrize("prefetch_depth, thread_expected", [(None, False), (2, True), (0, False)])
+def test_the_default_reads_in_the_training_thread_on_cpu(prefetch_depth, thread_expected):
+    """None: no prefetch thread on CPU (benchmarks/sink_throughput.py measured the thread slower there)."""
+    import threading
+
+    class SeesThreads(Callback):
+        def on_train_batch_start(self, trainer, module, batch, batch_idx):
+            self.names = [thread.name for thread in threading.enumerate()]
+
+    seen = SeesThreads()
+    fit_sinks(TinyClassifier(), sink_size=4, steps=1, epochs=1, prefetch_depth=prefetch_depth, callbacks=[seen])
+    assert ("lightning-sink-prefetch" in seen.names) is thread_expected
