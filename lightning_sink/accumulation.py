@@ -105,7 +105,10 @@ class GradientAccumulator:
     def write_gradients(self) -> None:
         """Hand the (already unscaled, averaged) window gradient to the optimizer as ``param.grad``."""
         for param, view, aliased in zip(self.params, self.views, self._aliased):
-            param.grad = view if aliased else view.to(param.dtype)
+            if not aliased:
+                param.grad = view.to(param.dtype)
+            elif param.grad is not view:  # (assigning .grad re-validates it: skip when it is already the view)
+                param.grad = view
 
     def clear(self) -> None:
         self.flat.zero_()
