@@ -290,8 +290,8 @@ def transform_checkpoints(
         dst_strategy_file: the target layout (file or :class:`Layout`).
         workers: None converts in this process; k converts in k spawned processes, one target rank each.
         overwrite: replace a destination that holds a different checkpoint.
-        memory_budget_bytes: caps the worker count at budget // (largest target shard + read buffer + an idle
-            worker's ~600 MiB).
+        memory_budget_bytes: caps the worker count at budget // (largest band of rows a worker writes + read
+            buffer + an idle worker's ~600 MiB); see ``worker_count``.
         progress: called with (target bytes done, target bytes in all) as shards fill (in process) or as
             target ranks finish (workers).
     """
@@ -357,15 +357,29 @@ def _run(tasks, plans, source, target, staging, ckpt_prefix, workers, memory_bud
             peak = peak_rss_bytes()
             yield RankResult(plan.rank, relative, digest, size, stats, peak, time.perf_counter() - started)
         return
-    count = min(workers, len(tasks))
-    if memory_budget_bytes is not None:
-        largest = max((sum(s.numel * torch_dtype(s.dtype).itemsize for s in p.shards) for p in plans), default=1)
-        per_worker = largest + READ_BUFFER_BYTES + WORKER_BASELINE_BYTES
-        count = max(1, min(count, memory_budget_bytes // per_worker))
-    for result in run_in_workers(tasks, count):
+    for result in run_in_workers(tasks, worker_count(plans, workers, memory_budget_bytes)):
         advance(_shard_bytes(plans[result["rank"]]))
         yield RankResult(result["rank"], result["relative_path"], result["sha256"], result["bytes_written"],
                          ReadStats(**result["stats"]), result["peak_rss_bytes"], result["seconds"])
+
+
+def worker_count(plans: list[RankPlan], workers: int, memory_budget_bytes: int | None) -> int:
+    """At most one worker per target rank, and as many as fit the budget: a worker holds its largest band (the
+    reused write buffer), the read buffer and an idle interpreter."""
+    count = min(workers, len(plans))
+    if memory_budget_bytes is None:
+        return count
+    largest_band = max((_band_bytes(shard, band) for plan in plans for shard in plan.shards for band in bands_of(shard)),
+                       default=0)
+    per_worker = largest_band + READ_BUFFER_BYTES + WORKER_BASELINE_BYTES
+    return max(1, min(count, memory_budget_bytes // per_worker))
+
+
+def _band_bytes(shard, band) -> int:
+    row = 1
+    for size in shard.chunk.sizes[1:]:
+        row *= size
+    return (band.stop - band.start) * row * torch_dtype(shard.dtype).itemsize
 
 
 def transform_checkpoint_by_rank(

@@ -100,6 +100,16 @@ def test_inference_accuracy_equals_plain_pytorch_on_the_resharded_weights(exampl
     assert accuracy > 0.5  # 10 classes: chance is 0.1
 
 
+def convert_each_target_rank(out_dir: Path, *options: str) -> list[str]:
+    """The script's per-rank conversion, one process per target rank at once, as a user launches it."""
+    env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    workers = [subprocess.Popen([sys.executable, str(SCRIPT), "--out-dir", str(out_dir), *options, "--convert-rank",
+                                 str(rank)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True) for rank in range(4)]
+    outputs = [worker.communicate(timeout=200)[0] for worker in workers]
+    assert [worker.returncode for worker in workers] == [0, 0, 0, 0], outputs
+    return outputs
+
+
 @pytest.mark.slow
 def test_per_rank_conversion_writes_what_reshard_checkpoint_wrote(example, tmp_path: Path):
     from lightning_sink.reshard import load_resharded_checkpoint
@@ -108,11 +118,7 @@ def test_per_rank_conversion_writes_what_reshard_checkpoint_wrote(example, tmp_p
     out, _ = example
     shutil.copytree(out / "stage1", tmp_path / "stage1")
     shutil.copy(out / "stage2_layout.json", tmp_path / "stage2_layout.json")
-    env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    workers = [subprocess.Popen([sys.executable, str(SCRIPT), "--out-dir", str(tmp_path), "--convert-rank", str(rank)],
-                                cwd=REPO, env=env, stdout=subprocess.PIPE, text=True) for rank in range(4)]
-    outputs = [worker.communicate(timeout=200)[0] for worker in workers]
-    assert [worker.returncode for worker in workers] == [0, 0, 0, 0], outputs
+    outputs = convert_each_target_rank(tmp_path)
     assert re.search(r"target rank 0: read source ranks \[[0-9, ]+\]", outputs[0])
     assert is_resharded_checkpoint(tmp_path / "resharded")  # loadable by Trainer.fit(ckpt_path=...) as well
     for rank in range(4):
@@ -172,12 +178,7 @@ def test_per_rank_conversion_of_pipeline_stage_files(pipeline_example, tmp_path:
     out, _ = pipeline_example
     shutil.copytree(out / "stage1_pipeline", tmp_path / "stage1_pipeline")
     shutil.copy(out / "stage2_layout.json", tmp_path / "stage2_layout.json")
-    env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    workers = [subprocess.Popen([sys.executable, str(SCRIPT), "--out-dir", str(tmp_path), "--pipeline",
-                                 "--convert-rank", str(rank)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
-               for rank in range(4)]
-    outputs = [worker.communicate(timeout=200)[0] for worker in workers]
-    assert [worker.returncode for worker in workers] == [0, 0, 0, 0], outputs
+    convert_each_target_rank(tmp_path, "--pipeline")
     for rank in range(4):
         mine = load_resharded_checkpoint(tmp_path / "resharded" / f"rank_{rank}" / f"checkpoint_{rank}.pt")
         theirs = load_resharded_checkpoint(out / "resharded" / f"rank_{rank}" / f"checkpoint_{rank}.pt")

@@ -124,3 +124,23 @@ def test_bands_hold_whole_copies_tile_the_shard_and_cut_at_every_source_row_boun
         cuts = sorted({0, *(b for b in range(25, 100, 25))} | {shard.chunk.offsets[0], shard.chunk.offsets[0] + shard.chunk.sizes[0]})
         inside = [c - shard.chunk.offsets[0] for c in cuts if shard.chunk.offsets[0] <= c <= shard.chunk.offsets[0] + shard.chunk.sizes[0]]
         assert [band.start for band in bands] + [bands[-1].stop] == inside
+
+
+def test_the_memory_budget_caps_workers_by_the_largest_band():
+    from lightning_sink.reshard.plan import plan_rank
+    from lightning_sink.reshard.reader import READ_BUFFER_BYTES
+    from lightning_sink.reshard.transform import WORKER_BASELINE_BYTES, worker_count
+
+    one = Layout(world_size=1, mesh=MeshLayout.one_dimensional(1), tensors={
+        "w": TensorLayout("parameter", (100, 10), "float32", ("Replicate()",), (Chunk(0, (0, 0), (100, 10)),))})
+    source = layout_on_mesh(one, MeshLayout((4, 2), ("dp", "tp"), ((0, 1), (2, 3), (4, 5), (6, 7))),
+                            lambda f, t: ["Shard(0)", "Shard(1)"])
+    target = layout_on_mesh(one, MeshLayout.one_dimensional(3), lambda f, t: ["Shard(0)"])
+    plans = [plan_rank(rank, source, target) for rank in range(3)]
+    # The largest band: one source block of 25 rows x 10 float32 (a shard of 34 rows never sits in memory whole).
+    per_worker = 25 * 10 * 4 + READ_BUFFER_BYTES + WORKER_BASELINE_BYTES
+    assert worker_count(plans, 3, None) == 3
+    assert worker_count(plans, 8, None) == 3  # never more workers than target ranks
+    assert worker_count(plans, 3, 2 * per_worker) == 2
+    assert worker_count(plans, 3, 2 * per_worker - 1) == 1
+    assert worker_count(plans, 3, 10) == 1  # a budget too small for one still converts, in one worker
