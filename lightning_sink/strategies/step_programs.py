@@ -33,7 +33,7 @@ from lightning_sink.sink_data import PASS_END, MicroBatchStream, SinkLoader
 from lightning_sink.strategies.graph_modes import check_graph_mode_device, step_function, validate_graph_mode
 from lightning_sink.strategies.hooks import HookPlan
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
-from lightning_sink.strategies.step_triggers import warn_about_unaligned_step_triggers
+from lightning_sink.strategies.step_triggers import ignore_one_batch_per_epoch_warning, warn_about_unaligned_step_triggers
 
 __all__ = ["StepProgramsMixin", "CHECKPOINT_KEY"]
 
@@ -160,6 +160,8 @@ class StepProgramsMixin:
             # Trainer(precision="16-mixed") on CUDA: Lightning's GradScaler would step the optimizer itself; use
             # the accumulating loss scaler instead (an explicit LossScalePrecision plugin is kept as given).
             self.precision_plugin = LossScalePrecision("16-mixed", DynamicLossScale(), device=plugin.device)
+        if self.sink_size is not None:
+            ignore_one_batch_per_epoch_warning()
         if self.sink_size is None:
             # Lightning's estimated_stepping_batches (used to size OneCycleLR and friends) divides by this. (In
             # sink mode a Lightning batch is a whole sink, so Lightning's estimate cannot be made right this way.)

@@ -13,12 +13,14 @@ for any other n, a multiple of n that falls inside a sink is never seen, so the 
 
 from __future__ import annotations
 
+import warnings
+
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_sink import _lightning_compat as compat
 
-__all__ = ["updates_per_sink", "warn_about_unaligned_step_triggers"]
+__all__ = ["updates_per_sink", "warn_about_unaligned_step_triggers", "ignore_one_batch_per_epoch_warning"]
 
 
 def updates_per_sink(sink_size: int, accumulation_steps: int) -> int | None:
@@ -50,3 +52,12 @@ def warn_about_unaligned_step_triggers(trainer: pl.Trainer, sink_size: int, accu
             f"{name} is checked at the end of each sink only, and {sinks}: multiples of {n} that fall inside a"
             f" sink are skipped. Use {valid} for n, or a sink_size that is a multiple of accumulation_steps * {n}."
         )
+
+
+def ignore_one_batch_per_epoch_warning() -> None:
+    """Lightning warns that "the number of training batches (1) is smaller than the logging interval" whenever an
+    epoch has fewer batches than ``log_every_n_steps``; in sink mode every epoch is one Lightning batch by design,
+    and ``log_every_n_steps`` counts updates, checked as described above (with our own warning when it cannot be
+    honoured). The filter is process-wide, so it also quiets that one message for later one-batch epochs."""
+    warnings.filterwarnings("ignore", message=r"The number of training batches \(1\) is smaller than the logging"
+                                              r" interval")

@@ -79,3 +79,18 @@ def test_log_every_n_steps_writes_the_sinks_last_values_at_the_documented_steps(
     assert [int(row["step"]) for row in rows] == [3, 7]
     last_losses = {step: out["loss"].item() for step, out in zip(per_sink.steps, per_sink.outputs)}
     assert [float(row["train_loss"]) for row in rows] == pytest.approx([last_losses[4], last_losses[8]], rel=1e-6)
+
+
+def test_lightnings_one_batch_epoch_logging_warning_is_not_raised_in_sink_mode(tmp_path):
+    """Every sink epoch is one Lightning batch; log_every_n_steps (here 10, a divisor of the 10 updates per sink)
+    counts updates, so Lightning's "(1) is smaller than the logging interval" would be wrong."""
+    import warnings
+
+    trainer = quiet_trainer(strategy=SinkStrategy(sink_size=10), max_epochs=2, log_every_n_steps=10,
+                            logger=CSVLogger(tmp_path, name="run"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(TinyClassifier(), shuffled_loader(make_dataset(num_samples=SAMPLES)))
+    messages = [str(warning.message) for warning in caught]
+    assert not [m for m in messages if "smaller than the logging interval" in m], messages
+    assert trainer.global_step == 20
