@@ -85,6 +85,7 @@ class SinkLogBuffer:
         call.apply_defaults()
         options = dict(call.arguments)
         del options["self"], options["name"], options["value"]
+        batch_size = options.pop("batch_size")  # may differ per call (a last, smaller micro-batch), as in Lightning
         reduction = _REDUCTIONS.get(options["reduce_fx"])
         tensor = _as_scalar_tensor(value, self._module.device)
         if reduction is None or tensor is None or options["enable_graph"] or "/dataloader_idx_" in name:
@@ -102,11 +103,11 @@ class SinkLogBuffer:
                 f" {options}. Log each name with the same arguments on every step."
             )
         key.values.append(tensor)
-        key.batch_sizes.append(self._batch_size(options))
+        key.batch_sizes.append(self._batch_size(batch_size, options))
 
-    def _batch_size(self, options: dict[str, Any]) -> int:
-        if options["batch_size"] is not None:
-            return int(options["batch_size"])
+    def _batch_size(self, given: int | None, options: dict[str, Any]) -> int:
+        if given is not None:
+            return int(given)
         if not (options["on_epoch"] and _REDUCTIONS[options["reduce_fx"]] == "mean"):
             return 1  # unused by Lightning: only an epoch mean is weighted
         if self._micro_batch_size is None:
@@ -117,12 +118,11 @@ class SinkLogBuffer:
     def flush(self) -> None:
         """Hand every recorded key to the real ``self.log``: the reduced earlier steps, then the last step."""
         for name, key in self._keys.items():
-            options = {option: value for option, value in key.options.items() if option != "batch_size"}
             values = torch.stack([_to_log_dtype(value) for value in key.values])
             if key.options["on_epoch"] and len(values) > 1:
                 earlier, earlier_size = _reduce(values[:-1], key.batch_sizes[:-1], key.reduction)
-                self._real_log(name, earlier, batch_size=earlier_size, **options)
-            self._real_log(name, values[-1], batch_size=key.batch_sizes[-1], **options)
+                self._real_log(name, earlier, batch_size=earlier_size, **key.options)
+            self._real_log(name, values[-1], batch_size=key.batch_sizes[-1], **key.options)
         self._keys.clear()
 
 

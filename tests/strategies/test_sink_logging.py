@@ -54,6 +54,7 @@ class Reductions(TinyClassifier):
         self.log("max", loss, on_step=False, on_epoch=True, reduce_fx="max")
         self.log("min", loss, on_epoch=True, reduce_fx=torch.min)
         self.log("micro_batch", float(len(y)), on_step=False, on_epoch=True, reduce_fx="sum")  # a Python number
+        self.log("given_size", loss, on_step=False, on_epoch=True, batch_size=len(y))  # sizes differ per call
         self.metric.update(loss, weight=len(y))
         self.log("metric", self.metric, on_step=False, on_epoch=True)  # a Metric: passed to Lightning directly
         return loss
@@ -87,6 +88,7 @@ def test_epoch_and_step_values_equal_lightnings_reductions_of_the_plain_loops_lo
         assert epoch["max"] == pytest.approx(max(values), rel=1e-5)
         assert epoch["min_epoch"] == pytest.approx(min(values), rel=1e-5)
         assert epoch["micro_batch"] == SAMPLES
+        assert epoch["given_size"] == pytest.approx(weighted_mean, rel=1e-5)
         assert epoch["metric"] == pytest.approx(weighted_mean, rel=1e-5)
 
 
@@ -118,7 +120,7 @@ def test_lightning_is_called_at_most_twice_per_key_per_sink(monkeypatch):
     trainer.fit(Reductions(), DataLoader(make_dataset(num_samples=SAMPLES), batch_size=MICRO))
     # per sink: each reduced key twice (its earlier steps, its last step); the Metric on every micro-step
     assert {name: calls.count(name) for name in calls} == {
-        "mean": 4, "sum": 4, "doubled_sum": 4, "max": 4, "min": 4, "micro_batch": 4, "metric": 100}
+        "mean": 4, "sum": 4, "doubled_sum": 4, "max": 4, "min": 4, "micro_batch": 4, "given_size": 4, "metric": 100}
 
 
 def test_a_logging_module_has_no_host_sync_inside_a_sink():
