@@ -113,9 +113,9 @@ class Pipeline:
         rank = dist.get_rank()
         (out / "checkpoints" / f"rank_{rank}").mkdir(parents=True, exist_ok=True)
         torch.save(local, out / "checkpoints" / f"rank_{rank}" / f"checkpoint_{rank}.pt")
-        layout = layout_from_state_dict(state, world_size=WORLD_SIZE, pipeline_stage=self.stage, num_stages=STAGES,
-                                        module=self.model)
-        if rank == self.mesh.mesh.flatten()[0].item():
+        if rank == self.mesh.mesh.flatten()[0].item():  # every rank of the stage would compute the same layout
+            layout = layout_from_state_dict(state, world_size=WORLD_SIZE, pipeline_stage=self.stage,
+                                            num_stages=STAGES, module=self.model)
             save_layout(layout, out / "strategy" / f"stage_{self.stage}.json")
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from lightning_sink.layout.schema import Chunk, Layout, TensorLayout
 
-__all__ = ["Box", "CopyOp", "TargetShard", "Band", "bands_of", "RankPlan", "plan_rank", "check_compatible", "intersect"]
+__all__ = ["Box", "CopyOp", "TargetShard", "Band", "bands_of", "band_box", "RankPlan", "plan_rank", "check_compatible", "intersect"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in global coordinates
 
@@ -67,6 +67,14 @@ def bands_of(shard: TargetShard) -> list[Band]:
         else:
             bands.append([start, stop, [copy]])
     return [Band(start, stop, tuple(copies)) for start, stop, copies in bands]
+
+
+def band_box(shard: TargetShard, band: Band) -> Box:
+    """The band's (global offsets, sizes): its rows of the shard, every other dim whole."""
+    if not shard.chunk.sizes:
+        return (), ()
+    offsets, sizes = shard.chunk.offsets, shard.chunk.sizes
+    return (offsets[0] + band.start, *offsets[1:]), (band.stop - band.start, *sizes[1:])
 
 
 @dataclass(frozen=True)

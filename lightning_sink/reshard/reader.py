@@ -206,17 +206,26 @@ def _split_dim(sizes, src_shape, dst_shape) -> int:
     return max(split - 1, 0)
 
 
+def _run_starts(sizes, split) -> itertools.product:
+    """The index over dims < ``split`` of every run of a region (each run covers dims ``split..``)."""
+    return itertools.product(*(range(size) for size in sizes[:split]))
+
+
+def _element_of(index, split, start, strides) -> int:
+    """Element offset of the run at ``index`` of a region starting at ``start`` in an array of ``strides``."""
+    return sum((begin + (index[dim] if dim < split else 0)) * stride
+               for dim, (begin, stride) in enumerate(zip(start, strides)))
+
+
 def _copy_runs_direct(fd, source: TensorLocation, src_start, sizes, split, target, dst_start, stats, whole_record) -> int:
     item = source.dtype.itemsize
     run = math.prod(sizes[split:])
     src_strides, dst_strides = _contiguous_strides(source.shape), _contiguous_strides(tuple(target.shape))
     out = _as_bytes(target)
     crc = 0
-    for index in itertools.product(*(range(size) for size in sizes[:split])):
-        position = [start + (index[dim] if dim < split else 0) for dim, start in enumerate(src_start)]
-        src_element = source.storage_offset + sum(p * s for p, s in zip(position, src_strides))
-        dst_element = sum((start + (index[dim] if dim < split else 0)) * stride
-                          for dim, (start, stride) in enumerate(zip(dst_start, dst_strides)))
+    for index in _run_starts(sizes, split):
+        src_element = source.storage_offset + _element_of(index, split, src_start, src_strides)
+        dst_element = _element_of(index, split, dst_start, dst_strides)
         view = out[dst_element * item : (dst_element + run) * item]
         _pread_exact(fd, view, source.data_offset + src_element * item, source)
         stats.payload_bytes_read += len(view)
@@ -233,7 +242,7 @@ def _copy_span_scattered(fd, source: TensorLocation, src_start, sizes, split, ta
     run_bytes = math.prod(sizes[split:]) * item
     dst_strides = _contiguous_strides(tuple(target.shape))
     out = _as_bytes(target)
-    src_element = source.storage_offset + sum(p * s for p, s in zip(src_start, _contiguous_strides(source.shape)))
+    src_element = source.storage_offset + _element_of((), 0, src_start, _contiguous_strides(source.shape))
     offset = source.data_offset + src_element * item
     views: list[memoryview] = []
     crc = 0
@@ -252,9 +261,8 @@ def _copy_span_scattered(fd, source: TensorLocation, src_start, sizes, split, ta
         stats.payload_bytes_read += got
         views.clear()
 
-    for index in itertools.product(*(range(size) for size in sizes[:split])):
-        dst_byte = sum((start + (index[dim] if dim < split else 0)) * stride
-                       for dim, (start, stride) in enumerate(zip(dst_start, dst_strides))) * item
+    for index in _run_starts(sizes, split):
+        dst_byte = _element_of(index, split, dst_start, dst_strides) * item
         views.append(out[dst_byte : dst_byte + run_bytes])
         if len(views) == _IOV_MAX:
             read_batch()

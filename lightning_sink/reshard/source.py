@@ -19,6 +19,7 @@ from lightning_sink.layout.dcp_metadata import DCP_METADATA_FILE, layout_from_dc
 from lightning_sink.layout.io import load_layout, resolve_layout_path
 from lightning_sink.layout.schema import LAYOUT_FILE_NAME, Chunk, Layout
 from lightning_sink.reshard.reader import ReadStats, TensorLocation, locate_tensors
+from lightning_sink.reshard.writer import sha256_of_file
 
 __all__ = ["LIGHTNING_META_FILE", "RESHARDED_FORMAT", "Source", "DcpSource", "RankFilesSource", "open_source", "source_from_files"]
 
@@ -74,7 +75,7 @@ class DcpSource(Source):
         if allowed is not None:  # transform_checkpoint_by_rank: only the ranks in the map may be read
             files = {rank: path for rank, path in files.items() if rank in allowed}
         paths = {fqn: list(path) for fqn, path in (self.metadata.planner_data or {}).items()}
-        super().__init__(f"DCP checkpoint {str(folder)!r}", storage, files, _digest_file(folder / DCP_METADATA_FILE), paths)
+        super().__init__(f"DCP checkpoint {str(folder)!r}", storage, files, sha256_of_file(folder / DCP_METADATA_FILE), paths)
 
     def _info(self, fqn: str, chunk: Chunk):
         item = self.metadata.state_dict_metadata[fqn]
@@ -201,10 +202,6 @@ class RankFilesSource(Source):
         from lightning_sink.reshard.loading import read_rank_file_header
 
         return dict(read_rank_file_header(self.files[min(self.files)]).get("extra_files", {}))
-
-
-def _digest_file(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _check_layout_matches_storage(declared: Layout, storage: Layout, layout_name: str, folder: str) -> None:

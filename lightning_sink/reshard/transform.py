@@ -8,6 +8,7 @@ the destination, with a manifest of SHA-256 digests written last, then renamed i
 from __future__ import annotations
 
 import fcntl
+import math
 import os
 import shutil
 import time
@@ -25,7 +26,7 @@ from lightning_sink.layout.schema import Layout
 from lightning_sink.layout.validation import torch_dtype
 from lightning_sink.reshard.loading import RESHARDED_VERSION, read_rank_file_header
 from lightning_sink.reshard.manifest import Manifest, read_manifest, write_manifest
-from lightning_sink.reshard.plan import RankPlan, bands_of, plan_rank
+from lightning_sink.reshard.plan import RankPlan, band_box, bands_of, plan_rank
 from lightning_sink.reshard.reader import READ_BUFFER_BYTES, FileCache, ReadStats, copy_region
 from lightning_sink.reshard.source import RESHARDED_FORMAT, Source, open_source, source_from_files
 from lightning_sink.reshard.workers import run_in_workers
@@ -123,8 +124,8 @@ def _fill(plan: RankPlan, source: Source, out: StreamedRankFile, stats: ReadStat
         for shard in sorted(plan.shards, key=lambda s: out.offset(s.fqn)):
             dtype = torch_dtype(shard.dtype)
             for band in bands_of(shard):
-                rows = out.buffer(dtype, (band.stop - band.start, *shard.chunk.sizes[1:]) if shard.chunk.sizes else ())
-                band_offsets = (shard.chunk.offsets[0] + band.start, *shard.chunk.offsets[1:]) if shard.chunk.sizes else ()
+                band_offsets, band_sizes = band_box(shard, band)
+                rows = out.buffer(dtype, band_sizes)
                 for copy in band.copies:
                     location = source.locate(copy.src_chunk, shard.fqn, stats, fds)
                     if location.shape != copy.src_chunk.sizes or location.dtype != dtype:
@@ -369,17 +370,10 @@ def worker_count(plans: list[RankPlan], workers: int, memory_budget_bytes: int |
     count = min(workers, len(plans))
     if memory_budget_bytes is None:
         return count
-    largest_band = max((_band_bytes(shard, band) for plan in plans for shard in plan.shards for band in bands_of(shard)),
-                       default=0)
+    largest_band = max((math.prod(band_box(shard, band)[1]) * torch_dtype(shard.dtype).itemsize
+                        for plan in plans for shard in plan.shards for band in bands_of(shard)), default=0)
     per_worker = largest_band + READ_BUFFER_BYTES + WORKER_BASELINE_BYTES
     return max(1, min(count, memory_budget_bytes // per_worker))
-
-
-def _band_bytes(shard, band) -> int:
-    row = 1
-    for size in shard.chunk.sizes[1:]:
-        row *= size
-    return (band.stop - band.start) * row * torch_dtype(shard.dtype).itemsize
 
 
 def transform_checkpoint_by_rank(

@@ -18,6 +18,7 @@ does); ``torch.load`` does not check them, and the manifest's or sidecar's SHA-2
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 import threading
@@ -110,8 +111,8 @@ class StreamedRankFile:
         self._hasher = _TrailingHasher(path)
         self._hasher.start()
         self._written_upto = 0
-        first = min((location.data_offset for location in self._locations.values()), default=self.size)
-        self._hasher.advance(first)  # the zip headers and pickle before the first storage are final
+        self._starts = sorted(location.data_offset for location in self._locations.values())
+        self._hasher.advance(self._next_storage(0))  # the zip headers and pickle before the first storage are final
 
     def offset(self, fqn: str) -> int:
         return self._locations[fqn].data_offset
@@ -135,14 +136,14 @@ class StreamedRankFile:
         while done < len(data):
             done += os.pwrite(self._fd, data[done:], start + done)
         self._written_upto = start + len(data)
-        following = min((loc.data_offset for loc in self._locations.values() if loc.data_offset >= self._written_upto),
-                        default=self.size)
-        # everything up to the next storage is final: these bytes, then that record's header written by torch.save
-        self._hasher.advance(following if self._written_upto == self._end_of(fqn) else self._written_upto)
+        storage_done = self._written_upto == location.data_offset + location.storage_nbytes
+        # after a storage's last band everything up to the next storage is final (torch.save wrote its header)
+        self._hasher.advance(self._next_storage(self._written_upto) if storage_done else self._written_upto)
 
-    def _end_of(self, fqn: str) -> int:
-        location = self._locations[fqn]
-        return location.data_offset + location.storage_nbytes
+    def _next_storage(self, offset: int) -> int:
+        """Where the first storage at or after ``offset`` starts (the file's end when there is none)."""
+        index = bisect.bisect_left(self._starts, offset)
+        return self._starts[index] if index < len(self._starts) else self.size
 
     def finish(self) -> tuple[str, int]:
         """fsync the file; returns (SHA-256 hex, bytes)."""
