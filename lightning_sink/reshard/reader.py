@@ -9,7 +9,6 @@ region is then read with ``os.preadv`` straight into the target tensor, one cont
 from __future__ import annotations
 
 import io
-import itertools
 import math
 import os
 import struct
@@ -206,15 +205,14 @@ def _split_dim(sizes, src_shape, dst_shape) -> int:
     return max(split - 1, 0)
 
 
-def _run_starts(sizes, split) -> itertools.product:
-    """The index over dims < ``split`` of every run of a region (each run covers dims ``split..``)."""
-    return itertools.product(*(range(size) for size in sizes[:split]))
-
-
-def _element_of(index, split, start, strides) -> int:
-    """Element offset of the run at ``index`` of a region starting at ``start`` in an array of ``strides``."""
-    return sum((begin + (index[dim] if dim < split else 0)) * stride
-               for dim, (begin, stride) in enumerate(zip(start, strides)))
+def _run_elements(sizes, split, start, strides) -> list[int]:
+    """Element offset of every run of a region (each run covers dims ``split..``) that starts at ``start`` in an
+    array of ``strides``, in row-major order of the run index. Computed with tensors: a half-row copy has one
+    run per row, tens of thousands per region."""
+    offsets = torch.tensor([sum(begin * stride for begin, stride in zip(start, strides))], dtype=torch.int64)
+    for size, stride in zip(sizes[:split], strides[:split]):
+        offsets = (offsets[:, None] + torch.arange(size, dtype=torch.int64) * stride).reshape(-1)
+    return offsets.tolist()
 
 
 def _copy_runs_direct(fd, source: TensorLocation, src_start, sizes, split, target, dst_start, stats, whole_record) -> int:
@@ -223,9 +221,9 @@ def _copy_runs_direct(fd, source: TensorLocation, src_start, sizes, split, targe
     src_strides, dst_strides = _contiguous_strides(source.shape), _contiguous_strides(tuple(target.shape))
     out = _as_bytes(target)
     crc = 0
-    for index in _run_starts(sizes, split):
-        src_element = source.storage_offset + _element_of(index, split, src_start, src_strides)
-        dst_element = _element_of(index, split, dst_start, dst_strides)
+    src_runs = _run_elements(sizes, split, src_start, src_strides)
+    for src_element, dst_element in zip(src_runs, _run_elements(sizes, split, dst_start, dst_strides)):
+        src_element += source.storage_offset
         view = out[dst_element * item : (dst_element + run) * item]
         _pread_exact(fd, view, source.data_offset + src_element * item, source)
         stats.payload_bytes_read += len(view)
@@ -242,7 +240,8 @@ def _copy_span_scattered(fd, source: TensorLocation, src_start, sizes, split, ta
     run_bytes = math.prod(sizes[split:]) * item
     dst_strides = _contiguous_strides(tuple(target.shape))
     out = _as_bytes(target)
-    src_element = source.storage_offset + _element_of((), 0, src_start, _contiguous_strides(source.shape))
+    (src_element,) = _run_elements(sizes, 0, src_start, _contiguous_strides(source.shape))
+    src_element += source.storage_offset
     offset = source.data_offset + src_element * item
     views: list[memoryview] = []
     crc = 0
@@ -261,8 +260,8 @@ def _copy_span_scattered(fd, source: TensorLocation, src_start, sizes, split, ta
         stats.payload_bytes_read += got
         views.clear()
 
-    for index in _run_starts(sizes, split):
-        dst_byte = _element_of(index, split, dst_start, dst_strides) * item
+    for dst_element in _run_elements(sizes, split, dst_start, dst_strides):
+        dst_byte = dst_element * item
         views.append(out[dst_byte : dst_byte + run_bytes])
         if len(views) == _IOV_MAX:
             read_batch()

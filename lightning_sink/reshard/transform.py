@@ -30,7 +30,7 @@ from lightning_sink.reshard.plan import RankPlan, band_box, bands_of, plan_rank
 from lightning_sink.reshard.reader import READ_BUFFER_BYTES, FileCache, ReadStats, copy_region
 from lightning_sink.reshard.source import RESHARDED_FORMAT, Source, open_source, source_from_files
 from lightning_sink.reshard.workers import run_in_workers
-from lightning_sink.reshard.writer import StreamedRankFile, fsync_dir, sha256_of_file
+from lightning_sink.reshard.writer import StreamedRankFile, fsync_dir, sha256_of_file, write_memory_bytes
 
 __all__ = ["ReshardReport", "RankResult", "transform_checkpoints", "transform_checkpoint_by_rank", "rank_list_for_transform"]
 
@@ -118,14 +118,15 @@ def _payload(plan: RankPlan, source: Source, dst: Layout, stats: ReadStats, prov
 
 def _fill(plan: RankPlan, source: Source, out: StreamedRankFile, stats: ReadStats,
           on_shard: Callable[[int], None] | None) -> None:
-    """Every shard in file order, band by band: each band filled from exact byte ranges, then written."""
+    """Every shard in file order, band by band: each band filled in place, in the file's write window, from
+    exact byte ranges of the source."""
     fds = FileCache()
     try:
         for shard in sorted(plan.shards, key=lambda s: out.offset(s.fqn)):
             dtype = torch_dtype(shard.dtype)
             for band in bands_of(shard):
                 band_offsets, band_sizes = band_box(shard, band)
-                rows = out.buffer(dtype, band_sizes)
+                rows = out.band(shard.fqn, band.start, band_sizes)
                 for copy in band.copies:
                     location = source.locate(copy.src_chunk, shard.fqn, stats, fds)
                     if location.shape != copy.src_chunk.sizes or location.dtype != dtype:
@@ -133,7 +134,6 @@ def _fill(plan: RankPlan, source: Source, out: StreamedRankFile, stats: ReadStat
                                          f" source layout says {list(copy.src_chunk.sizes)} {shard.dtype}")
                     copy_region(fds.fd(location.path), location, copy.src_chunk.offsets, copy.region, rows,
                                 band_offsets, stats)
-                out.write_rows(shard.fqn, band.start, rows)
             if on_shard is not None:
                 on_shard(shard.numel * dtype.itemsize)
     finally:
@@ -372,7 +372,7 @@ def worker_count(plans: list[RankPlan], workers: int, memory_budget_bytes: int |
         return count
     largest_band = max((math.prod(band_box(shard, band)[1]) * torch_dtype(shard.dtype).itemsize
                         for plan in plans for shard in plan.shards for band in bands_of(shard)), default=0)
-    per_worker = largest_band + READ_BUFFER_BYTES + WORKER_BASELINE_BYTES
+    per_worker = write_memory_bytes(largest_band) + READ_BUFFER_BYTES + WORKER_BASELINE_BYTES
     return max(1, min(count, memory_budget_bytes // per_worker))
 
 

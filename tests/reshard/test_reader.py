@@ -130,6 +130,7 @@ def test_the_memory_budget_caps_workers_by_the_largest_band():
     from lightning_sink.reshard.plan import plan_rank
     from lightning_sink.reshard.reader import READ_BUFFER_BYTES
     from lightning_sink.reshard.transform import WORKER_BASELINE_BYTES, worker_count
+    from lightning_sink.reshard.writer import write_memory_bytes
 
     one = Layout(world_size=1, mesh=MeshLayout.one_dimensional(1), tensors={
         "w": TensorLayout("parameter", (100, 10), "float32", ("Replicate()",), (Chunk(0, (0, 0), (100, 10)),))})
@@ -138,7 +139,7 @@ def test_the_memory_budget_caps_workers_by_the_largest_band():
     target = layout_on_mesh(one, MeshLayout.one_dimensional(3), lambda f, t: ["Shard(0)"])
     plans = [plan_rank(rank, source, target) for rank in range(3)]
     # The largest band: one source block of 25 rows x 10 float32 (a shard of 34 rows never sits in memory whole).
-    per_worker = 25 * 10 * 4 + READ_BUFFER_BYTES + WORKER_BASELINE_BYTES
+    per_worker = write_memory_bytes(25 * 10 * 4) + READ_BUFFER_BYTES + WORKER_BASELINE_BYTES
     assert worker_count(plans, 3, None) == 3
     assert worker_count(plans, 8, None) == 3  # never more workers than target ranks
     assert worker_count(plans, 3, 2 * per_worker) == 2
