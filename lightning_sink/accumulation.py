@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Parameter
 
-__all__ = ["PARTIAL_WINDOW_MODES", "MicroStep", "plan_micro_step", "GradientAccumulator", "unique_trainable"]
+__all__ = ["PARTIAL_WINDOW_MODES", "MicroStep", "plan_micro_step", "GradientAccumulator", "SingleStepGradients",
+           "unique_trainable"]
 
 PARTIAL_WINDOW_MODES = ("scale", "drop", "carry")
 
@@ -132,3 +133,45 @@ class GradientAccumulator:
                 )
             self.flat.copy_(buffer)
         self.micro_steps = int(state["micro_steps"])
+
+
+class SingleStepGradients:
+    """The window store when a window is one micro-step on one process without loss scaling.
+
+    Nothing is summed, reduced or unscaled then, so the fp32 buffer would only cost an in-place add per parameter
+    and a zeroing per step. The micro-step's own gradients go to the optimizer as they are, cleared before each
+    backward as a plain loop's ``optimizer.zero_grad(set_to_none=True)`` does. Same interface as
+    ``GradientAccumulator`` for what the strategies call; no ``flat`` buffer.
+    """
+
+    flat = None
+
+    def __init__(self, params: Iterable[Parameter]) -> None:
+        self.params = unique_trainable(params)
+        if not self.params:
+            raise ValueError("SingleStepGradients(params=...) got no trainable parameters; the optimizer is empty.")
+        self.micro_steps = 0
+
+    def begin_micro_step(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+    def end_micro_step(self) -> None:
+        self.micro_steps += 1
+
+    def write_gradients(self) -> None:
+        """The gradients are already in ``param.grad``."""
+
+    def clear(self) -> None:
+        self.micro_steps = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"micro_steps": 0, "buffer": None}  # a window of one micro-step is never open at a checkpoint
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("buffer") is not None or int(state["micro_steps"]):
+            raise ValueError(
+                f"The checkpoint was saved inside an accumulation window ({state['micro_steps']} micro-steps"
+                " accumulated), but this run updates on every micro-batch (accumulation_steps=1). Resume with the"
+                " checkpoint's accumulation_steps, or from a checkpoint saved at a window boundary."
+            )

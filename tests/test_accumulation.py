@@ -60,3 +60,32 @@ def test_frozen_and_shared_parameters_are_counted_once():
 def test_empty_optimizer_is_a_clear_error():
     with pytest.raises(ValueError, match="got no trainable parameters"):
         GradientAccumulator([torch.nn.Parameter(torch.ones(2), requires_grad=False)])
+
+
+def test_single_step_gradients_are_each_micro_steps_own_as_in_a_plain_loop():
+    from lightning_sink.accumulation import SingleStepGradients
+
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(3, 2))
+    store = SingleStepGradients([weight])
+    assert store.flat is None  # no window buffer: nothing is summed, reduced or unscaled
+    for step in range(3):
+        x = torch.randn(5, 3)
+        store.begin_micro_step()
+        (x @ weight).square().sum().backward()
+        store.end_micro_step()
+        store.write_gradients()
+        expected = 2 * x.T @ (x @ weight.detach())  # d/dW sum((xW)^2), this micro-batch's alone
+        assert torch.allclose(weight.grad, expected, rtol=1e-6)
+        assert store.micro_steps == 1
+        store.clear()
+        assert store.micro_steps == 0 and store.state_dict() == {"micro_steps": 0, "buffer": None}
+
+
+def test_single_step_gradients_refuse_a_checkpoint_taken_inside_a_window():
+    from lightning_sink.accumulation import SingleStepGradients
+
+    store = SingleStepGradients([torch.nn.Parameter(torch.zeros(2))])
+    store.load_state_dict({"micro_steps": 0, "buffer": None})  # a window boundary: fine
+    with pytest.raises(ValueError, match=r"inside an accumulation window \(3 micro-steps accumulated\).*accumulation_steps=1"):
+        store.load_state_dict({"micro_steps": 3, "buffer": torch.zeros(2)})

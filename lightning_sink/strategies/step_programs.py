@@ -24,7 +24,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_sink import _lightning_compat as compat
-from lightning_sink.accumulation import PARTIAL_WINDOW_MODES, GradientAccumulator, MicroStep, plan_micro_step
+from lightning_sink.accumulation import (PARTIAL_WINDOW_MODES, GradientAccumulator, MicroStep, SingleStepGradients,
+                                         plan_micro_step)
 from lightning_sink.data import DataPosition, ResumableLoader
 from lightning_sink.device_prefetch import CudaBatchCopier
 from lightning_sink.loss_scale import DynamicLossScale
@@ -71,6 +72,8 @@ def validate_accumulation_args(
 
 
 def _loss_of(output: STEP_OUTPUT) -> Tensor:
+    if type(output) is Tensor:  # the common case first: an ABC isinstance check costs ~0.5 us a call
+        return output
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if not isinstance(loss, Tensor):
         raise ValueError(
@@ -81,7 +84,7 @@ def _loss_of(output: STEP_OUTPUT) -> Tensor:
 
 
 def _detached(output: STEP_OUTPUT) -> STEP_OUTPUT:
-    if isinstance(output, Mapping):
+    if type(output) is not Tensor and isinstance(output, Mapping):
         return {key: value.detach() if isinstance(value, Tensor) else value for key, value in output.items()}
     return output.detach()
 
@@ -117,6 +120,9 @@ class StepProgramsMixin:
         self._pending_state: dict[str, Any] | None = None
         self._planned: tuple[int, bool] | None = None
         self._log_buffer: SinkLogBuffer | None = None
+        self._step_scheduler_configs: list[Any] = []
+        self._needs_step_context = True
+        self._scaling: LossScalePrecision | None = None  # _loss_scaling, fixed once training starts
 
     # ------------------------------------------------------------------ configuration
     @property
@@ -194,6 +200,12 @@ class StepProgramsMixin:
         params = [p for group in optimizers[0].param_groups for p in group["params"]]
         self._accumulator = self._make_accumulator(params)
         self._hooks = HookPlan.for_run(self._trainer)
+        # Fixed for the run (Lightning configures optimizers, schedulers and the plugin in setup): decided once
+        # here rather than on every micro-step.
+        self._step_scheduler_configs = [config for config in self._trainer.lr_scheduler_configs
+                                        if config.interval == "step" and not config.reduce_on_plateau]
+        self._needs_step_context = self._plugin_has_step_context()
+        self._scaling = self._loss_scaling
         check_graph_mode_device(self.graph_mode, self.root_device)  # type: ignore[attr-defined]
         self._step_function = step_function(self.lightning_module.training_step, self.graph_mode)
         if self._loss_scaling is not None:
@@ -224,6 +236,8 @@ class StepProgramsMixin:
 
     def _make_accumulator(self, params: list[torch.nn.Parameter]) -> Any:
         """The window's gradient store (hook: sharded strategies return their own, see ``model_parallel.py``)."""
+        if self.accumulation_steps == 1 and self.world_size == 1 and self._loss_scaling is None:
+            return SingleStepGradients(params)  # nothing to sum, reduce or unscale
         return GradientAccumulator(params)
 
     def _close_stream(self) -> None:
@@ -324,17 +338,20 @@ class StepProgramsMixin:
 
     def _run_micro_steps(self) -> dict[str, Tensor]:
         trainer, stream, buffer = self._trainer, self._stream, self._log_buffer
+        max_steps = trainer.max_steps
+        # batches need moving unless the stream's thread already did, or they are for the CPU and no hook runs
+        to_device = stream.copier is None and not (self._hooks.direct_transfer and self.root_device.type == "cpu")
         losses: list[Tensor] = []
         micro_index = 0
         while self.sink_size == -1 or micro_index < self.sink_size:
-            if trainer.max_steps != -1 and trainer.global_step >= trainer.max_steps:
+            if max_steps != -1 and trainer.global_step >= max_steps:
                 break
             batch = stream.next()
             if batch is PASS_END:
                 if self.sink_size == -1 and losses:
                     break  # one data pass per sink
                 continue
-            if stream.copier is None:
+            if to_device:
                 batch = self._to_device(batch)
             if buffer is not None:
                 buffer.begin_micro_step(batch)
@@ -352,35 +369,36 @@ class StepProgramsMixin:
 
         Communicates nothing and reads nothing back to the host (unless ``skip_window_on_overflow`` is on).
         """
-        assert self.lightning_module is not None and self._accumulator is not None
         self._accumulator.begin_micro_step()
         skip_backward = self._window_already_overflowed()
-        with self._train_step_context(), torch.set_grad_enabled(not skip_backward):
+        if self._needs_step_context or skip_backward or not torch.is_grad_enabled():
+            plugin_context = self.precision_plugin.train_step_context() if self._needs_step_context \
+                else contextlib.nullcontext()
+            with plugin_context, torch.set_grad_enabled(not skip_backward):
+                output = self._step_function(batch, batch_idx)
+        else:  # grad mode is already what the step needs; entering the contexts would cost a few us per step
             output = self._step_function(batch, batch_idx)
         if not skip_backward:
             self._backward(_loss_of(output))
         self._accumulator.end_micro_step()
         return _detached(output)
 
-    def _train_step_context(self) -> Any:
-        """The precision plugin's context (autocast, ...); Lightning's base one does nothing, so skip its cost."""
-        plugin = self.precision_plugin
-        kind = type(plugin)
-        if kind.train_step_context is Precision.train_step_context and kind.forward_context is Precision.forward_context:
-            return contextlib.nullcontext()
-        return plugin.train_step_context()
+    def _plugin_has_step_context(self) -> bool:
+        """Whether the precision plugin's step context does anything (autocast, ...); Lightning's base one does not."""
+        kind = type(self.precision_plugin)
+        return not (kind.train_step_context is Precision.train_step_context
+                    and kind.forward_context is Precision.forward_context)
 
     def _backward(self, loss: Tensor) -> None:
         if not self._hooks.direct_backward:
             self.backward(loss, self.optimizers[0])  # type: ignore[attr-defined]  # hooks and plugin, as Lightning
             return
-        scaling = self._loss_scaling
+        scaling = self._scaling
         if scaling is not None and scaling.scaler is not None:
             loss = loss * scaling.scaler.scale.to(loss.dtype)
         loss.backward()
 
-    def _before_optimizer_step(self, optimizer: Optimizer) -> None:
-        trainer = self._trainer
+    def _before_optimizer_step(self, optimizer: Optimizer, trainer: pl.Trainer) -> None:
         if not self._hooks.direct_before_step:
             compat.run_before_optimizer_step(trainer, optimizer)  # on_before_optimizer_step hooks, then clipping
         elif trainer.gradient_clip_val:
@@ -395,7 +413,7 @@ class StepProgramsMixin:
         return self.batch_to_device(batch)  # type: ignore[attr-defined]  # the module's transfer hooks
 
     def _window_already_overflowed(self) -> bool:
-        scaling = self._loss_scaling
+        scaling = self._scaling
         if scaling is None or not scaling.skip_window_on_overflow or self._accumulator.micro_steps == 0:
             return False
         return bool(self._accumulator.has_overflow().item())  # host sync: opted in, one per micro-step
@@ -413,7 +431,7 @@ class StepProgramsMixin:
             accumulator.reduce()  # also carries any rank's overflow (inf/NaN) to every rank
             self._sync_module_buffers()
         divisor = accumulator.micro_steps * self.world_size
-        scaling = self._loss_scaling
+        scaling = self._scaling
         if scaling is None:
             if divisor != 1:
                 accumulator.flat.div_(divisor)
@@ -427,7 +445,8 @@ class StepProgramsMixin:
                        found_inf: Tensor | None) -> None:
         """Once the window's mean gradient is in ``.grad``: hooks and clipping, the step (or skip), the loss scale,
         clearing the window, the update count and the step-interval LR schedulers (held on a skipped window)."""
-        self._before_optimizer_step(optimizer)
+        trainer = self._trainer
+        self._before_optimizer_step(optimizer, trainer)
         if scaling is None:
             optimizer.step()
         else:
@@ -435,9 +454,9 @@ class StepProgramsMixin:
             scaling.update_scale(found_inf)
             self._log_loss_scale(scaling, found_inf)
         self._accumulator.clear()
-        compat.record_optimizer_update(self._trainer)
-        if self._step_schedulers() and not (scaling is not None and scaling.window_overflowed(found_inf)):
-            self._step_lr_schedulers()
+        compat.record_optimizer_update(trainer)
+        if self._step_scheduler_configs and not (scaling is not None and scaling.window_overflowed(found_inf)):
+            self._step_lr_schedulers(trainer)
 
     def _log_loss_scale(self, scaling: LossScalePrecision, found_inf: Tensor | None) -> None:
         """Device tensors into Lightning's logger; they are read back only when the logger writes."""
@@ -452,13 +471,8 @@ class StepProgramsMixin:
     def _sync_module_buffers(self) -> None:
         """Overridden by distributed strategies (rank 0's buffers win, as DDP's ``broadcast_buffers``)."""
 
-    def _step_schedulers(self) -> list[Any]:
-        return [config for config in self._trainer.lr_scheduler_configs
-                if config.interval == "step" and not config.reduce_on_plateau]
-
-    def _step_lr_schedulers(self) -> None:
-        trainer = self._trainer
-        for config in self._step_schedulers():
+    def _step_lr_schedulers(self, trainer: pl.Trainer) -> None:
+        for config in self._step_scheduler_configs:
             if trainer.global_step % config.frequency == 0:
                 compat.call_lightning_module_hook(trainer, "lr_scheduler_step", config.scheduler, None)
 

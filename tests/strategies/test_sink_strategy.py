@@ -234,3 +234,20 @@ def test_overridden_backward_and_clipping_hooks_are_still_called():
     # momentum SGD is linear in the gradient: rate lr with g/2 equals rate lr/2 with g. Had the no-op clipping
     # override been skipped, clip_val=1e-6 would have shrunk every update.
     assert relative_error(flat_params(model), flat_params(reference)) <= 1e-6
+
+
+@pytest.mark.parametrize("steps, scaled, store", [(1, False, "SingleStepGradients"), (4, False, "GradientAccumulator"),
+                                                  (1, True, "GradientAccumulator")])
+def test_a_window_of_one_micro_step_needs_no_buffer_unless_its_loss_is_scaled(steps, scaled, store):
+    """N=1 on one process: the micro-step's own gradients go to the optimizer (as a plain loop's); a loss scale
+    still needs the fp32 buffer to unscale and check for overflow. Either way the result is the reference's."""
+    from lightning_sink import DynamicLossScale, LossScalePrecision
+
+    dataset = make_dataset(num_samples=48)
+    model = TinyClassifier(optimizer="sgd", lr=0.05)
+    reference = copy.deepcopy(model)
+    plugins = [LossScalePrecision("32-true", DynamicLossScale(init_scale=2.0**10))] if scaled else []
+    trainer = fit_sink(model, dataset, steps, epochs=2, plugins=plugins)
+    assert type(trainer.strategy._accumulator).__name__ == store
+    reference_train(reference, dataset, reference_windows(48, MICRO_BATCH, steps, 2, "scale"))
+    assert relative_error(flat_params(model), flat_params(reference)) <= 1e-6
