@@ -240,8 +240,7 @@ def _copy_span_scattered(fd, source: TensorLocation, src_start, sizes, split, ta
     run_bytes = math.prod(sizes[split:]) * item
     dst_strides = _contiguous_strides(tuple(target.shape))
     out = _as_bytes(target)
-    (src_element,) = _run_elements(sizes, 0, src_start, _contiguous_strides(source.shape))
-    src_element += source.storage_offset
+    src_element = source.storage_offset + sum(b * s for b, s in zip(src_start, _contiguous_strides(source.shape)))
     offset = source.data_offset + src_element * item
     views: list[memoryview] = []
     crc = 0

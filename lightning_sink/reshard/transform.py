@@ -291,8 +291,8 @@ def transform_checkpoints(
         dst_strategy_file: the target layout (file or :class:`Layout`).
         workers: None converts in this process; k converts in k spawned processes, one target rank each.
         overwrite: replace a destination that holds a different checkpoint.
-        memory_budget_bytes: caps the worker count at budget // (largest band of rows a worker writes + read
-            buffer + an idle worker's ~600 MiB); see ``worker_count``.
+        memory_budget_bytes: caps the worker count at budget // (the writer's two windows of about the largest
+            band of rows + read buffer + an idle worker's ~600 MiB); see ``worker_count``.
         progress: called with (target bytes done, target bytes in all) as shards fill (in process) or as
             target ranks finish (workers).
     """
@@ -365,8 +365,8 @@ def _run(tasks, plans, source, target, staging, ckpt_prefix, workers, memory_bud
 
 
 def worker_count(plans: list[RankPlan], workers: int, memory_budget_bytes: int | None) -> int:
-    """At most one worker per target rank, and as many as fit the budget: a worker holds its largest band (the
-    reused write buffer), the read buffer and an idle interpreter."""
+    """At most one worker per target rank, and as many as fit the budget: a worker holds the writer's two windows
+    (each about its largest band of rows), the read buffer and an idle interpreter."""
     count = min(workers, len(plans))
     if memory_budget_bytes is None:
         return count

@@ -41,7 +41,12 @@ MIN_WINDOW_BYTES = 16 * 2**20
 
 def write_memory_bytes(largest_band_bytes: int) -> int:
     """The memory a writer holds for bands up to ``largest_band_bytes``: its two windows."""
-    return 2 * _round_up(max(largest_band_bytes + 2 * ALIGN, MIN_WINDOW_BYTES))
+    return 2 * _window_capacity(largest_band_bytes)
+
+
+def _window_capacity(band_bytes: int) -> int:
+    """A window big enough for a band plus the partial blocks before and after it."""
+    return _round_up(max(band_bytes + 2 * ALIGN, MIN_WINDOW_BYTES))
 
 
 def _round_down(value: int) -> int:
@@ -55,8 +60,8 @@ def _round_up(value: int) -> int:
 class _Window:
     """Page-aligned memory holding the file's bytes ``[start, start + used)``; busy while being written/hashed."""
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = _round_up(max(capacity + 2 * ALIGN, MIN_WINDOW_BYTES))
+    def __init__(self, band_bytes: int) -> None:
+        self.capacity = _window_capacity(band_bytes)
         self.memory = mmap.mmap(-1, self.capacity)  # anonymous mappings start on a page boundary
         self.bytes = torch.frombuffer(self.memory, dtype=torch.uint8)
         self.start = self.used = 0
@@ -66,7 +71,6 @@ class _Window:
         pending, self.pending = self.pending, []
         for future in pending:
             future.result()  # re-raises a write or hash failure in the caller's thread
-
 
 
 class _OutputFile:
@@ -125,7 +129,7 @@ class StreamedRankFile:
             located = locate_tensors(fd, path, 0, self.size, f"new rank file {str(path)!r}", ReadStats())
             self._locations: dict[str, TensorLocation] = located["tensors"]
             storages = sorted((loc.data_offset, loc.data_offset + loc.storage_nbytes) for loc in self._locations.values())
-            self._gaps = _read_gaps(fd, storages, self.size)  # everything torch.save wrote that is not tensor data
+            self._gaps = _read_gaps(fd, path, storages, self.size)  # everything torch.save wrote that is not tensor data
         finally:
             os.close(fd)
         self._gap_starts = [start for start, _ in self._gaps]
@@ -135,7 +139,6 @@ class StreamedRankFile:
         self._digest = hashlib.sha256()
         self._windows = [_Window(0), _Window(0)]
         self._cursor = 0  # the file's bytes before this are in a window or written
-        self._band_end = 0
 
     def offset(self, fqn: str) -> int:
         return self._locations[fqn].data_offset
@@ -148,13 +151,13 @@ class StreamedRankFile:
         row_bytes = location.storage_nbytes // location.shape[0] if location.shape else location.storage_nbytes
         start = location.data_offset + first_row * row_bytes
         nbytes = location.dtype.itemsize * int(torch.Size(shape).numel())
-        if start < self._band_end or start + nbytes > location.data_offset + location.storage_nbytes:
+        if start < self._cursor or start + nbytes > location.data_offset + location.storage_nbytes:
             raise AssertionError(f"band of {fqn!r} at {start} is out of order or outside its storage")
         self._produce_gaps(start)
         window = self._room_for(nbytes)
         at = start - window.start
         window.used = at + nbytes
-        self._cursor = self._band_end = start + nbytes
+        self._cursor = start + nbytes
         return window.bytes[at : at + nbytes].view(location.dtype).view(shape)
 
     def finish(self) -> tuple[str, int]:
@@ -228,14 +231,14 @@ class StreamedRankFile:
         self._windows = [other, window]
 
 
-def _read_gaps(fd: int, storages: list[tuple[int, int]], size: int) -> list[tuple[int, bytes]]:
+def _read_gaps(fd: int, path: Path, storages: list[tuple[int, int]], size: int) -> list[tuple[int, bytes]]:
     """The file's bytes outside ``storages`` (sorted, disjoint ``(start, end)``), as ``(offset, bytes)``."""
     gaps, position = [], 0
     for start, end in storages + [(size, size)]:
         if start > position:
             data = os.pread(fd, start - position, position)
             if len(data) != start - position:
-                raise OSError(f"{fd}: short read of the skeleton at {position}")
+                raise OSError(f"{str(path)!r}: short read of the skeleton at byte {position}")
             gaps.append((position, data))
         position = max(position, end)
     return gaps

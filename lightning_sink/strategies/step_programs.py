@@ -9,7 +9,6 @@ checkpoint state) lives in the same mixin so that ``SinkStrategy`` and ``SinkDDP
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -198,18 +197,18 @@ class StepProgramsMixin:
         if len(optimizers) != 1:
             raise ValueError(f"{type(self).__name__} supports exactly one optimizer; got {len(optimizers)}.")
         params = [p for group in optimizers[0].param_groups for p in group["params"]]
-        self._accumulator = self._make_accumulator(params)
-        self._hooks = HookPlan.for_run(self._trainer)
         # Fixed for the run (Lightning configures optimizers, schedulers and the plugin in setup): decided once
         # here rather than on every micro-step.
+        self._scaling = self._loss_scaling
         self._step_scheduler_configs = [config for config in self._trainer.lr_scheduler_configs
                                         if config.interval == "step" and not config.reduce_on_plateau]
         self._needs_step_context = self._plugin_has_step_context()
-        self._scaling = self._loss_scaling
+        self._accumulator = self._make_accumulator(params)
+        self._hooks = HookPlan.for_run(self._trainer)
         check_graph_mode_device(self.graph_mode, self.root_device)  # type: ignore[attr-defined]
         self._step_function = step_function(self.lightning_module.training_step, self.graph_mode)
-        if self._loss_scaling is not None:
-            self._loss_scaling.to_device(self.root_device)  # type: ignore[attr-defined]
+        if self._scaling is not None:
+            self._scaling.to_device(self.root_device)  # type: ignore[attr-defined]
         if self._pending_state is not None:
             self._load_window_state(self._pending_state)
             self._pending_state = None
@@ -236,7 +235,7 @@ class StepProgramsMixin:
 
     def _make_accumulator(self, params: list[torch.nn.Parameter]) -> Any:
         """The window's gradient store (hook: sharded strategies return their own, see ``model_parallel.py``)."""
-        if self.accumulation_steps == 1 and self.world_size == 1 and self._loss_scaling is None:
+        if self.accumulation_steps == 1 and self.world_size == 1 and self._scaling is None:
             return SingleStepGradients(params)  # nothing to sum, reduce or unscale
         return GradientAccumulator(params)
 
@@ -339,7 +338,8 @@ class StepProgramsMixin:
     def _run_micro_steps(self) -> dict[str, Tensor]:
         trainer, stream, buffer = self._trainer, self._stream, self._log_buffer
         max_steps = trainer.max_steps
-        # batches need moving unless the stream's thread already did, or they are for the CPU and no hook runs
+        # Batches need moving unless the stream's thread already did, or they are for the CPU and no transfer hook
+        # runs (a loader's batches are on the CPU already; walking them costs ~10 us a step).
         to_device = stream.copier is None and not (self._hooks.direct_transfer and self.root_device.type == "cpu")
         losses: list[Tensor] = []
         micro_index = 0
@@ -371,13 +371,11 @@ class StepProgramsMixin:
         """
         self._accumulator.begin_micro_step()
         skip_backward = self._window_already_overflowed()
-        if self._needs_step_context or skip_backward or not torch.is_grad_enabled():
-            plugin_context = self.precision_plugin.train_step_context() if self._needs_step_context \
-                else contextlib.nullcontext()
-            with plugin_context, torch.set_grad_enabled(not skip_backward):
+        if not self._needs_step_context and not skip_backward and torch.is_grad_enabled():
+            output = self._step_function(batch, batch_idx)  # nothing to enter: the contexts cost a few us a step
+        else:
+            with self.precision_plugin.train_step_context(), torch.set_grad_enabled(not skip_backward):
                 output = self._step_function(batch, batch_idx)
-        else:  # grad mode is already what the step needs; entering the contexts would cost a few us per step
-            output = self._step_function(batch, batch_idx)
         if not skip_backward:
             self._backward(_loss_of(output))
         self._accumulator.end_micro_step()
@@ -407,8 +405,6 @@ class StepProgramsMixin:
 
     def _to_device(self, batch: Any) -> Any:
         if self._hooks.direct_transfer:
-            if self.root_device.type == "cpu":  # type: ignore[attr-defined]
-                return batch  # a loader's batches are on the CPU already; walking them costs ~10 us a step
             return move_data_to_device(batch, self.root_device)  # type: ignore[attr-defined]
         return self.batch_to_device(batch)  # type: ignore[attr-defined]  # the module's transfer hooks
 
