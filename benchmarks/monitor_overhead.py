@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from callbacks import LossMonitor, TimeMonitor  # noqa: E402
+from lightning_sink.callbacks import LossMonitor, TimeMonitor  # noqa: E402
 from common import NetClassifier, quiet_trainer  # noqa: E402
 from lightning_sink import SinkStrategy  # noqa: E402
 

@@ -19,7 +19,7 @@ import time
 
 import lightning.pytorch as pl
 
-from callbacks import LossMonitor, TimeMonitor
+from lightning_sink.callbacks import LossMonitor, TimeMonitor
 from digits import DigitsDataModule
 from lenet import LeNet5Classifier
 from lightning_sink import SinkStrategy

@@ -25,7 +25,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 import torch
 
-from callbacks import LossMonitor, LossScaleMonitor, TimeMonitor
+from lightning_sink.callbacks import LossMonitor, LossScaleMonitor, TimeMonitor
 from digits import DigitsDataModule
 from lenet import LeNet5Classifier
 from lightning_sink import DynamicLossScale, LossScalePrecision, SinkStrategy

@@ -53,7 +53,7 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torchmetrics.classification import MulticlassAccuracy
 
-from callbacks import ReshardCheckpoint
+from lightning_sink.callbacks import ReshardCheckpoint
 from digits import DigitsDataModule
 from lightning_sink import SinkModelParallelStrategy
 

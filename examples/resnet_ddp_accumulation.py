@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import torchvision
 from torchmetrics.classification import MulticlassAccuracy
 
-from callbacks import LossMonitor, LossScaleMonitor
+from lightning_sink.callbacks import LossMonitor, LossScaleMonitor
 from digits import DigitsDataModule
 from lightning_sink import DynamicLossScale, LossScalePrecision, SinkDDPStrategy
 

@@ -1,11 +1,12 @@
-"""lightning-sink callbacks: MindSpore's monitoring callbacks for Lightning (top-level package per the design card).
+"""MindSpore's monitoring callbacks for Lightning: ``LossMonitor``, ``TimeMonitor``, ``LossScaleMonitor`` and
+``ReshardCheckpoint``.
 
-This package may import ``lightning_sink``; ``lightning_sink`` never imports it.
+The rest of ``lightning_sink`` never imports this package, so the strategies and plugins load without it.
 """
 
-from callbacks.loss_monitor import LossMonitor, NonFiniteLossError
-from callbacks.loss_scale_monitor import LossScaleMonitor
-from callbacks.reshard_checkpoint import ReshardCheckpoint
-from callbacks.time_monitor import TimeMonitor
+from lightning_sink.callbacks.loss_monitor import LossMonitor, NonFiniteLossError
+from lightning_sink.callbacks.loss_scale_monitor import LossScaleMonitor
+from lightning_sink.callbacks.reshard_checkpoint import ReshardCheckpoint
+from lightning_sink.callbacks.time_monitor import TimeMonitor
 
 __all__ = ["LossMonitor", "NonFiniteLossError", "TimeMonitor", "LossScaleMonitor", "ReshardCheckpoint"]

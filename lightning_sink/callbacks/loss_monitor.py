@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
-from callbacks._progress import StepCounter, batch_losses, is_sink, log_scalars
+from lightning_sink.callbacks._progress import StepCounter, batch_losses, is_sink, log_scalars
 
 __all__ = ["LossMonitor", "NonFiniteLossError", "format_loss", "ON_NONFINITE"]
 

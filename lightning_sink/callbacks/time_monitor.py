@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from callbacks._progress import StepCounter, is_sink, log_scalars
+from lightning_sink.callbacks._progress import StepCounter, is_sink, log_scalars
 from lightning_sink.sink_data import SinkLoader
 
 __all__ = ["TimeMonitor", "TIME_SCALARS"]

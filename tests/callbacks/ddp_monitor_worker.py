@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from callbacks import LossMonitor, LossScaleMonitor, TimeMonitor
+from lightning_sink.callbacks import LossMonitor, LossScaleMonitor, TimeMonitor
 from lightning_sink import DynamicLossScale, LossScalePrecision, SinkDDPStrategy
 from tests.callbacks.common import MICRO, RecordingClassifier
 from tests.helpers import loader, make_dataset, quiet_trainer

@@ -9,7 +9,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from callbacks import LossMonitor, NonFiniteLossError
+from lightning_sink.callbacks import LossMonitor, NonFiniteLossError
 from lightning_sink import SinkStrategy
 from tests.callbacks.common import (
     LOSS_LINE,

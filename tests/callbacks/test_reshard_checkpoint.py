@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from callbacks import ReshardCheckpoint
+from lightning_sink.callbacks import ReshardCheckpoint
 from lightning_sink import SinkStrategy
 from lightning_sink.layout import load_layout, save_layout
 from lightning_sink.layout_inference import infer_layout

@@ -18,7 +18,7 @@ import pytest
 from lightning.pytorch.callbacks import LearningRateMonitor
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from callbacks import LossMonitor, LossScaleMonitor, TimeMonitor
+from lightning_sink.callbacks import LossMonitor, LossScaleMonitor, TimeMonitor
 from lightning_sink import DynamicLossScale, LossScalePrecision, SinkStrategy
 from tests.callbacks.common import MICRO, SAMPLES, InfAtSteps, dynamic_scale_rule
 from tests.helpers import loader, make_dataset, quiet_trainer

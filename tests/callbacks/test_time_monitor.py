@@ -8,7 +8,7 @@ import time
 import pytest
 from lightning.pytorch.callbacks import Callback
 
-from callbacks import TimeMonitor
+from lightning_sink.callbacks import TimeMonitor
 from lightning_sink import SinkStrategy
 from tests.callbacks.common import MICRO, SAMPLES, RecordingClassifier
 from tests.helpers import loader, make_dataset, quiet_trainer

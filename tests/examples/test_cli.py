@@ -60,7 +60,7 @@ def test_loss_scale_config_runs_fp16_with_the_loss_scale_plugin(tmp_path):
     assert plugin["class_path"] == "lightning_sink.LossScalePrecision"
     assert plugin["init_args"]["precision"] == "16-mixed"
     assert [c["class_path"] for c in saved["trainer"]["callbacks"]] == [
-        "callbacks.LossMonitor", "callbacks.LossScaleMonitor", "callbacks.TimeMonitor"]
+        "lightning_sink.callbacks.LossMonitor", "lightning_sink.callbacks.LossScaleMonitor", "lightning_sink.callbacks.TimeMonitor"]
 
 
 def test_printed_config_runs_again_unchanged(tmp_path):
@@ -73,7 +73,7 @@ def test_printed_config_runs_again_unchanged(tmp_path):
         "device": None,
         "accelerator": None, "checkpoint_io": None, "precision_plugin": None}}
     callbacks = [c["class_path"] for c in config["trainer"]["callbacks"]]
-    assert callbacks == ["callbacks.LossMonitor", "callbacks.TimeMonitor"]
+    assert callbacks == ["lightning_sink.callbacks.LossMonitor", "lightning_sink.callbacks.TimeMonitor"]
     (tmp_path / "printed.yaml").write_text(printed)
     again = cli(tmp_path, "fit", "--config", str(tmp_path / "printed.yaml"))
     assert [(e, s) for e, s, _ in loss_lines(again)] == [(1, 5), (2, 5), (3, 5)]  # once per sink, as seed 001
