@@ -26,7 +26,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 import torch
 
 from lightning_sink.callbacks import LossMonitor, LossScaleMonitor, TimeMonitor
-from digits import DigitsDataModule
+from digits import DigitsDataModule, exit_on_missing_data
 from lenet import LeNet5Classifier
 from lightning_sink import DynamicLossScale, LossScalePrecision, SinkStrategy
 
@@ -89,4 +89,4 @@ def main(argv: list[str] | None = None) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_missing_data(main)

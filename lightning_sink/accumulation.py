@@ -1,6 +1,6 @@
 """Gradient accumulation state: fp32 buffers, the window position, and the partial-window rule.
 
-This is MindSpore's ``accu_grads`` (seed 000, ``TrainAccuStepsCell``) for PyTorch: one flat fp32 tensor holds the
+This is MindSpore's ``accu_grads`` (``TrainAccuStepsCell``) for PyTorch: one flat fp32 tensor holds the
 gradient sum of the current window for every trainable parameter. fp32 parameters let autograd add straight into
 their slice of it (``param.grad`` is a view), so accumulating costs no extra copy; low-precision parameters get a
 fresh gradient each micro-step that is added in fp32, so 64 bf16 micro-steps lose nothing to bf16 rounding.

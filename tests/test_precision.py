@@ -240,7 +240,7 @@ def test_precision_flag_and_plugin_together_is_an_error():
         quiet_trainer(strategy="sink", precision="bf16-mixed", plugins=[LossScalePrecision("16-mixed")])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a lent GPU; CI has none)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CI has no GPU)")
 def test_cuda_step_programs_never_sync_with_a_fused_optimizer():
     """On the GPU, torch's sync debug mode raises on any host synchronization inside the step programs."""
     model = Unlogged(inf_at=(5,), optimizer="adamw_fused", lr=0.01)

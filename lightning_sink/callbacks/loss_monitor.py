@@ -31,8 +31,8 @@ class NonFiniteLossError(RuntimeError):
 
 
 def format_loss(value: float, dtype: torch.dtype) -> str:
-    """The loss as MindSpore prints it (seed 001): numpy's shortest round-trip form of a float32 value
-    (``0.5399815``); a float64 loss keeps its float64 digits (seed 004 prints that form)."""
+    """The loss as MindSpore prints it: numpy's shortest round-trip form of a float32 value (``0.5399815``); a
+    float64 loss keeps its float64 digits, as MindSpore prints a float64 loss."""
     return str(np.float64(value)) if dtype == torch.float64 else str(np.float32(value))
 
 

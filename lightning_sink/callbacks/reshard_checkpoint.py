@@ -1,6 +1,6 @@
 """``ReshardCheckpoint``: at the end of fit, save the final distributed checkpoint and reshard it for another layout.
 
-MindSpore's multi-stage recipe (seed 002: train on 8 cards, transform, fine-tune or infer on 4) as one callback:
+MindSpore's multi-stage recipe (train on 8 cards, transform the checkpoint, fine-tune or infer on 4) as one callback:
 
 1. the final state is saved as a DCP folder with its layout file in ``src_dir``:
    - a model-parallel run (``SinkModelParallelStrategy``, or Lightning's ``ModelParallelStrategy`` with
@@ -117,7 +117,8 @@ class ReshardCheckpoint(Callback):
         strategy = trainer.strategy
         src = Path(strategy.broadcast(str(self.src_dir)))
         if isinstance(strategy, ModelParallelStrategy):
-            trainer.save_checkpoint(src)  # every rank writes its shards; committed atomically with its layout
+            # every rank writes its shards; committed atomically with its layout
+            trainer.save_checkpoint(src, weights_only=False)
         else:
             _save_one_rank_dcp(trainer, pl_module, src)
         error = None
@@ -180,7 +181,7 @@ def _save_one_rank_dcp(trainer: pl.Trainer, pl_module: pl.LightningModule, targe
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.meta-") as scratch:
         full = Path(scratch) / "full.ckpt"
-        trainer.save_checkpoint(full)
+        trainer.save_checkpoint(full, weights_only=False)
         metadata = torch.load(full, map_location="cpu", weights_only=False)  # (the file this run just wrote)
     metadata.pop("state_dict", None)
     metadata.pop("optimizer_states", None)

@@ -1,7 +1,7 @@
 """The layout (strategy) file: which slice of which tensor every rank holds, as versioned JSON.
 
 A layout is plain data: it can be read, validated and compared without torch.distributed. The JSON form is
-documented in notes/README_layout.md (schema version 1).
+documented in docs/layout.md (schema version 1).
 """
 
 from __future__ import annotations

@@ -132,5 +132,6 @@ def load_resharded_into_strategy(strategy: Any, folder: Path, weights_only: bool
             ) from None
         set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state[key],
                                  options=StateDictOptions(cpu_offload=True))
-    return torch.load(io.BytesIO(meta), map_location="cpu", weights_only=weights_only)
+    # Unset means torch's own default, True: no code is unpickled from the carried Lightning state.
+    return torch.load(io.BytesIO(meta), map_location="cpu", weights_only=True if weights_only is None else weights_only)
 

@@ -14,7 +14,7 @@ from lightning_sink import SinkStrategy
 from tests.callbacks.common import (
     LOSS_LINE,
     SAMPLES,
-    SEED_LINES,
+    MINDSPORE_LINES,
     MICRO,
     RecordingClassifier,
     epoch_windows,
@@ -44,8 +44,8 @@ def fit(model, strategy, epochs, monitor, **kwargs):
     return trainer
 
 
-def test_the_line_format_is_the_seeds():
-    for line in SEED_LINES:  # the pattern and the number format reproduce MindSpore's own output
+def test_the_line_format_is_mindspores():
+    for line in MINDSPORE_LINES:  # the pattern and the number format reproduce MindSpore's own output
         epoch, step, value = LOSS_LINE.match(line).groups()
         assert str(np.float32(float(value))) == value
 

@@ -1,6 +1,6 @@
 """What a run with the default TensorBoardLogger shows, read back from the event files: names, steps, values.
 
-The documented rule (notes/README_callbacks.md): ``loss`` and ``time/*`` are written by the callbacks at
+The documented rule (docs/callbacks.md): ``loss`` and ``time/*`` are written by the callbacks at
 step = (training steps so far) - 1, a training step being one batch through the network (MindSpore's step); the loss
 at each printed line, the times once per epoch. ``loss_scale``, ``overflow`` and ``skipped_updates`` are on
 Lightning's step (optimizer updates so far - 1), once per update, written by the sink strategies' ``self.log`` or,

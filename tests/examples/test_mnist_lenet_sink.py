@@ -1,4 +1,4 @@
-"""Example 2 (seeds 001/004): LossMonitor's lines against a plain PyTorch loop over the same endless traversal."""
+"""Example 2 (MindSpore's sink mode): LossMonitor's lines against a plain PyTorch loop over the same endless traversal."""
 
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import clean_subprocess_env
+from tests.examples.output_checks import unexpected_warnings
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -22,6 +23,7 @@ def run_quickstart(tmp_path: Path, *args: str) -> str:
     command = [sys.executable, str(REPO / "examples" / "quickstart.py"), "--log-dir", str(tmp_path / "tb"), *args]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert unexpected_warnings(done.stdout + done.stderr) == []
     return done.stdout
 
 
@@ -67,4 +69,6 @@ def test_mnist_required_but_missing_is_a_clear_error(tmp_path):
     command = [sys.executable, str(REPO / "examples" / "quickstart.py"), "--data-dir", str(tmp_path)]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
-    assert f"--data-dir {str(tmp_path)!r} does not hold MNIST in torchvision's layout" in done.stderr
+    # One line saying where MNIST is expected, no traceback.
+    assert done.stderr.startswith(f"error: --data-dir {str(tmp_path)!r} does not hold MNIST in torchvision's layout")
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
