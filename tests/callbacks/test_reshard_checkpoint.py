@@ -117,6 +117,7 @@ def test_model_parallel_without_distributed_checkpoints_is_refused(tmp_path: Pat
         callback.setup(trainer, TPClassifier(), "fit")
 
 
+@pytest.mark.slow
 def test_workers_convert_in_separate_processes_to_the_same_files(tmp_path: Path, target_layout: Path):
     in_process = ReshardCheckpoint(target_layout, tmp_path / "a", src_dir=tmp_path / "src_a")
     in_workers = ReshardCheckpoint(target_layout, tmp_path / "b", src_dir=tmp_path / "src_b", workers=2)

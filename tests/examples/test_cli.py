@@ -36,6 +36,7 @@ def loss_lines(stdout: str) -> list[tuple[int, int, str]]:
     return [(int(m[1]), int(m[2]), m[3]) for m in map(LOSS_LINE.match, stdout.splitlines()) if m]
 
 
+@pytest.mark.slow
 def test_accumulate_config_prints_and_logs_the_same_loss(tmp_path):
     stdout = cli(tmp_path, "fit", "--config", str(CONFIGS / "accumulate.yaml"), *DIGITS, "--data.max_train_samples=320",
                  "--trainer.max_epochs=2", "--trainer.callbacks.per_print_times=4", "--trainer.log_every_n_steps=1",
@@ -54,6 +55,7 @@ def test_accumulate_config_prints_and_logs_the_same_loss(tmp_path):
     assert Counter(e.step for e in events.Scalars("lr-SGD")) == {0: 4, 1: 4, 2: 2, 3: 4, 4: 4, 5: 2}
 
 
+@pytest.mark.slow
 def test_loss_scale_config_runs_fp16_with_the_loss_scale_plugin(tmp_path):
     stdout = cli(tmp_path, "fit", "--config", str(CONFIGS / "loss_scale.yaml"), *DIGITS,
                  "--data.max_train_samples=128", "--trainer.log_every_n_steps=1",
@@ -68,6 +70,7 @@ def test_loss_scale_config_runs_fp16_with_the_loss_scale_plugin(tmp_path):
         "lightning_sink.callbacks.LossMonitor"]
 
 
+@pytest.mark.slow
 def test_printed_config_runs_again_unchanged(tmp_path):
     printed = cli(tmp_path, "fit", "--config", str(CONFIGS / "sink.yaml"), *DIGITS,
                   "--trainer.strategy.init_args.sink_size=5", "--trainer.max_epochs=3",
@@ -86,6 +89,7 @@ def test_printed_config_runs_again_unchanged(tmp_path):
     assert saved == config  # the run's own saved config is the printed one
 
 
+@pytest.mark.slow
 def test_string_shortcuts(tmp_path):
     stdout = cli(tmp_path, "fit", "--trainer.strategy=sink", "--trainer.accumulate_grad_batches=2",
                  "--trainer.callbacks+=lightning_sink.callbacks.LossMonitor",

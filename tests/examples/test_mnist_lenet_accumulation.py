@@ -58,12 +58,14 @@ def test_small_run_compares_with_stock_and_its_checkpoint_evaluates(tmp_path):
     assert f"checkpoint {checkpoint}: test accuracy {sink:.4f}" in evaluated.stdout
 
 
+@pytest.mark.slow
 def test_eval_only_without_a_checkpoint_is_a_clear_error(tmp_path):
     done = run_example(tmp_path, "--data-dir", str(SHARED_DATA), "--eval-only", "--ckpt", str(tmp_path / "no.ckpt"))
     assert done.returncode != 0
     assert f"--eval-only needs --ckpt PATH of an existing checkpoint; got '{tmp_path / 'no.ckpt'}'" in done.stderr
 
 
+@pytest.mark.slow
 def test_missing_mnist_without_download_is_a_clear_error(tmp_path):
     done = run_example(tmp_path, "--data-dir", str(tmp_path))
     assert done.returncode != 0

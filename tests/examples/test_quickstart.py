@@ -39,6 +39,7 @@ def logged(tmp_path: Path, name: str = "train_loss") -> list:
     return accumulator.Scalars(name)
 
 
+@pytest.mark.slow
 def test_quickstart_on_sklearn_digits(tmp_path):
     stdout = run_quickstart(tmp_path, "--data", "digits")  # the default recipe a fresh machine without MNIST runs
     assert "data: scikit-learn's bundled 8x8 digits" in stdout and "; 20 epochs" in stdout
@@ -53,6 +54,7 @@ def test_quickstart_on_sklearn_digits(tmp_path):
     assert {event.value for event in logged(tmp_path, "loss_scale")} == {2.0**16}  # fp32: never overflows
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (SHARED_DATA / "MNIST" / "raw").exists(), reason="MNIST is not next to this checkout")
 def test_quickstart_on_mnist(tmp_path):
     stdout = run_quickstart(tmp_path, "--data", "mnist", "--data-dir", str(SHARED_DATA), "--epochs", "1",
@@ -64,6 +66,7 @@ def test_quickstart_on_mnist(tmp_path):
     assert [event.step for event in logged(tmp_path)] == [63]
 
 
+@pytest.mark.slow
 def test_mnist_required_but_missing_is_a_clear_error(tmp_path):
     env = clean_subprocess_env(PYTHONPATH=str(REPO))
     command = [sys.executable, str(REPO / "examples" / "quickstart.py"), "--data-dir", str(tmp_path)]
