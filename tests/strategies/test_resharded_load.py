@@ -9,8 +9,6 @@ folder; the continuation is checked on the loss of the whole data set.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,20 +19,16 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from lightning_sink.layout import save_layout
 from lightning_sink.layout_inference import infer_layout
 from lightning_sink.reshard import load_resharded_checkpoint, transform_checkpoints, verify_checkpoint
-from tests.conftest import clean_subprocess_env
+from tests.distributed import run_launched
 from tests.strategies import resharded_load_worker as worker
 from tests.strategies.mp_models import TPClassifier
 
-REPO = Path(__file__).resolve().parents[2]
 INIT_ARGS = {"optimizer": "adamw", "lr": worker.LR}
 MESHES = {"resumed_dp1_tp2": (1, 2), "resumed_dp2_tp1": (2, 1)}
 
 
 def launch(out: Path, phase: str) -> None:
-    env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "tests.strategies.resharded_load_worker", str(out), phase], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_launched("tests.strategies.resharded_load_worker", out, phase, timeout=400)
 
 
 @pytest.fixture(scope="module")

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import clean_subprocess_env
+from tests.distributed import run_launched
 
 from tests.helpers import (
     TinyClassifier,
@@ -23,20 +20,14 @@ from tests.helpers import (
     relative_error,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 MICRO_BATCH, WORLD = 4, 2
 
 
 def launch(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int, scenario: str,
            torchrun: bool = False) -> None:
     """Lightning's own launcher re-runs the command for rank 1; with ``torchrun`` both ranks come from torchrun."""
-    env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun \
-        else [sys.executable]
-    command = [*launcher, "-m", "tests.strategies.ddp_worker", str(out_dir), str(steps), partial_window,
-               str(num_samples), str(epochs), scenario]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_launched("tests.strategies.ddp_worker", out_dir, steps, partial_window, num_samples, epochs, scenario,
+                 torchrun=WORLD if torchrun else None, timeout=180)
 
 
 def run_workers(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int,
