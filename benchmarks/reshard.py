@@ -176,9 +176,9 @@ def main() -> None:
             largest = max(sum(t.chunks_of_rank(r)[0].numel * 4 for t in layout.tensors.values()) for r in range(ranks))
             modes = {
                 "cp": lambda out: run_cp(source, out),
-                "anchor": lambda out: run_anchor(source, out, layout),
-                "reshard": lambda out: run_reshard(source, out, layout, None),
-                "reshard_w2": lambda out: run_reshard(source, out, layout, 2),
+                "anchor": lambda out, layout=layout: run_anchor(source, out, layout),
+                "reshard": lambda out, layout=layout: run_reshard(source, out, layout, None),
+                "reshard_w2": lambda out, layout=layout: run_reshard(source, out, layout, 2),
             }
             samples: dict[str, list[dict]] = {mode: [] for mode in modes}
             equal = None

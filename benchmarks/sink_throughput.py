@@ -34,11 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import lightning.pytorch as pl  # noqa: E402
+import lightning.pytorch as pl
 
-from common import NetClassifier, default_trainer, quiet_trainer  # noqa: E402
-from lenet import LeNet5  # noqa: E402
-from lightning_sink import SinkStrategy  # noqa: E402
+from lightning_sink import SinkStrategy
+
+from common import NetClassifier, default_trainer, quiet_trainer
+from lenet import LeNet5
 
 BATCH, SINK, WARMUP = 32, 500, 50
 CPU_CONFIGS = ("hand_written", "stock_lightning", "sink_eager", "sink_eager_prefetch_thread", "sink_compile",

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 
+from lightning_sink import SinkStrategy
+
 from digits import DigitsDataModule, exit_on_missing_data
 from lenet import LeNet5Classifier
-from lightning_sink import SinkStrategy
 
 MINDSPORE_ACCURACY = 0.9631  # the MindSpore tutorial's figure
 

@@ -19,10 +19,11 @@ import time
 
 import lightning.pytorch as pl
 
+from lightning_sink import SinkStrategy
 from lightning_sink.callbacks import LossMonitor, TimeMonitor
+
 from digits import DigitsDataModule, exit_on_missing_data
 from lenet import LeNet5Classifier
-from lightning_sink import SinkStrategy
 
 MODES = ("sink1000", "step", "pass", "all")
 

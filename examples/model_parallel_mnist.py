@@ -24,8 +24,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torchmetrics.classification import MulticlassAccuracy
 
-from digits import DigitsDataModule, exit_on_missing_data
 from lightning_sink import SinkModelParallelStrategy
+
+from digits import DigitsDataModule, exit_on_missing_data
 
 
 class ShardedMLP(pl.LightningModule):

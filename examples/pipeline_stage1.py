@@ -30,8 +30,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, DistributedSampler
 
-from digits import DigitsDataModule
 from lightning_sink.layout import flatten_like_dcp, layout_from_state_dict, save_layout
+
+from digits import DigitsDataModule
 
 STAGES, STAGE_MESH = 2, (2, 2)  # pipeline stages; data parallel x tensor parallel inside each
 WORLD_SIZE = STAGES * STAGE_MESH[0] * STAGE_MESH[1]

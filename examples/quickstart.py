@@ -21,14 +21,14 @@ import argparse
 import time
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
-import torch
-
+from lightning_sink import DynamicLossScale, LossScalePrecision, SinkStrategy
 from lightning_sink.callbacks import LossMonitor, LossScaleMonitor, TimeMonitor
+
 from digits import DigitsDataModule, exit_on_missing_data
 from lenet import LeNet5Classifier
-from lightning_sink import DynamicLossScale, LossScalePrecision, SinkStrategy
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

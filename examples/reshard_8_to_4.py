@@ -53,9 +53,10 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_sink.callbacks import ReshardCheckpoint
-from digits import DigitsDataModule, exit_on_missing_data
 from lightning_sink import SinkModelParallelStrategy
+from lightning_sink.callbacks import ReshardCheckpoint
+
+from digits import DigitsDataModule, exit_on_missing_data
 
 # Tensor-parallel plans, by the tutorial's stages; the Sequential's layers are "1" (layer1), "3" (layer2), "5" (layer3).
 PLANS = {
@@ -133,8 +134,12 @@ class LoadResharded(Callback):
         self._load(trainer, pl_module, with_optimizer=True)
 
     def _load(self, trainer: pl.Trainer, pl_module: pl.LightningModule, with_optimizer: bool) -> None:
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                             set_model_state_dict, set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         from lightning_sink.layout import flatten_like_dcp
         from lightning_sink.reshard import load_into_state_dict, load_resharded_checkpoint
@@ -225,10 +230,10 @@ def convert_rank(args: argparse.Namespace) -> None:
 
 def convert_pipeline_stages(args: argparse.Namespace) -> None:
     """Stage 1 as 2 pipeline stages, then MindSpore's steps: merge the stage layouts, convert the rank files."""
-    from pipeline_stage1 import run_pipeline_stage1
-
     from lightning_sink.layout import merge_pipeline_strategies
     from lightning_sink.reshard import transform_checkpoints
+
+    from pipeline_stage1 import run_pipeline_stage1
 
     out = Path(args.out_dir)
     started = time.perf_counter()

@@ -27,9 +27,10 @@ import torch.nn.functional as F
 import torchvision
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_sink.callbacks import LossMonitor, LossScaleMonitor
-from digits import DigitsDataModule, exit_on_missing_data
 from lightning_sink import DynamicLossScale, LossScalePrecision, SinkDDPStrategy
+from lightning_sink.callbacks import LossMonitor, LossScaleMonitor
+
+from digits import DigitsDataModule, exit_on_missing_data
 
 # The small default keeps a CPU run to about a minute; --full is the tutorial's recipe.
 SMALL = dict(epochs=1, batch_size=8, max_train_samples=192, max_test_samples=256)

@@ -65,7 +65,7 @@ class LossScalePrecision(Precision):
     def __init__(
         self,
         precision: str = "16-mixed",
-        loss_scale: DynamicLossScale | FixedLossScale | None | str = "auto",
+        loss_scale: DynamicLossScale | FixedLossScale | str | None = "auto",
         skip_window_on_overflow: bool = False,
         device: str | None = None,
     ) -> None:

@@ -110,12 +110,12 @@ def save_dcp_checkpoint(
 
 def _dcp_load_worker(rank: int, world_size: int, init_file: str, layout_json: str, checkpoint_dir: str, out_file: str):
     """Build zero DTensors placed as the target layout says and let DCP reshard the checkpoint into them."""
+    import json
+
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
-
-    import json
 
     layout = json.loads(layout_json)
     init_process_group(rank, world_size, init_file)

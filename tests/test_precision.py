@@ -194,7 +194,8 @@ def test_loss_scale_overflow_and_skips_are_logged(tmp_path):
     model = InjectingClassifier(inf_at=(5, 9), optimizer="sgd", lr=0.02)
     plugin = LossScalePrecision("32-true", DynamicLossScale(init_scale=2.0**10, scale_window=2))
     fit(model, plugin, logger=logger, log_every_n_steps=1)
-    rows = [row for row in csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")) if row.get("loss_scale")]
+    with open(Path(logger.log_dir) / "metrics.csv") as handle:
+        rows = [row for row in csv.DictReader(handle) if row.get("loss_scale")]
     overflow = [float(row["overflow"]) for row in rows]
     assert overflow == [0, 1, 1, 0, 0, 0, 0, 0]
     assert [float(row["skipped_updates"]) for row in rows] == [0, 1, 2, 2, 2, 2, 2, 2]

@@ -15,7 +15,12 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from lightning_sink.layout.dcp_metadata import DCP_METADATA_FILE, layout_from_dcp_metadata, read_dcp_metadata, storage_rank
+from lightning_sink.layout.dcp_metadata import (
+    DCP_METADATA_FILE,
+    layout_from_dcp_metadata,
+    read_dcp_metadata,
+    storage_rank,
+)
 from lightning_sink.layout.io import load_layout, resolve_layout_path
 from lightning_sink.layout.schema import LAYOUT_FILE_NAME, Chunk, Layout
 from lightning_sink.reshard.reader import ReadStats, TensorLocation, locate_tensors

@@ -111,7 +111,7 @@ def _payload(plan: RankPlan, source: Source, dst: Layout, stats: ReadStats, prov
         "tensors": {shard.fqn: torch.empty(shard.chunk.sizes, dtype=torch_dtype(shard.dtype)) for shard in plan.shards},
         "non_tensor_state": source.non_tensor_state(stats),
         "extra_files": source.extra_files(),
-        "paths": {fqn: path for fqn, path in source.paths.items()},
+        "paths": dict(source.paths),
         "provenance": provenance,
     }
 

@@ -15,7 +15,6 @@ from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_sink import _lightning_compat as compat
 from lightning_sink.accumulation import MicroStep
 from lightning_sink.strategies.atomic_dcp import check_checkpoint_dir, save_dcp_atomically
 from lightning_sink.strategies.fsdp_window import FSDPWindow

@@ -15,16 +15,21 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.types import STEP_OUTPUT
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_sink import _lightning_compat as compat
-from lightning_sink.accumulation import (PARTIAL_WINDOW_MODES, GradientAccumulator, MicroStep, SingleStepGradients,
-                                         plan_micro_step)
+from lightning_sink.accumulation import (
+    PARTIAL_WINDOW_MODES,
+    GradientAccumulator,
+    MicroStep,
+    SingleStepGradients,
+    plan_micro_step,
+)
 from lightning_sink.data import DataPosition, ResumableLoader
 from lightning_sink.device_prefetch import CudaBatchCopier
 from lightning_sink.loss_scale import DynamicLossScale
@@ -33,7 +38,10 @@ from lightning_sink.sink_data import PASS_END, MicroBatchStream, SinkLoader
 from lightning_sink.strategies.graph_modes import check_graph_mode_device, step_function, validate_graph_mode
 from lightning_sink.strategies.hooks import HookPlan
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
-from lightning_sink.strategies.step_triggers import ignore_one_batch_per_epoch_warning, warn_about_unaligned_step_triggers
+from lightning_sink.strategies.step_triggers import (
+    ignore_one_batch_per_epoch_warning,
+    warn_about_unaligned_step_triggers,
+)
 
 __all__ = ["StepProgramsMixin", "CHECKPOINT_KEY"]
 

@@ -13,7 +13,6 @@ from tests.callbacks.common import loss_lines
 from tests.distributed import run_launched
 
 
-
 def launch(out_dir: Path, scenario: str) -> subprocess.CompletedProcess:
     return run_launched("tests.callbacks.ddp_monitor_worker", out_dir, scenario, timeout=180)
 

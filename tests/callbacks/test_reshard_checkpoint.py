@@ -15,8 +15,8 @@ import pytest
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from lightning_sink.callbacks import ReshardCheckpoint
 from lightning_sink import SinkStrategy
+from lightning_sink.callbacks import ReshardCheckpoint
 from lightning_sink.layout import load_layout, save_layout
 from lightning_sink.layout_inference import infer_layout
 from lightning_sink.reshard import load_resharded_checkpoint, unpickle_carried, verify_checkpoint

@@ -18,8 +18,8 @@ import pytest
 from lightning.pytorch.callbacks import LearningRateMonitor
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from lightning_sink.callbacks import LossMonitor, LossScaleMonitor, TimeMonitor
 from lightning_sink import DynamicLossScale, LossScalePrecision, SinkStrategy
+from lightning_sink.callbacks import LossMonitor, LossScaleMonitor, TimeMonitor
 from tests.callbacks.common import MICRO, SAMPLES, InfAtSteps, dynamic_scale_rule
 from tests.helpers import loader, make_dataset, quiet_trainer
 
@@ -70,7 +70,7 @@ def test_per_batch_accumulation(tmp_path):
     assert_scale_scalars(scalars, updates, OVERFLOW_STEP // 2 + 1, range(1, updates + 1))  # by the strategy
     # LearningRateMonitor (Lightning's rule): at every batch start, at Lightning's step, so each update's step
     # appears once per micro-batch; the schedule does not advance on the skipped (overflowed) update 2.
-    assert Counter(steps(scalars, "lr-SGD")) == {u: 2 for u in range(updates)}
+    assert Counter(steps(scalars, "lr-SGD")) == dict.fromkeys(range(updates), 2)
     not_skipped_before = [sum(1 for v in range(1, u + 1) if v != 2) for u in range(updates)]
     assert [e.value for e in scalars["lr-SGD"][::2]] == pytest.approx([0.1 * 0.9**k for k in not_skipped_before])
 

@@ -102,7 +102,12 @@ def _resume(rank: int, mesh_name: str, source: str, mode: str, out: str) -> None
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from lightning_sink.layout import layout_from_state_dict, save_layout
-    from lightning_sink.reshard import load_into_state_dict, load_resharded_checkpoint, to_dtensors, transform_checkpoints
+    from lightning_sink.reshard import (
+        load_into_state_dict,
+        load_resharded_checkpoint,
+        to_dtensors,
+        transform_checkpoints,
+    )
 
     # A fresh model and optimizer per mode.
     mesh, model, optimizer = build(*MESHES[mesh_name])

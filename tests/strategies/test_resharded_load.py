@@ -46,8 +46,8 @@ def runs(tmp_path_factory) -> Path:
 
 def train_one_device_sink_mode(out: Path) -> None:
     """2 sinks of 4 batches (the pass has 12): the checkpoint lies in the middle of the first data pass."""
-    from lightning_sink.callbacks import ReshardCheckpoint
     from lightning_sink import SinkStrategy
+    from lightning_sink.callbacks import ReshardCheckpoint
     from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
 
     trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=worker.STEPS, sink_size=4), devices=1, max_epochs=2,
@@ -59,8 +59,8 @@ def train_one_device_sink_mode(out: Path) -> None:
 def train_one_device(out: Path) -> None:
     """Stage 1 on one device (SinkStrategy, same data and windows), resharded to 1 x 2 by ReshardCheckpoint; the
     trained parameters and AdamW state, by name, are the reference for what the 2-rank run loads from it."""
-    from lightning_sink.callbacks import ReshardCheckpoint
     from lightning_sink import SinkStrategy
+    from lightning_sink.callbacks import ReshardCheckpoint
     from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
 
     model = TinyClassifier(**INIT_ARGS)

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from tests.distributed import run_launched
-
 from tests.helpers import (
     TinyClassifier,
     ddp_reference_windows,

@@ -15,7 +15,6 @@ from tests.strategies import model_parallel_worker as worker
 from tests.strategies.mp_models import TPClassifier, flat
 
 
-
 def launch(out_dir: Path, *scenarios: str, expect_returncode: int = 0) -> None:
     """Lightning's own launcher re-runs the command for ranks 1..3."""
     run_launched("tests.strategies.model_parallel_worker", out_dir, *scenarios, expect_returncode=expect_returncode)
