@@ -139,6 +139,14 @@ class StepProgramsMixin:
         return self.lightning_module is not None and self.lightning_module.automatic_optimization
 
     @property
+    def micro_steps_in_window(self) -> int | None:
+        """Micro-batches accumulated towards the next optimizer update (0 right after one); ``None`` when the step
+        programs do not run (manual optimization, or before training starts)."""
+        if self._accumulator is None or not self._accumulating:
+            return None
+        return self._accumulator.micro_steps
+
+    @property
     def _loss_scaling(self) -> LossScalePrecision | None:
         plugin = self.precision_plugin
         return plugin if isinstance(plugin, LossScalePrecision) else None
