@@ -78,7 +78,10 @@ def test_logging_step_set_to_is_the_step_lightnings_log_every_n_steps_and_lr_mon
 
     class Recording(Logger):
         name, version = "recording", 0
-        points: list = []
+
+        def __init__(self):
+            super().__init__()
+            self.points = []
 
         def log_metrics(self, metrics, step=None):
             self.points.append((step, dict(metrics)))

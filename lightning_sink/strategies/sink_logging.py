@@ -48,7 +48,7 @@ from torch.optim import Optimizer
 
 from lightning_sink import _lightning_compat as compat
 
-__all__ = ["SinkLogBuffer", "logs_at_update"]
+__all__ = ["SinkLogBuffer"]
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 # reduce_fx values whose K-step result the buffer can rebuild from a reduced prefix and the last value; the names
@@ -60,7 +60,7 @@ _REDUCTIONS: dict[Any, str] = {"mean": "mean", "avg": "mean", torch.mean: "mean"
 _Settings = list[dict[str, Any]]
 
 
-def logs_at_update(trainer: pl.Trainer, update: int) -> bool:
+def _logs_at_update(trainer: pl.Trainer, update: int) -> bool:
     """Whether Lightning writes the step values of the batch that makes the ``update``-th optimizer update
     (``should_update_logs`` in Lightning's logger connector, for the fit loop, and ``fast_dev_run``)."""
     every_n = trainer.log_every_n_steps
@@ -133,7 +133,7 @@ class SinkLogBuffer:
         self._micro_steps_since_update = 0
         trainer = self._trainer
         settings = None
-        if self._lr_monitors and trainer.loggers and logs_at_update(trainer, trainer.global_step + 1):
+        if self._lr_monitors and trainer.loggers and _logs_at_update(trainer, trainer.global_step + 1):
             settings = [_settings_of(optimizer) for optimizer in trainer.optimizers]
         self._updates.append(_Update(trainer.global_step, {name: len(key.values) for name, key in self._keys.items()},
                                      settings))
@@ -201,7 +201,7 @@ class SinkLogBuffer:
         trainer = self._trainer
         if not updates or not trainer.loggers:
             return
-        due = [update for update in updates if logs_at_update(trainer, update.global_step)]
+        due = [update for update in updates if _logs_at_update(trainer, update.global_step)]
         points = dict(zip((update.global_step for update in due), self._read_step_values(due)))
         for update in updates:
             point = points.get(update.global_step)

@@ -39,8 +39,8 @@ def _step_triggers(trainer: pl.Trainer) -> list[tuple[str, int]]:
     triggers = [(f"ModelCheckpoint(every_n_train_steps={n})", n)
                 for n in map(compat.checkpoint_every_n_train_steps, trainer.checkpoint_callbacks) if n > 1]
     if trainer.loggers and trainer.log_every_n_steps > 1 and not SinkLogBuffer.usable(trainer.lightning_module):
-        triggers.append((f"Trainer(log_every_n_steps={trainer.log_every_n_steps}), for a LightningModule that"
-                         " overrides `log`,", trainer.log_every_n_steps))
+        name = f"Trainer(log_every_n_steps={trainer.log_every_n_steps}), for a LightningModule that overrides `log`,"
+        triggers.append((name, trainer.log_every_n_steps))
     return triggers
 
 
