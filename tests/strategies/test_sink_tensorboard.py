@@ -8,10 +8,12 @@ micro-batch of an update (N equal points at one step); sink mode writes it once,
 
 from __future__ import annotations
 
+import copy
 import warnings
 from pathlib import Path
 
 import pytest
+import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -151,10 +153,6 @@ def test_the_loggers_get_the_values_of_the_updates_in_one_read_back(tmp_path):
 
 def test_values_match_a_plain_loop(tmp_path):
     """Independent of Lightning: the step values are the losses of each update's last micro-batch."""
-    import copy
-
-    import torch
-
     model = TinyClassifier(lr=0.05)
     reference = copy.deepcopy(model)
     logger = TensorBoardLogger(tmp_path, name="run", version=0)
