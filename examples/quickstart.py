@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> float:
         callbacks=[LossMonitor(), LossScaleMonitor(), TimeMonitor()],
         max_epochs=epochs,
         logger=TensorBoardLogger(args.log_dir, name="quickstart"),
-        log_every_n_steps=1,  # in sink mode Lightning writes logs once per sink; write at every one
+        log_every_n_steps=1,  # every update's self.log values (Lightning's default is every 50th)
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,

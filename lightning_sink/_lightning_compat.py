@@ -7,7 +7,8 @@ functions below. ``tests/test_lightning_compat.py`` fails loudly when a Lightnin
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,6 +21,7 @@ __all__ = [
     "is_last_batch_of_epoch",
     "record_optimizer_update",
     "finish_lightning_batch",
+    "logging_step_set_to",
     "run_before_optimizer_step",
     "call_lightning_module_hook",
     "checkpoint_every_n_train_steps",
@@ -102,6 +104,18 @@ def finish_lightning_batch(trainer: pl.Trainer, lightning_counts_one: bool) -> N
             tracker.ready -= 1
             tracker.completed -= 1
     _epoch_loop(trainer)._batches_that_stepped = progress.total.completed
+
+
+@contextmanager
+def logging_step_set_to(trainer: pl.Trainer, step: int) -> Iterator[None]:
+    """Lightning's logging step (the step its loggers and ``LearningRateMonitor`` write at, and the one
+    ``log_every_n_steps`` is checked against) set to ``step`` for the duration of the block, then restored."""
+    loop = _epoch_loop(trainer)
+    saved, loop._batches_that_stepped = loop._batches_that_stepped, step
+    try:
+        yield
+    finally:
+        loop._batches_that_stepped = saved
 
 
 def run_before_optimizer_step(trainer: pl.Trainer, optimizer: Any) -> None:

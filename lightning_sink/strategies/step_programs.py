@@ -147,6 +147,14 @@ class StepProgramsMixin:
         return self.lightning_module is not None and self.lightning_module.automatic_optimization
 
     @property
+    def micro_steps_in_window(self) -> int | None:
+        """Micro-batches accumulated towards the next optimizer update (0 right after one); ``None`` when the step
+        programs do not run (manual optimization, or before training starts)."""
+        if self._accumulator is None or not self._accumulating:
+            return None
+        return self._accumulator.micro_steps
+
+    @property
     def _loss_scaling(self) -> LossScalePrecision | None:
         plugin = self.precision_plugin
         return plugin if isinstance(plugin, LossScalePrecision) else None
@@ -225,7 +233,7 @@ class StepProgramsMixin:
             self._stream = MicroBatchStream(self._sink_loader.loader, self._data_position, self._prefetch_depth(),
                                             copier=self._device_copier())
             module = self.lightning_module
-            self._log_buffer = SinkLogBuffer(module) if SinkLogBuffer.usable(module) else None
+            self._log_buffer = SinkLogBuffer(module)
         compat.install_loop_overrides(self._trainer, self._batch_has_no_update)
 
     def _prefetch_depth(self) -> int:
@@ -363,9 +371,11 @@ class StepProgramsMixin:
                 batch = self._to_device(batch)
             if buffer is not None:
                 buffer.begin_micro_step(batch)
-            program = self.update_step if self._accumulator.micro_steps + 1 == self.accumulation_steps \
-                else self.accumulate_step
+            updates = self._accumulator.micro_steps + 1 == self.accumulation_steps
+            program = self.update_step if updates else self.accumulate_step
             losses.append(_loss_of(program(batch, micro_index)))
+            if updates and buffer is not None:
+                buffer.end_update()  # the loggers get this update's values at its step (sink_logging.py)
             self._data_position.advance()
             micro_index += 1
         stacked = torch.stack(losses)

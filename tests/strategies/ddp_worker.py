@@ -75,6 +75,28 @@ def sink_scenario(out_dir: Path, steps: int, partial_window: str, num_samples: i
                     "lrs": model.seen_lrs}, out_dir / "sink.pt")
 
 
+class LogsPerRank(TinyClassifier):
+    """Logs values that differ per rank and per update, synced across ranks or not."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        value = torch.tensor(float(self.global_rank + 10 * self.trainer.global_step))
+        self.log("synced_mean", value, sync_dist=True)
+        self.log("synced_max", value, sync_dist=True, reduce_fx="max")
+        self.log("local", value)
+        return loss
+
+
+def logging_scenario(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> None:
+    """Sinks of 4 micro-batches, windows of ``steps``: every update's self.log values reach rank 0's logger."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    strategy = SinkDDPStrategy(accumulation_steps=steps, sink_size=4, process_group_backend="gloo")
+    logger = CSVLogger(out_dir, name="run", version=0)
+    trainer = quiet_trainer(strategy=strategy, devices=2, max_epochs=epochs, logger=logger, log_every_n_steps=1)
+    trainer.fit(LogsPerRank(), loader(make_dataset(num_samples=num_samples), MICRO_BATCH))
+
+
 def main(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> None:
     dataset = make_dataset(num_samples=num_samples)
     model = TinyClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.95)
@@ -94,7 +116,7 @@ def main(out_dir: Path, steps: int, partial_window: str, num_samples: int, epoch
 
 if __name__ == "__main__":
     scenario = {"exactness": main, "resume": resume_scenario, "overflow": overflow_scenario,
-                "sink": sink_scenario}[sys.argv[6]]
+                "sink": sink_scenario, "logging": logging_scenario}[sys.argv[6]]
     scenario(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     # Tear gloo down before the interpreter exits; a live process group can abort the process at exit.
     dist.barrier()

@@ -115,3 +115,18 @@ def test_ddp_sinks_equal_the_continuous_global_batch_reference(tmp_path):
     assert result["global_step"] == len(windows) == 6
     assert result["lrs"] == pytest.approx(lrs, rel=1e-12)
     assert relative_error(result["rank0"].double(), flat_params(model)) <= 1e-6
+
+
+@pytest.mark.slow
+def test_ddp_sinks_write_every_updates_values_synced_as_lightning_syncs_them(tmp_path):
+    """Each update u's last micro-step logs rank + 10 (u - 1) on each rank; sync_dist reduces them across ranks (mean
+    0.5 + 10 (u - 1), max 1 + 10 (u - 1)), as Lightning does for a step value; the rest is rank 0's own value."""
+    import csv
+
+    launch(tmp_path, 2, "scale", 64, 3, "logging")  # 3 sinks of 4 micro-batches, 2 updates each
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("local")]
+    assert [int(row["step"]) for row in rows] == list(range(6))
+    assert [float(row["synced_mean"]) for row in rows] == [0.5 + 10 * u for u in range(6)]
+    assert [float(row["synced_max"]) for row in rows] == [1.0 + 10 * u for u in range(6)]
+    assert [float(row["local"]) for row in rows] == [10.0 * u for u in range(6)]
