@@ -37,6 +37,9 @@ class Source:
     files: dict[int, Path]  # rank -> the file holding its chunks (DCP: one per rank)
     fingerprint: str
     paths: dict[str, list[str]] = field(default_factory=dict)  # fqn -> DCP's nested path, to unflatten
+    # Files whose whole SHA-256 ``check_files`` checked (their records need no CRC-32), and the bytes it read.
+    verified_files: set[str] = field(default_factory=set)
+    verify_bytes_read: int = 0
 
     def locate(self, chunk: Chunk, fqn: str, stats: ReadStats, fds) -> TensorLocation:
         raise NotImplementedError
@@ -162,6 +165,29 @@ class RankFilesSource(Source):
                 if header.get("layout") is not None:
                     return header["layout"]
         raise ValueError(f"{description}: the rank files embed no layout; pass src_strategy_file")
+
+    def check_files(self, ranks: list[int]) -> None:
+        """Also: this package's rank files carry no CRC-32s, so each is checked whole against the SHA-256 of its
+        manifest (or ``.sha256`` sidecar) before any of its bytes is copied."""
+        super().check_files(ranks)
+        for rank in ranks:
+            self._check_digest(self.files[rank])
+
+    def _check_digest(self, path: Path) -> None:
+        from lightning_sink.reshard.loading import expected_digest, read_rank_file_header
+
+        if str(path) in self.verified_files or read_rank_file_header(path).get("format") != RESHARDED_FORMAT:
+            return  # a plain torch.save file: its records' CRC-32s are checked as they are read
+        expected = expected_digest(path)
+        if expected is None:
+            raise ValueError(f"rank file {str(path)!r} carries no CRC-32s and has no MANIFEST.json entry or .sha256"
+                             " sidecar: its integrity cannot be checked")
+        size = os.path.getsize(path)
+        self.verify_bytes_read += size
+        if size != expected[1] or sha256_of_file(path) != expected[0]:
+            raise ValueError(f"rank file {str(path)!r}: SHA-256 or size differs from its manifest (or sidecar): the"
+                             " file is corrupt or was replaced")
+        self.verified_files.add(str(path))
 
     def _entries(self, rank: int, stats: ReadStats, fds) -> dict:
         if rank not in self._located:
