@@ -20,6 +20,7 @@ buffers. Buffers are told apart by the roles of the source layout when given, el
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import io
 import os
@@ -62,6 +63,8 @@ class OneDeviceSource(Source):
             if not isinstance(loaded, dict):
                 raise ValueError(f"{what} holds a {type(loaded).__name__}, not a state dict")
             self.locations, paths = _plain_tensors(loaded, what)
+        self.locations = {fqn: dataclasses.replace(location, what=f"tensor {fqn!r} in {what}")
+                          for fqn, location in self.locations.items()}
         layout = _whole_on_rank_0(self.locations, declared)
         if declared is not None:
             _check_declared(declared, layout, str(layout_file), what)

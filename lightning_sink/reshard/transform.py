@@ -13,6 +13,7 @@ import os
 import shutil
 import time
 import uuid
+import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -93,11 +94,12 @@ def rank_list_for_transform(rank_id: int, src_strategy_file: str | os.PathLike, 
     (DCP stores a replicated chunk once, so only that folder knows which replica's file has it).
     """
     source_path = Path(src_strategy_file)
-    if source_path.is_dir() and (source_path / ".metadata").is_file():
-        src = open_source(source_path, None).layout
+    target = _layout(dst_strategy_file, "dst_strategy_file")
+    if (source_path.is_dir() and (source_path / ".metadata").is_file()) or zipfile.is_zipfile(source_path):
+        src = open_source(source_path, None, roles=target).layout  # a DCP folder or a one-device checkpoint
     else:
         src = load_layout(source_path)
-    return plan_rank(rank_id, src, _layout(dst_strategy_file, "dst_strategy_file")).source_ranks()
+    return plan_rank(rank_id, src, target).source_ranks()
 
 
 def _shard_bytes(plan: RankPlan) -> int:
@@ -197,8 +199,8 @@ def worker_main(task: dict) -> int:
 def _convert_task(task: dict) -> dict:
     started = time.perf_counter()
     rank, staging, ckpt_prefix = task["rank"], Path(task["staging"]), task["ckpt_prefix"]
-    source = open_source(task["src_dir"], task["src_layout"])
     dst = Layout.from_json(task["dst_layout"])
+    source = open_source(task["src_dir"], task["src_layout"], roles=dst)
     relative = f"rank_{rank}/{ckpt_prefix}{rank}.pt"
     (staging / f"rank_{rank}").mkdir(parents=True, exist_ok=True)
     plan = plan_rank(rank, source.layout, dst)
@@ -292,7 +294,8 @@ def transform_checkpoints(
 
     Args:
         src_checkpoints_dir: a DCP folder (this package's, or a Lightning ModelParallelStrategy/FSDPStrategy
-            sharded checkpoint) or a folder of ``rank_{x}/`` subfolders holding one checkpoint file each.
+            sharded checkpoint), a folder of ``rank_{x}/`` subfolders holding one checkpoint file each, or a
+            one-device checkpoint file (a Lightning ``.ckpt``, or a plain ``torch.save`` state dict).
         src_strategy_file: the source layout; None: the folder's ``layout.json``, else derived from DCP metadata.
         dst_strategy_file: the target layout (file or :class:`Layout`).
         workers: None converts in this process; k converts in k spawned processes, one target rank each.
@@ -308,8 +311,8 @@ def transform_checkpoints(
         raise ValueError(f"dst_checkpoints_dir={str(dst)!r} must not be, contain or lie inside src_checkpoints_dir={str(src_dir)!r}")
     if workers is not None and (not isinstance(workers, int) or workers < 1):
         raise ValueError(f"workers={workers!r} must be None or a positive integer")
-    source = open_source(src_dir, _source_layout_arg(src_strategy_file))
     target = _layout(dst_strategy_file, "dst_strategy_file")
+    source = open_source(src_dir, _source_layout_arg(src_strategy_file), roles=target)
     plans = [plan_rank(rank, source.layout, target) for rank in range(target.world_size)]  # all errors before writing
     source.check_files(sorted({r for plan in plans for r in plan.source_ranks()}))
     provenance = _provenance(source, target, ckpt_prefix)
@@ -404,8 +407,8 @@ def transform_checkpoint_by_rank(
     files of one folder, or rank files). Writes ``save_checkpoint_file_name`` atomically plus a ``.sha256``
     sidecar that ``load_resharded_checkpoint`` checks."""
     started = time.perf_counter()
-    source = source_from_files(checkpoint_files_map, _source_layout_arg(src_strategy_file))
     target = _layout(dst_strategy_file, "dst_strategy_file")
+    source = source_from_files(checkpoint_files_map, _source_layout_arg(src_strategy_file), roles=target)
     plan = plan_rank(rank_id, source.layout, target)
     missing = [rank for rank in plan.source_ranks() if rank not in {int(r) for r in checkpoint_files_map}]
     if missing:
