@@ -98,7 +98,8 @@ def _run_reshard(args: argparse.Namespace) -> int:
     stats = report.stats
     print(json.dumps({"destination": str(report.destination), "ranks": len(report.ranks),
                       "bytes_written": sum(r.bytes_written for r in report.ranks), "bytes_needed": stats.bytes_needed,
-                      "payload_bytes_read": stats.payload_bytes_read, "header_bytes_read": stats.header_bytes_read}))
+                      "payload_bytes_read": stats.payload_bytes_read, "header_bytes_read": stats.header_bytes_read,
+                      "verify_bytes_read": stats.verify_bytes_read}))
     return 0
 
 

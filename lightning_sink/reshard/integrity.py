@@ -20,10 +20,18 @@ import os
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Any
 
-__all__ = ["MASK", "crc32_shift", "crc32_combine", "record_crc", "PartCrc", "WholeCrc", "RecordChecks",
-           "box_runs", "complement_boxes"]
+__all__ = [
+    "MASK",
+    "PartCrc",
+    "RecordChecks",
+    "WholeCrc",
+    "box_runs",
+    "complement_boxes",
+    "crc32_combine",
+    "crc32_shift",
+    "record_crc",
+]
 
 MASK = 0xFFFFFFFF
 _POLYNOMIAL = 0xEDB88320  # CRC-32 (zip, zlib), bit-reflected

@@ -31,7 +31,12 @@ import torch
 
 from lightning_sink.layout.io import load_layout
 from lightning_sink.layout.schema import Chunk, Layout, MeshLayout, TensorLayout
-from lightning_sink.reshard.reader import FileCache, ReadStats, TensorLocation, locate_tensors
+from lightning_sink.reshard.reader import (
+    FileCache,
+    ReadStats,
+    TensorLocation,
+    locate_tensors,
+)
 from lightning_sink.reshard.source import LIGHTNING_META_FILE, Source
 
 __all__ = ["OneDeviceSource", "is_lightning_checkpoint"]

@@ -25,8 +25,8 @@ import torch
 from lightning_sink.layout.io import load_layout, save_layout
 from lightning_sink.layout.schema import Layout
 from lightning_sink.layout.validation import torch_dtype
-from lightning_sink.reshard.loading import RESHARDED_VERSION, read_rank_file_header
 from lightning_sink.reshard.integrity import RecordChecks
+from lightning_sink.reshard.loading import RESHARDED_VERSION, read_rank_file_header
 from lightning_sink.reshard.manifest import Manifest, read_manifest, write_manifest
 from lightning_sink.reshard.plan import RankPlan, band_box, bands_of, plan_rank
 from lightning_sink.reshard.reader import READ_BUFFER_BYTES, FileCache, ReadStats, copy_region

@@ -7,7 +7,13 @@ import zlib
 
 import pytest
 
-from lightning_sink.reshard.integrity import PartCrc, box_runs, complement_boxes, crc32_combine, record_crc
+from lightning_sink.reshard.integrity import (
+    PartCrc,
+    box_runs,
+    complement_boxes,
+    crc32_combine,
+    record_crc,
+)
 
 
 @pytest.mark.parametrize("length2", [0, 1, 7, 4096, 1_000_003])

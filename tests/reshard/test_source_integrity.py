@@ -15,7 +15,11 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from lightning_sink.layout import MeshLayout, layout_on_mesh, load_layout
 from lightning_sink.layout.dcp_metadata import read_dcp_metadata
-from lightning_sink.reshard import transform_checkpoint_by_rank, transform_checkpoints, verify_checkpoint
+from lightning_sink.reshard import (
+    transform_checkpoint_by_rank,
+    transform_checkpoints,
+    verify_checkpoint,
+)
 from tests.dcp_runs import full_tensors
 from tests.reshard.conftest import SPEC_3
 
