@@ -277,7 +277,7 @@ def open_source(src_checkpoints_dir: str | os.PathLike, src_strategy_file: str |
 
         return OneDeviceSource(folder, layout_file, roles)
     if not folder.is_dir():
-        raise FileNotFoundError(f"src_checkpoints_dir={str(folder)!r} is neither a folder nor a checkpoint file")
+        raise FileNotFoundError(f"src_checkpoints_dir={str(folder)!r} is not a folder (nor a checkpoint file)")
     if (folder / DCP_METADATA_FILE).is_file():
         return DcpSource(folder, layout_file)
     files = _rank_files_in(folder)

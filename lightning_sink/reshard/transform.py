@@ -311,8 +311,9 @@ def transform_checkpoints(
         raise ValueError(f"dst_checkpoints_dir={str(dst)!r} must not be, contain or lie inside src_checkpoints_dir={str(src_dir)!r}")
     if workers is not None and (not isinstance(workers, int) or workers < 1):
         raise ValueError(f"workers={workers!r} must be None or a positive integer")
-    target = _layout(dst_strategy_file, "dst_strategy_file")
-    source = open_source(src_dir, _source_layout_arg(src_strategy_file), roles=target)
+    roles = _layout(dst_strategy_file, "dst_strategy_file") if src_dir.is_file() else None  # a .ckpt's buffers
+    source = open_source(src_dir, _source_layout_arg(src_strategy_file), roles=roles)
+    target = roles or _layout(dst_strategy_file, "dst_strategy_file")
     plans = [plan_rank(rank, source.layout, target) for rank in range(target.world_size)]  # all errors before writing
     source.check_files(sorted({r for plan in plans for r in plan.source_ranks()}))
     provenance = _provenance(source, target, ckpt_prefix)
@@ -407,8 +408,10 @@ def transform_checkpoint_by_rank(
     files of one folder, or rank files). Writes ``save_checkpoint_file_name`` atomically plus a ``.sha256``
     sidecar that ``load_resharded_checkpoint`` checks."""
     started = time.perf_counter()
-    target = _layout(dst_strategy_file, "dst_strategy_file")
-    source = source_from_files(checkpoint_files_map, _source_layout_arg(src_strategy_file), roles=target)
+    files = list(checkpoint_files_map.values())
+    roles = _layout(dst_strategy_file, "dst_strategy_file") if len(files) == 1 else None  # a .ckpt's buffers
+    source = source_from_files(checkpoint_files_map, _source_layout_arg(src_strategy_file), roles=roles)
+    target = roles or _layout(dst_strategy_file, "dst_strategy_file")
     plan = plan_rank(rank_id, source.layout, target)
     missing = [rank for rank in plan.source_ranks() if rank not in {int(r) for r in checkpoint_files_map}]
     if missing:
