@@ -39,7 +39,8 @@ def parse_size(text: str) -> int:
 
 def _configure_reshard(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--src-checkpoints-dir", required=True,
-                        help="source: a DCP folder, or a folder of rank_<x>/ folders with one checkpoint file each")
+                        help="source: a DCP folder, a folder of rank_<x>/ folders with one checkpoint file each, or a"
+                             " one-device checkpoint file (Lightning .ckpt or a torch.save state dict)")
     parser.add_argument("--dst-checkpoints-dir", help="destination folder (whole conversion)")
     parser.add_argument("--ckpt-prefix", default="checkpoint_", help="target files: rank_<r>/<prefix><r>.pt")
     parser.add_argument("--src-strategy-file", help="source layout (default: the folder's layout.json, else DCP metadata)")
@@ -67,7 +68,8 @@ def _run_reshard(args: argparse.Namespace) -> int:
         if not args.save_checkpoint_file_name:
             raise ValueError("--rank-id needs --save-checkpoint-file-name (or --list-ranks)")
         source = Path(args.src_checkpoints_dir)
-        files = ({rank: source / f"__{rank}_0.distcp" for rank in needed} if (source / ".metadata").is_file()
+        files = ({0: source} if source.is_file()
+                 else {rank: source / f"__{rank}_0.distcp" for rank in needed} if (source / ".metadata").is_file()
                  else {rank: next((source / f"rank_{rank}").glob("*.pt"), source / f"rank_{rank}") for rank in needed})
         result = transform_checkpoint_by_rank(args.rank_id, files, args.save_checkpoint_file_name,
                                               args.src_strategy_file, args.dst_strategy_file, overwrite=args.overwrite)
@@ -96,7 +98,8 @@ def _run_reshard(args: argparse.Namespace) -> int:
     stats = report.stats
     print(json.dumps({"destination": str(report.destination), "ranks": len(report.ranks),
                       "bytes_written": sum(r.bytes_written for r in report.ranks), "bytes_needed": stats.bytes_needed,
-                      "payload_bytes_read": stats.payload_bytes_read, "header_bytes_read": stats.header_bytes_read}))
+                      "payload_bytes_read": stats.payload_bytes_read, "header_bytes_read": stats.header_bytes_read,
+                      "verify_bytes_read": stats.verify_bytes_read}))
     return 0
 
 

@@ -6,6 +6,7 @@ bytes, the non-tensor state to carry, and a fingerprint (to tell whether a desti
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -23,7 +24,7 @@ from lightning_sink.layout.dcp_metadata import (
 )
 from lightning_sink.layout.io import load_layout, resolve_layout_path
 from lightning_sink.layout.schema import LAYOUT_FILE_NAME, Chunk, Layout
-from lightning_sink.reshard.reader import ReadStats, TensorLocation, locate_tensors
+from lightning_sink.reshard.reader import FileCache, ReadStats, TensorLocation, locate_tensors
 from lightning_sink.reshard.writer import sha256_of_file
 
 __all__ = ["LIGHTNING_META_FILE", "RESHARDED_FORMAT", "Source", "DcpSource", "RankFilesSource", "open_source", "source_from_files"]
@@ -42,6 +43,9 @@ class Source:
     files: dict[int, Path]  # rank -> the file holding its chunks (DCP: one per rank)
     fingerprint: str
     paths: dict[str, list[str]] = field(default_factory=dict)  # fqn -> DCP's nested path, to unflatten
+    # Files whose whole SHA-256 ``check_files`` checked (their records need no CRC-32), and the bytes it read.
+    verified_files: set[str] = field(default_factory=set)
+    verify_bytes_read: int = 0
 
     def locate(self, chunk: Chunk, fqn: str, stats: ReadStats, fds) -> TensorLocation:
         raise NotImplementedError
@@ -168,6 +172,29 @@ class RankFilesSource(Source):
                     return header["layout"]
         raise ValueError(f"{description}: the rank files embed no layout; pass src_strategy_file")
 
+    def check_files(self, ranks: list[int]) -> None:
+        """Also: this package's rank files carry no CRC-32s, so each is checked whole against the SHA-256 of its
+        manifest (or ``.sha256`` sidecar) before any of its bytes is copied."""
+        super().check_files(ranks)
+        for rank in ranks:
+            self._check_digest(self.files[rank])
+
+    def _check_digest(self, path: Path) -> None:
+        from lightning_sink.reshard.loading import expected_digest, read_rank_file_header
+
+        if str(path) in self.verified_files or read_rank_file_header(path).get("format") != RESHARDED_FORMAT:
+            return  # a plain torch.save file: its records' CRC-32s are checked as they are read
+        expected = expected_digest(path)
+        if expected is None:
+            raise ValueError(f"rank file {str(path)!r} carries no CRC-32s and has no MANIFEST.json entry or .sha256"
+                             " sidecar: its integrity cannot be checked")
+        size = os.path.getsize(path)
+        self.verify_bytes_read += size
+        if size != expected[1] or sha256_of_file(path) != expected[0]:
+            raise ValueError(f"rank file {str(path)!r}: SHA-256 or size differs from its manifest (or sidecar): the"
+                             " file is corrupt or was replaced")
+        self.verified_files.add(str(path))
+
     def _entries(self, rank: int, stats: ReadStats, fds) -> dict:
         if rank not in self._located:
             path = self.files[rank]
@@ -191,11 +218,9 @@ class RankFilesSource(Source):
                 f"rank file {str(path)!r}: tensor {fqn!r} is {list(location.shape)} {location.dtype}, the source layout"
                 f" says {list(chunk.sizes)} {self.layout.tensors[fqn].dtype}"
             )
-        return location
+        return dataclasses.replace(location, what=f"tensor {fqn!r} in rank file {str(path)!r}")
 
     def non_tensor_state(self, stats: ReadStats) -> dict[str, bytes]:
-        from lightning_sink.reshard.reader import FileCache
-
         fds = FileCache()
         try:
             first = min(self.files)
@@ -246,12 +271,18 @@ def _rank_files_in(folder: Path) -> dict[int, Path]:
     return files
 
 
-def open_source(src_checkpoints_dir: str | os.PathLike, src_strategy_file: str | os.PathLike | None) -> Source:
-    """A DCP folder (``.metadata`` inside) or a folder of ``rank_{x}/`` subfolders."""
+def open_source(src_checkpoints_dir: str | os.PathLike, src_strategy_file: str | os.PathLike | None,
+                roles: Layout | None = None) -> Source:
+    """A DCP folder (``.metadata`` inside), a folder of ``rank_{x}/`` subfolders, or a one-device checkpoint file
+    (``roles``: a layout whose roles tell a Lightning checkpoint's buffers from its parameters, see one_device.py)."""
     folder = Path(src_checkpoints_dir)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"src_checkpoints_dir={str(folder)!r} is not a folder")
     layout_file = Path(src_strategy_file) if src_strategy_file is not None else None
+    if folder.is_file():
+        from lightning_sink.reshard.one_device import OneDeviceSource
+
+        return OneDeviceSource(folder, layout_file, roles)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"src_checkpoints_dir={str(folder)!r} is not a folder (nor a checkpoint file)")
     if (folder / DCP_METADATA_FILE).is_file():
         return DcpSource(folder, layout_file)
     files = _rank_files_in(folder)
@@ -271,11 +302,17 @@ def open_source(src_checkpoints_dir: str | os.PathLike, src_strategy_file: str |
     return source
 
 
-def source_from_files(checkpoint_files_map: Mapping[int, str | os.PathLike], src_strategy_file) -> Source:
-    """``transform_checkpoint_by_rank``'s map {source rank: file}: DCP ``.distcp`` files of one folder, or rank files."""
+def source_from_files(checkpoint_files_map: Mapping[int, str | os.PathLike], src_strategy_file,
+                      roles: Layout | None = None) -> Source:
+    """``transform_checkpoint_by_rank``'s map {source rank: file}: DCP ``.distcp`` files of one folder, rank files,
+    or {0: a one-device Lightning checkpoint file}."""
     files = {int(rank): Path(path) for rank, path in checkpoint_files_map.items()}
     if not files:
         raise ValueError("checkpoint_files_map is empty: map each needed source rank to its file")
+    if list(files) == [0] and files[0].is_file() and _is_lightning_file(files[0]):
+        from lightning_sink.reshard.one_device import OneDeviceSource
+
+        return OneDeviceSource(files[0], Path(src_strategy_file) if src_strategy_file is not None else None, roles)
     if all(path.suffix == ".distcp" for path in files.values()):
         folders = {path.parent for path in files.values()}
         if len(folders) != 1:
@@ -283,3 +320,15 @@ def source_from_files(checkpoint_files_map: Mapping[int, str | os.PathLike], src
         layout_file = Path(src_strategy_file) if src_strategy_file is not None else None
         return DcpSource(folders.pop(), layout_file, allowed=files)
     return RankFilesSource(files, Path(src_strategy_file) if src_strategy_file is not None else None, "checkpoint_files_map")
+
+
+def _is_lightning_file(path: Path) -> bool:
+    """A Lightning checkpoint (read on the meta device: its structure only)."""
+    from lightning_sink.reshard.one_device import is_lightning_checkpoint
+
+    fds = FileCache()
+    try:
+        loaded = locate_tensors(fds.fd(path), path, 0, os.path.getsize(path), f"checkpoint file {str(path)!r}", ReadStats())
+    finally:
+        fds.close()
+    return is_lightning_checkpoint(loaded)
