@@ -193,6 +193,7 @@ def mnist(args: argparse.Namespace) -> dict[str, Any]:
     data = DigitsDataModule(recipe_args.data_dir, batch_size=recipe_args.batch_size, seed=recipe_args.seed,
                             max_train_samples=recipe_args.max_train_samples, source="mnist")
     data.setup()
+    load_at_start = os.getloadavg()
 
     def fit_seconds(stock: bool) -> tuple[float, int]:
         pl.seed_everything(recipe_args.seed, verbose=False)  # as the example: same weights and data order
@@ -213,7 +214,8 @@ def mnist(args: argparse.Namespace) -> dict[str, Any]:
     if updates["stock_lightning"] != updates["lightning_sink"]:
         raise RuntimeError(f"the two trainers made different numbers of updates: {updates}")
     return {
-        "benchmark": "common_path_mnist", "machine": machine(args.threads), "load_average_at_start": os.getloadavg(),
+        "benchmark": "common_path_mnist", "machine": machine(args.threads), "load_average_at_start": load_at_start,
+        "load_average_at_end": os.getloadavg(),
         "recipe": f"examples/mnist_lenet_accumulation.py: LeNet-5, batch {recipe_args.batch_size}, N="
                   f"{recipe_args.accumulation_steps}, {recipe_args.epochs} epochs, {len(data.train_set)} samples",
         "updates": updates["stock_lightning"], "repeats": args.repeats,
