@@ -165,10 +165,11 @@ def micro_batches(args: argparse.Namespace) -> dict[str, Any]:
         "timed_micro_batches": steps, "repeats": args.repeats,
     }
     seconds = {model: {config: [] for config in CONFIGS} for model in MODELS}
-    for order in rotations(CONFIGS, args.repeats):
+    for repeat, order in enumerate(rotations(CONFIGS, args.repeats), 1):
         for model in MODELS:
             for config in order:
                 seconds[model][config].append(run(config, model, warmup, steps, sink))
+        print(f"repeat {repeat}/{args.repeats} done", file=sys.stderr, flush=True)
     for model in MODELS:
         times = seconds[model]
         result[model] = {
