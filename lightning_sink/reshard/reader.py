@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_sink._fs import open_nofollow
 from lightning_sink.reshard.plan import Box
 
 __all__ = ["ReadStats", "TensorLocation", "RangeFile", "locate_tensors", "copy_region", "FileCache"]
@@ -99,7 +100,7 @@ class FileCache:
 
     def fd(self, path: Path) -> int:
         if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
+            self._fds[path] = open_nofollow(path)  # a link planted as a source file is refused, not followed
         return self._fds[path]
 
     def close(self) -> None:

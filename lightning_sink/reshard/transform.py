@@ -7,6 +7,7 @@ the destination, with a manifest of SHA-256 digests written last, then renamed i
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import math
 import os
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lightning_sink._fs import DiskFullError, check_file_prefix, check_room_for, open_nofollow, remove_leftovers
 from lightning_sink.layout.io import load_layout, save_layout
 from lightning_sink.layout.schema import Layout
 from lightning_sink.layout.validation import torch_dtype
@@ -75,12 +77,6 @@ def _source_layout_arg(value: LayoutArg) -> Path | None:
     if isinstance(value, Layout):
         raise TypeError("src_strategy_file must be a path (or None to use the checkpoint's own layout), not a Layout")
     return None if value is None else Path(value)
-
-
-def _check_prefix(ckpt_prefix: str) -> None:
-    if not isinstance(ckpt_prefix, str) or any(c in ckpt_prefix for c in "/\\\x00") or ckpt_prefix in (".", ".."):
-        raise ValueError(f"ckpt_prefix={ckpt_prefix!r} must be a plain file-name prefix (no path separators)"
-                         " so that rank files stay inside the destination folder")
 
 
 def rank_list_for_transform(rank_id: int, src_strategy_file: str | os.PathLike, dst_strategy_file: LayoutArg) -> list[int]:
@@ -143,14 +139,41 @@ def _fill(plan: RankPlan, source: Source, out: StreamedRankFile, stats: ReadStat
 def _convert_rank(plan: RankPlan, source: Source, dst: Layout, out_path: Path, provenance: dict,
                   on_shard: Callable[[int], None] | None = None) -> tuple[str, int, ReadStats]:
     stats = ReadStats()
-    out = StreamedRankFile(out_path, _payload(plan, source, dst, stats, provenance))
-    try:
-        _fill(plan, source, out, stats, on_shard)
-    except BaseException:
-        out.close()
-        raise
-    digest, size = out.finish()
+    with _write_errors_in_words(out_path):
+        out = StreamedRankFile(out_path, _payload(plan, source, dst, stats, provenance))
+        try:
+            _fill(plan, source, out, stats, on_shard)
+        except BaseException:
+            out.close()
+            raise
+        digest, size = out.finish()
     return digest, size, stats
+
+
+@contextmanager
+def _write_errors_in_words(path: Path) -> Iterator[None]:
+    """A full disk or file-size limit met while writing ``path`` (torch.save reports it as a RuntimeError such as
+    "unexpected pos"): one DiskFullError naming the file, not a traceback from deep inside torch."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise
+        raise DiskFullError(f"could not write {str(path)!r}: {os.strerror(error.errno)}") from None
+    except RuntimeError as error:
+        message = str(error)
+        if "unexpected pos" not in message and "write" not in message.lower():
+            raise
+        raise DiskFullError(f"could not write {str(path)!r} (disk full or file-size limit?): {error}") from None
+
+
+def _check_room(plans: list[RankPlan], target: Layout, folder: Path) -> None:
+    """Refuse before writing when the rank files (at least their shards and layout) cannot fit."""
+    header = len(target.to_json())
+    sizes = [_shard_bytes(plan) + header for plan in plans]
+    check_room_for(folder, sum(sizes), max(sizes, default=0), "resharded checkpoint")
 
 
 def _provenance(source: Source, dst: Layout, ckpt_prefix: str) -> dict[str, Any]:
@@ -182,8 +205,9 @@ def worker_main(task: dict) -> int:
 
     try:
         result = _convert_task(task)
-    except (ValueError, FileNotFoundError, TypeError) as error:
-        print(json.dumps({"error": type(error).__name__, "message": str(error)}))
+    except (ValueError, FileNotFoundError, TypeError, OSError) as error:
+        kind = type(error).__name__ if isinstance(error, (ValueError, FileNotFoundError, TypeError)) else "OSError"
+        print(json.dumps({"error": kind, "message": str(error)}))
         return 1
     print(json.dumps({"result": result}))
     sys.stdout.flush()
@@ -207,10 +231,7 @@ def _convert_task(task: dict) -> dict:
 def _prepare_destination(dst: Path, provenance: dict, overwrite: bool) -> None:
     """Refuse a destination holding anything but this same conversion, unless ``overwrite``; clear leftovers of
     killed runs (staging and retired folders are never visible as the destination)."""
-    for leftover in dst.parent.glob(f".{dst.name}.staging-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
-    for leftover in dst.parent.glob(f".{dst.name}.old-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+    remove_leftovers(dst.parent, dst.name, ("staging", "old"))
     if not dst.exists():
         return
     if not dst.is_dir():
@@ -224,7 +245,8 @@ def _prepare_destination(dst: Path, provenance: dict, overwrite: bool) -> None:
     same = previous is not None and all(previous.get(k) == provenance[k] for k in ("source_fingerprint", "target_layout_sha256", "ckpt_prefix"))
     if not same:
         raise ValueError(f"dst_checkpoints_dir={str(dst)!r} already holds a different checkpoint (or other files);"
-                         " pass overwrite=True to replace it, or choose an empty folder")
+                         " pass overwrite=True (--overwrite on the command line) to replace it, or choose an empty"
+                         " folder")
 
 
 @contextmanager
@@ -237,7 +259,7 @@ def _exclusive(dst: Path) -> Iterator[None]:
     """
     path = dst.parent / f".{dst.name}.lock"
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)  # a planted link must not make us create its target
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -296,7 +318,7 @@ def transform_checkpoints(
         progress: called with (target bytes done, target bytes in all) as shards fill (in process) or as
             target ranks finish (workers).
     """
-    _check_prefix(ckpt_prefix)
+    check_file_prefix(ckpt_prefix, "ckpt_prefix")
     src_dir, dst = Path(src_checkpoints_dir).resolve(), Path(dst_checkpoints_dir).resolve()
     if dst == src_dir or src_dir in dst.parents or dst in src_dir.parents:
         raise ValueError(f"dst_checkpoints_dir={str(dst)!r} must not be, contain or lie inside src_checkpoints_dir={str(src_dir)!r}")
@@ -308,6 +330,7 @@ def transform_checkpoints(
     source.check_files(sorted({r for plan in plans for r in plan.source_ranks()}))
     provenance = _provenance(source, target, ckpt_prefix)
     dst.parent.mkdir(parents=True, exist_ok=True)
+    _check_room(plans, target, dst.parent)
     with _exclusive(dst):
         _prepare_destination(dst, provenance, overwrite)
         return _convert_all(plans, source, target, src_dir, src_strategy_file, dst, ckpt_prefix, provenance, workers,
@@ -398,13 +421,18 @@ def transform_checkpoint_by_rank(
                          f" (see rank_list_for_transform)")
     source.check_files(plan.source_ranks())
     out = Path(save_checkpoint_file_name)
+    if out.is_dir() or not out.name:
+        raise ValueError(f"save_checkpoint_file_name={str(out)!r} is a folder: name the rank file to write (e.g."
+                         f" {str(out / f'rank_{rank_id}' / f'checkpoint_{rank_id}.pt')!r})")
     provenance = _provenance(source, target, "")
     if out.exists() and not overwrite:
         header = read_rank_file_header(out) if out.is_file() else {}
         previous = header.get("provenance") or {}
         if header.get("rank") != rank_id or any(previous.get(k) != provenance[k] for k in ("source_fingerprint", "target_layout_sha256")):
-            raise ValueError(f"save_checkpoint_file_name={str(out)!r} already holds a different checkpoint; pass overwrite=True")
+            raise ValueError(f"save_checkpoint_file_name={str(out)!r} already holds a different checkpoint; pass"
+                             " overwrite=True (--overwrite on the command line)")
     out.parent.mkdir(parents=True, exist_ok=True)
+    _check_room([plan], target, out.parent)
     temp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
     sidecar = out.with_name(out.name + ".sha256")
     try:

@@ -42,7 +42,8 @@ def _run_one(task: dict) -> dict:
     lines = done.stdout.strip().splitlines()
     reply = json.loads(lines[-1]) if lines else {}
     if "error" in reply:
-        error_type = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "TypeError": TypeError}
+        error_type = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "TypeError": TypeError,
+                      "OSError": OSError}
         raise error_type.get(reply["error"], RuntimeError)(reply["message"])
     if done.returncode != 0 or "result" not in reply:
         raise WorkerError(f"worker for target rank {task['rank']} exited with status {done.returncode}: {done.stderr[-2000:]}")
