@@ -38,6 +38,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
+from lightning_sink._fs import check_file_prefix
 from lightning_sink.layout import load_layout
 from lightning_sink.reshard import ReshardReport, transform_checkpoints, verify_checkpoint
 from lightning_sink.strategies.atomic_dcp import save_dcp_atomically
@@ -48,6 +49,8 @@ __all__ = ["ReshardCheckpoint"]
 def _path(name: str, value: object) -> Path:
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name}={value!r} must be a path (str or os.PathLike).")
+    if not os.fspath(value):
+        raise ValueError(f"{name}={value!r} is empty: pass a path.")
     return Path(value)
 
 
@@ -76,12 +79,16 @@ class ReshardCheckpoint(Callback):
         self.dst_dir = _path("dst_dir", dst_dir)
         self.src_dir = _path("src_dir", src_dir) if src_dir is not None else self.dst_dir.with_name(
             f"{self.dst_dir.name}.source")
-        if not isinstance(ckpt_prefix, str) or not ckpt_prefix or any(c in ckpt_prefix for c in "/\\\x00"):
+        if not isinstance(ckpt_prefix, str) or not ckpt_prefix:
             raise ValueError(f"ckpt_prefix={ckpt_prefix!r} must be a non-empty file-name prefix without path separators.")
+        check_file_prefix(ckpt_prefix, "ckpt_prefix")
         if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers={workers!r} must be None (convert in rank 0's process) or an int >= 1.")
         if not isinstance(overwrite, bool):
             raise TypeError(f"overwrite={overwrite!r} must be a bool.")
+        if self.dst_dir.resolve() == Path.cwd().resolve() or not self.dst_dir.resolve().name:
+            raise ValueError(f"dst_dir={str(self.dst_dir)!r} is the working folder (or the root): the conversion"
+                             " replaces dst_dir as a whole; name a folder of its own.")
         src, dst = self.src_dir.resolve(), self.dst_dir.resolve()
         if src == dst or src in dst.parents or dst in src.parents:
             raise ValueError(f"src_dir={str(self.src_dir)!r} and dst_dir={str(self.dst_dir)!r} must not be or"

@@ -36,9 +36,11 @@ def _resolve(module: str | Callable[..., pl.LightningModule]) -> Callable[..., p
         return module
     module_path, _, name = module.rpartition(".")
     try:
-        factory = getattr(importlib.import_module(module_path), name) if module_path else None
+        factory = getattr(importlib.import_module(module_path), name, None) if module_path else None
     except ImportError as error:
         raise ValueError(f"module={module!r}: cannot import {module_path!r} ({error}).") from error
+    if module_path and factory is None:
+        raise ValueError(f"module={module!r}: {module_path!r} has no attribute {name!r}.")
     if factory is None:
         raise ValueError(f"module={module!r} is not valid: pass a class path like 'package.module.MyLightningModule'.")
     return factory
