@@ -26,13 +26,12 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
@@ -124,7 +123,7 @@ class ReshardCheckpoint(Callback):
         strategy = trainer.strategy
         src = Path(strategy.broadcast(str(self.src_dir)))
         if isinstance(strategy, ModelParallelStrategy):
-            trainer.save_checkpoint(src)  # every rank writes its shards; committed atomically with its layout
+            trainer.save_checkpoint(src, weights_only=False)  # every rank writes its shards, committed atomically
         else:
             _save_one_rank_dcp(trainer, pl_module, src)
         error = None
@@ -176,6 +175,39 @@ class _ProgressBar:
         self._bar.close()
 
 
+class _CaptureCheckpoint(CheckpointIO):
+    """Keeps the dict ``Trainer.save_checkpoint`` hands to the strategy's CheckpointIO instead of writing it: the
+    full checkpoint as the strategy completes it, with no file written and read back (unpickled) in between."""
+
+    def __init__(self) -> None:
+        self.checkpoint: dict[str, Any] | None = None
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        self.checkpoint = checkpoint
+
+    @override
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        raise NotImplementedError("only captures a checkpoint being saved")
+
+    @override
+    def remove_checkpoint(self, path: Any) -> None:
+        pass
+
+
+def _checkpoint_dict(trainer: pl.Trainer, target: Path) -> dict[str, Any]:
+    strategy = trainer.strategy
+    capture, original = _CaptureCheckpoint(), strategy.checkpoint_io
+    strategy.checkpoint_io = capture
+    try:
+        trainer.save_checkpoint(target, weights_only=False)  # (the full state: optimizers, callbacks, loops)
+    finally:
+        strategy.checkpoint_io = original
+    if capture.checkpoint is None:
+        raise RuntimeError(f"{type(strategy).__name__} did not hand its checkpoint to its CheckpointIO")
+    return capture.checkpoint
+
+
 def _save_one_rank_dcp(trainer: pl.Trainer, pl_module: pl.LightningModule, target: Path) -> None:
     """A one-device run's full state as the one-rank DCP folder a model-parallel run would write (module docstring).
 
@@ -185,10 +217,7 @@ def _save_one_rank_dcp(trainer: pl.Trainer, pl_module: pl.LightningModule, targe
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.meta-") as scratch:
-        full = Path(scratch) / "full.ckpt"
-        trainer.save_checkpoint(full)
-        metadata = torch.load(full, map_location="cpu", weights_only=False)  # (the file this run just wrote)
+    metadata = _checkpoint_dict(trainer, target)
     metadata.pop("state_dict", None)
     metadata.pop("optimizer_states", None)
     state: dict[str, Any] = {"state_dict": get_model_state_dict(pl_module)}

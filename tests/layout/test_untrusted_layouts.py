@@ -9,8 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from lightning_sink.layout import Chunk, Layout, MeshLayout, TensorLayout, load_layout, save_layout
-from lightning_sink.layout import validation
+from lightning_sink.layout import (
+    Chunk,
+    Layout,
+    MeshLayout,
+    TensorLayout,
+    load_layout,
+    save_layout,
+    validation,
+)
 
 
 def one_tensor_layout(chunks: list[Chunk], shape: tuple[int, ...], world_size: int) -> Layout:

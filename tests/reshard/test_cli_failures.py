@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_sink.layout import Chunk, Layout, MeshLayout, TensorLayout, layout_on_mesh, load_layout, save_layout
+from lightning_sink.layout import (
+    Chunk,
+    Layout,
+    MeshLayout,
+    TensorLayout,
+    layout_on_mesh,
+    load_layout,
+    save_layout,
+)
 from tests.conftest import clean_subprocess_env
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,7 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_sink.layout import Chunk, Layout, MeshLayout, TensorLayout, layout_on_mesh, load_layout, save_layout
+from lightning_sink.layout import (
+    Chunk,
+    Layout,
+    MeshLayout,
+    TensorLayout,
+    layout_on_mesh,
+    load_layout,
+    save_layout,
+)
 from lightning_sink.reshard import transform_checkpoints, verify_checkpoint
 from lightning_sink.strategies.resharded_load import rank_file
 
