@@ -76,6 +76,9 @@ class ReshardCheckpoint(Callback):
     ) -> None:
         self.dst_strategy_file = _path("dst_strategy_file", dst_strategy_file)
         self.dst_dir = _path("dst_dir", dst_dir)
+        if self.dst_dir.resolve() == Path.cwd().resolve() or not self.dst_dir.resolve().name:
+            raise ValueError(f"dst_dir={str(self.dst_dir)!r} is the working folder (or the root): the conversion"
+                             " replaces dst_dir as a whole; name a folder of its own.")
         self.src_dir = _path("src_dir", src_dir) if src_dir is not None else self.dst_dir.with_name(
             f"{self.dst_dir.name}.source")
         if not isinstance(ckpt_prefix, str) or not ckpt_prefix:
@@ -85,9 +88,6 @@ class ReshardCheckpoint(Callback):
             raise ValueError(f"workers={workers!r} must be None (convert in rank 0's process) or an int >= 1.")
         if not isinstance(overwrite, bool):
             raise TypeError(f"overwrite={overwrite!r} must be a bool.")
-        if self.dst_dir.resolve() == Path.cwd().resolve() or not self.dst_dir.resolve().name:
-            raise ValueError(f"dst_dir={str(self.dst_dir)!r} is the working folder (or the root): the conversion"
-                             " replaces dst_dir as a whole; name a folder of its own.")
         src, dst = self.src_dir.resolve(), self.dst_dir.resolve()
         if src == dst or src in dst.parents or dst in src.parents:
             raise ValueError(f"src_dir={str(self.src_dir)!r} and dst_dir={str(self.dst_dir)!r} must not be or"
