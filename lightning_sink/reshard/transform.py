@@ -11,6 +11,7 @@ import errno
 import fcntl
 import math
 import os
+import resource
 import shutil
 import time
 import uuid
@@ -139,8 +140,12 @@ def _fill(plan: RankPlan, source: Source, out: StreamedRankFile, stats: ReadStat
 def _convert_rank(plan: RankPlan, source: Source, dst: Layout, out_path: Path, provenance: dict,
                   on_shard: Callable[[int], None] | None = None) -> tuple[str, int, ReadStats]:
     stats = ReadStats()
+    payload = _payload(plan, source, dst, stats, provenance)
     with _write_errors_in_words(out_path):
-        out = StreamedRankFile(out_path, _payload(plan, source, dst, stats, provenance))
+        try:
+            out = StreamedRankFile(out_path, payload)
+        except RuntimeError as error:  # torch.save says a failed write so ("unexpected pos", "iostream error")
+            raise OSError(errno.EIO, f"torch.save could not write it ({error})") from None
         try:
             _fill(plan, source, out, stats, on_shard)
         except BaseException:
@@ -152,28 +157,37 @@ def _convert_rank(plan: RankPlan, source: Source, dst: Layout, out_path: Path, p
 
 @contextmanager
 def _write_errors_in_words(path: Path) -> Iterator[None]:
-    """A full disk or file-size limit met while writing ``path`` (torch.save reports it as a RuntimeError such as
-    "unexpected pos"): one DiskFullError naming the file, not a traceback from deep inside torch."""
+    """A write of ``path`` that fails (a full disk, the file-size limit, torch.save's own report of either) becomes
+    one OSError naming the file and, where it can be told, the reason in words."""
     try:
         yield
     except DiskFullError:
         raise
     except OSError as error:
-        if error.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            raise
-        raise DiskFullError(f"could not write {str(path)!r}: {os.strerror(error.errno)}") from None
-    except RuntimeError as error:
-        message = str(error)
-        if "unexpected pos" not in message and "write" not in message.lower():
-            raise
-        raise DiskFullError(f"could not write {str(path)!r} (disk full or file-size limit?): {error}") from None
+        if error.filename is not None and Path(error.filename) != path:
+            raise  # not this file's write (e.g. a source that vanished)
+        reason = _full_disk_reason(path, error)
+        raise (DiskFullError if reason else OSError)(f"could not write {str(path)!r}: {reason or error}") from None
 
 
-def _check_room(plans: list[RankPlan], target: Layout, folder: Path) -> None:
+def _full_disk_reason(path: Path, error: OSError) -> str | None:
+    if error.errno == errno.ENOSPC or error.errno == errno.EDQUOT:
+        return "the disk is full"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    written = path.stat().st_size if path.exists() else 0
+    if error.errno == errno.EFBIG or (limit != resource.RLIM_INFINITY and written >= limit):
+        return f"the file reached this process's file-size limit ({limit} bytes)"
+    stats = os.statvfs(path.parent)
+    if stats.f_bavail == 0:
+        return "the disk is full"
+    return None
+
+
+def _check_room(plans: list[RankPlan], target: Layout, output: Path) -> None:
     """Refuse before writing when the rank files (at least their shards and layout) cannot fit."""
     header = len(target.to_json())
     sizes = [_shard_bytes(plan) + header for plan in plans]
-    check_room_for(folder, sum(sizes), max(sizes, default=0), "resharded checkpoint")
+    check_room_for(output.parent, sum(sizes), max(sizes, default=0), f"resharded checkpoint {str(output)!r}")
 
 
 def _provenance(source: Source, dst: Layout, ckpt_prefix: str) -> dict[str, Any]:
@@ -330,7 +344,7 @@ def transform_checkpoints(
     source.check_files(sorted({r for plan in plans for r in plan.source_ranks()}))
     provenance = _provenance(source, target, ckpt_prefix)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    _check_room(plans, target, dst.parent)
+    _check_room(plans, target, dst)
     with _exclusive(dst):
         _prepare_destination(dst, provenance, overwrite)
         return _convert_all(plans, source, target, src_dir, src_strategy_file, dst, ckpt_prefix, provenance, workers,
@@ -432,7 +446,7 @@ def transform_checkpoint_by_rank(
             raise ValueError(f"save_checkpoint_file_name={str(out)!r} already holds a different checkpoint; pass"
                              " overwrite=True (--overwrite on the command line)")
     out.parent.mkdir(parents=True, exist_ok=True)
-    _check_room([plan], target, out.parent)
+    _check_room([plan], target, out)
     temp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
     sidecar = out.with_name(out.name + ".sha256")
     try:

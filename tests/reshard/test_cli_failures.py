@@ -95,7 +95,19 @@ def test_a_ten_to_the_eighteen_element_shape_is_one_error_line(tmp_path: Path):
 def test_a_full_disk_is_said_in_words_before_writing(source_3: Path, two_ranks_file: Path, tmp_path: Path, workers):
     """A file-size limit below a rank file's size: refused before any rank file is written, nothing left."""
     done = reshard(source_3, tmp_path / "out", two_ranks_file, *workers, file_size_limit=2048)
-    assert_one_error_line(done, "resharded checkpoint", "exceeds this process's file-size limit of 2048 bytes")
+    assert_one_error_line(done, "resharded checkpoint", "out'", "exceeds this process's file-size limit of 2048 bytes")
+    assert nothing_left(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_up_while_writing_is_one_error_line(source_3: Path, two_ranks_file: Path, tmp_path: Path):
+    """A file-size limit one byte below the largest rank file: whether the size check before writing catches it or
+    the write itself fails, the user reads one line in words, and the staging folder is gone."""
+    reference = tmp_path / "reference"
+    assert reshard(source_3, reference, two_ranks_file).returncode == 0
+    largest = max(path.stat().st_size for path in reference.glob("rank_*/*.pt"))
+    done = reshard(source_3, tmp_path / "out", two_ranks_file, file_size_limit=largest - 1)
+    assert_one_error_line(done, "file-size limit")
     assert nothing_left(tmp_path)
 
 
