@@ -16,13 +16,13 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import distribute_module
 
 from lightning_sink import SinkModelParallelStrategy
 from lightning_sink.layout.dcp_metadata import read_dcp_metadata
@@ -38,17 +38,30 @@ class PlantsAFolder:
         return os.mkdir, (self.path,)
 
 
+@pytest.fixture(autouse=True)
+def one_process_group():
+    """A real one-process gloo group and a 1-device mesh, so that parameters are DTensors as in a model-parallel run
+    (Lightning's loader accepts only such modules)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
 class Model(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.layer = torch.nn.Linear(3, 2)
+        distribute_module(self.layer, init_device_mesh("cpu", (1,)))  # replicated DTensor parameters
 
 
 def saved_folder(tmp_path: Path) -> tuple[Path, Model, torch.optim.Optimizer]:
     """A real DCP folder of a model and its Adam state, as SinkModelParallelStrategy saves one (no process group)."""
     model = Model()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
-    model.layer(torch.ones(1, 3)).sum().backward()
+    for parameter in model.parameters():
+        parameter.grad = torch.ones_like(parameter)
     optimizer.step()
     folder = tmp_path / "ckpt"
     with warnings.catch_warnings():
@@ -110,5 +123,6 @@ def test_an_untouched_folder_loads_with_no_weights_only_warning(tmp_path: Path):
         checkpoint = load(strategy_for(fresh, fresh_optimizer), folder)
     assert not [w for w in caught if "weights_only" in str(w.message)]
     assert checkpoint["global_step"] == 1
-    assert torch.equal(fresh.layer.weight, model.layer.weight)
-    assert torch.equal(fresh_optimizer.state_dict()["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(fresh.layer.weight.full_tensor(), model.layer.weight.full_tensor())
+    saved, loaded = optimizer.state_dict()["state"][0]["exp_avg"], fresh_optimizer.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(loaded.full_tensor(), saved.full_tensor())
