@@ -333,6 +333,8 @@ def transform_checkpoints(
             target ranks finish (workers).
     """
     check_file_prefix(ckpt_prefix, "ckpt_prefix")
+    if Path(dst_checkpoints_dir).is_symlink():  # the output replaces dst as a whole: never at a link's target
+        raise ValueError(f"dst_checkpoints_dir={str(dst_checkpoints_dir)!r} is a symbolic link; name the folder itself")
     src_dir, dst = Path(src_checkpoints_dir).resolve(), Path(dst_checkpoints_dir).resolve()
     if dst == src_dir or src_dir in dst.parents or dst in src_dir.parents:
         raise ValueError(f"dst_checkpoints_dir={str(dst)!r} must not be, contain or lie inside src_checkpoints_dir={str(src_dir)!r}")

@@ -109,6 +109,16 @@ def test_a_planted_lock_link_does_not_create_its_target(source: Path, two_ranks,
 
 
 @pytest.mark.slow
+def test_a_destination_that_is_a_link_is_refused(source_3: Path, two_ranks, tmp_path: Path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "out").symlink_to(elsewhere, target_is_directory=True)
+    with pytest.raises(ValueError, match=r"dst_checkpoints_dir=.*out' is a symbolic link"):
+        transform_checkpoints(source_3, tmp_path / "out", "ckpt_", None, two_ranks)
+    assert list(elsewhere.iterdir()) == [] and leftovers(tmp_path) == []
+
+
+@pytest.mark.slow
 def test_a_destination_named_with_glob_characters_leaves_other_leftovers_alone(source: Path, two_ranks,
                                                                               tmp_path: Path):
     """Converting into ``ckpt*`` clears only its own leftovers, not ``ckptA``'s (a glob would match them)."""
