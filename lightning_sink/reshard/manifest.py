@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_sink._fs import check_file_prefix, check_relative_name, inside, sha256_inside
+from lightning_sink._fs import check_file_prefix, check_relative_name, inside, read_inside, sha256_inside
 from lightning_sink.layout.bounded_json import loads_bounded
 from lightning_sink.layout.io import load_layout
 from lightning_sink.layout.schema import LAYOUT_FILE_NAME
@@ -56,7 +56,7 @@ def read_manifest(folder: Path) -> Manifest:
     path = folder / MANIFEST_FILE_NAME
     if not os.path.lexists(path):
         raise FileNotFoundError(f"{str(folder)!r} holds no {MANIFEST_FILE_NAME}: not a complete resharded checkpoint")
-    data = loads_bounded(inside(folder, MANIFEST_FILE_NAME, "resharded checkpoint").read_bytes(), f"manifest {str(path)!r}")
+    data = loads_bounded(read_inside(folder, MANIFEST_FILE_NAME, "resharded checkpoint"), f"manifest {str(path)!r}")
     if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
         raise ValueError(f"manifest {str(path)!r}: format is not {MANIFEST_FORMAT!r}")
     if data.get("version") != MANIFEST_VERSION:
@@ -105,10 +105,9 @@ def verify_checkpoint(folder: str | os.PathLike, *, deep: bool = True) -> Verify
         path = safe_relative_path(name, folder, f"manifest of {str(folder)!r}")
         if not os.path.lexists(path):
             raise FileNotFoundError(f"{str(path)!r} is listed in the manifest but missing")
-        size = inside(folder, name, f"manifest of {str(folder)!r}").stat().st_size
+        digest, size = sha256_inside(folder, name, f"manifest of {str(folder)!r}")  # (no symbolic link followed)
         if size != entry["bytes"]:
             raise ValueError(f"{str(path)!r} is {size} bytes, the manifest says {entry['bytes']}: truncated or replaced")
-        digest, _ = sha256_inside(folder, name, f"manifest of {str(folder)!r}")
         if digest != entry["sha256"]:
             raise ValueError(f"{str(path)!r}: SHA-256 differs from the manifest: the file is corrupt")
         total += size
