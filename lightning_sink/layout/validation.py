@@ -11,9 +11,10 @@ import torch
 from lightning_sink.layout.geometry import parse_placement
 from lightning_sink.layout.schema import TENSOR_ROLES, Chunk, Layout, MeshLayout, TensorLayout
 
-__all__ = ["MAX_DIMS", "MAX_TENSOR_BYTES", "validate_layout", "torch_dtype"]
+__all__ = ["MAX_DIMS", "MAX_TENSOR_BYTES", "MAX_WORLD_SIZE", "validate_layout", "torch_dtype"]
 
 MAX_DIMS = 64  # torch's own limit on a tensor's dims
+MAX_WORLD_SIZE = 2**24  # far beyond any job; bounds the per-rank loops a per-stage layout's stage count could inflate
 MAX_TENSOR_BYTES = 2**63 - 1  # a tensor's byte size is an int64 in torch
 
 
@@ -54,6 +55,8 @@ def _validate_world_size(layout: Layout, source: str) -> None:
         raise ValueError(f"{source}: world_size {layout.world_size} does not match the mesh of {mesh_size} ranks"
                          f" (expected {' or '.join(map(str, allowed))}"
                          f"{' for ' + str(stages) + ' pipeline stages' if stages > 1 else ''})")
+    if layout.world_size > MAX_WORLD_SIZE:
+        raise ValueError(f"{source}: world_size {layout.world_size} is beyond {MAX_WORLD_SIZE} ranks (one file each)")
 
 
 def _is_int(value: object) -> bool:

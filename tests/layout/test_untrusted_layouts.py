@@ -51,6 +51,9 @@ def test_a_per_stage_layout_may_count_every_stage(tmp_path: Path, valid: dict):
     valid["world_size"] = 6
     with pytest.raises(ValueError, match=r"world_size 6 does not match the mesh of 2 ranks \(expected 2 or 4 for 2"):
         load_layout(write(tmp_path, valid))
+    valid["world_size"], valid["pipeline"]["num_stages"] = 10**18, 5 * 10**17  # a stage count inflating the world
+    with pytest.raises(ValueError, match=r"world_size 1000000000000000000 is beyond 16777216 ranks"):
+        load_layout(write(tmp_path, valid))
 
 
 @pytest.mark.parametrize("tensors", [["w"], "w", 7, {"w": ["not", "an", "object"]}])
