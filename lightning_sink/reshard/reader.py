@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from lightning_sink._fs import open_nofollow
 from lightning_sink.reshard.integrity import PartCrc, RecordChecks, WholeCrc
 from lightning_sink.reshard.plan import Box
 
@@ -102,7 +103,7 @@ class FileCache:
 
     def fd(self, path: Path) -> int:
         if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
+            self._fds[path] = open_nofollow(path)  # a link planted as a source file is refused, not followed
         return self._fds[path]
 
     def close(self) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
+from lightning_sink._fs import inside, open_nofollow, read_inside
 from lightning_sink.layout.dcp_metadata import (
     DCP_METADATA_FILE,
     layout_from_dcp_metadata,
@@ -24,6 +26,7 @@ from lightning_sink.layout.dcp_metadata import (
 )
 from lightning_sink.layout.io import load_layout, resolve_layout_path
 from lightning_sink.layout.schema import LAYOUT_FILE_NAME, Chunk, Layout
+from lightning_sink.layout.validation import torch_dtype
 from lightning_sink.reshard.reader import FileCache, ReadStats, TensorLocation, locate_tensors
 from lightning_sink.reshard.writer import sha256_of_file
 
@@ -71,20 +74,30 @@ class DcpSource(Source):
     def __init__(self, folder: Path, layout_file: Path | None, allowed: Mapping[int, Path] | None = None):
         self.folder = folder
         self.metadata = read_dcp_metadata(folder)
-        declared_path = layout_file or (folder / LAYOUT_FILE_NAME if (folder / LAYOUT_FILE_NAME).is_file() else None)
+        declared_path = layout_file or _own_layout_file(folder)
         declared = load_layout(declared_path) if declared_path is not None else None
-        storage = layout_from_dcp_metadata(folder, world_size=declared.world_size if declared else None)
+        storage = layout_from_dcp_metadata(folder)
         if declared is not None:
-            _check_layout_matches_storage(declared, storage, str(resolve_layout_path(declared_path)), str(folder))
+            layout_name = str(resolve_layout_path(declared_path))
+            if declared.world_size < storage.world_size:
+                raise ValueError(f"layout file {layout_name!r} does not match DCP checkpoint {str(folder)!r}: the"
+                                 f" checkpoint was saved by {storage.world_size} ranks, the layout has world size"
+                                 f" {declared.world_size}")
+            storage = layout_from_dcp_metadata(folder, world_size=declared.world_size)
+            _check_layout_matches_storage(declared, storage, layout_name, str(folder))
         # A rank may have written several files (__{rank}_0.distcp, __{rank}_1.distcp, ...): keep them all.
         self.rank_files: dict[int, set[Path]] = {}
         for info in (self.metadata.storage_data or {}).values():
-            self.rank_files.setdefault(storage_rank(info.relative_path), set()).add(folder / info.relative_path)
+            self.rank_files.setdefault(storage_rank(info.relative_path), set()).add(self._file(info.relative_path))
         files = {rank: min(paths) for rank, paths in self.rank_files.items()}
         if allowed is not None:  # transform_checkpoint_by_rank: only the ranks in the map may be read
             files = {rank: path for rank, path in files.items() if rank in allowed}
         paths = {fqn: list(path) for fqn, path in (self.metadata.planner_data or {}).items()}
         super().__init__(f"DCP checkpoint {str(folder)!r}", storage, files, sha256_of_file(folder / DCP_METADATA_FILE), paths)
+
+    def _file(self, relative_path: str) -> Path:
+        """A storage file named by the metadata, inside the folder and reached without a symbolic link."""
+        return inside(self.folder, relative_path, f"DCP checkpoint {str(self.folder)!r}")
 
     def _info(self, fqn: str, chunk: Chunk):
         item = self.metadata.state_dict_metadata[fqn]
@@ -104,18 +117,25 @@ class DcpSource(Source):
                 continue
             for index, stored in enumerate(item.chunks):
                 info = self.metadata.storage_data[MetadataIndex(fqn, stored.offsets, index)]
-                rank, path = storage_rank(info.relative_path), self.folder / info.relative_path
+                rank, path = storage_rank(info.relative_path), self._file(info.relative_path)
                 if rank in ranks and os.path.getsize(path) < info.offset + info.length:
                     raise ValueError(
                         f"{self.description}: file {str(path)!r} is truncated: tensor {fqn!r} needs bytes up to"
                         f" {info.offset + info.length}, the file has {os.path.getsize(path)}"
+                    )
+                nbytes = math.prod(stored.sizes) * item.properties.dtype.itemsize
+                if rank in ranks and nbytes > info.length:  # refused before any buffer of that size is made
+                    raise ValueError(
+                        f"{self.description}: tensor {fqn!r} (chunk at {list(stored.offsets)}) claims"
+                        f" {list(stored.sizes)} {item.properties.dtype}, {nbytes} bytes, but its record in"
+                        f" {str(path)!r} holds {info.length}"
                     )
 
     def locate(self, chunk: Chunk, fqn: str, stats: ReadStats, fds) -> TensorLocation:
         info = self._info(fqn, chunk)
         if chunk.rank not in self.files:
             raise ValueError(f"{self.description}: source rank {chunk.rank} is not among the files given")
-        path = self.folder / info.relative_path
+        path = self._file(info.relative_path)
         what = f"tensor {fqn!r} (chunk at {list(chunk.offsets)}) in file {str(path)!r}"
         location = locate_tensors(fds.fd(path), path, info.offset, info.length, what, stats)
         if not isinstance(location, TensorLocation):
@@ -129,12 +149,14 @@ class DcpSource(Source):
             if not isinstance(item, BytesStorageMetadata):
                 continue
             info = self.metadata.storage_data[MetadataIndex(fqn)]
-            path = self.folder / info.relative_path
+            path = self._file(info.relative_path)
             if not path.is_file():
                 raise FileNotFoundError(f"{self.description}: file {str(path)!r} holding {fqn!r} is missing")
-            with open(path, "rb") as handle:
-                handle.seek(info.offset)
-                data = handle.read(info.length)
+            fd = open_nofollow(path)
+            try:
+                data = os.pread(fd, info.length, info.offset)
+            finally:
+                os.close(fd)
             if len(data) != info.length:
                 raise ValueError(f"{self.description}: file {str(path)!r} is truncated: {fqn!r} is cut short")
             stats.header_bytes_read += len(data)
@@ -142,8 +164,9 @@ class DcpSource(Source):
         return carried
 
     def extra_files(self) -> dict[str, bytes]:
-        meta = self.folder / LIGHTNING_META_FILE
-        return {LIGHTNING_META_FILE: meta.read_bytes()} if meta.is_file() else {}
+        if not os.path.lexists(self.folder / LIGHTNING_META_FILE):
+            return {}
+        return {LIGHTNING_META_FILE: read_inside(self.folder, LIGHTNING_META_FILE, self.description)}
 
 
 class RankFilesSource(Source):
@@ -207,6 +230,17 @@ class RankFilesSource(Source):
                 raise ValueError(f"rank file {str(path)!r} holds a {type(loaded).__name__}, not a dict of tensors")
         return self._located[rank]
 
+    def check_files(self, ranks: list[int]) -> None:
+        """Also: the chunks the layout gives a rank fit in its file (refused before any buffer of that size)."""
+        super().check_files(ranks)
+        for rank in ranks:
+            nbytes = sum(chunk.numel * torch_dtype(tensor.dtype).itemsize for tensor in self.layout.tensors.values()
+                         for chunk in tensor.chunks_of_rank(rank))
+            size = os.path.getsize(self.files[rank])
+            if nbytes > size:
+                raise ValueError(f"rank file {str(self.files[rank])!r}: the source layout gives rank {rank} {nbytes}"
+                                 f" bytes of tensors, the file holds only {size}")
+
     def locate(self, chunk: Chunk, fqn: str, stats: ReadStats, fds) -> TensorLocation:
         entries = self._entries(chunk.rank, stats, fds)
         location = entries["tensors"].get(fqn)
@@ -258,13 +292,22 @@ def _check_layout_matches_storage(declared: Layout, storage: Layout, layout_name
                 )
 
 
+def _own_layout_file(folder: Path) -> Path | None:
+    """The folder's ``layout.json`` if it has one (a symbolic link there is refused, not followed)."""
+    if not os.path.lexists(folder / LAYOUT_FILE_NAME):
+        return None
+    return inside(folder, LAYOUT_FILE_NAME, f"checkpoint folder {str(folder)!r}")
+
+
 def _rank_files_in(folder: Path) -> dict[int, Path]:
     files: dict[int, Path] = {}
     for child in sorted(folder.iterdir()):
         match = _RANK_DIR.match(child.name)
-        if not match or not child.is_dir():
+        if not match or not (child.is_dir() or child.is_symlink()):
             continue
-        candidates = sorted(p for p in child.iterdir() if p.is_file() and p.suffix in (".pt", ".ckpt", ".pth"))
+        inside(folder, child.name, f"rank-file checkpoint {str(folder)!r}")  # a linked rank folder is refused
+        candidates = sorted(inside(child, p.name, f"rank folder {str(child)!r}") for p in child.iterdir()
+                            if p.suffix in (".pt", ".ckpt", ".pth") and (p.is_file() or p.is_symlink()))
         if len(candidates) != 1:
             raise ValueError(f"{str(child)!r} must hold exactly one checkpoint file (*.pt/*.ckpt/*.pth), found {len(candidates)}")
         files[int(match.group(1))] = candidates[0]
@@ -291,8 +334,8 @@ def open_source(src_checkpoints_dir: str | os.PathLike, src_strategy_file: str |
             f"src_checkpoints_dir={str(folder)!r} is neither a DCP checkpoint (no .metadata) nor a folder of rank_<x>/"
             " checkpoint folders"
         )
-    if layout_file is None and (folder / LAYOUT_FILE_NAME).is_file():
-        layout_file = folder / LAYOUT_FILE_NAME
+    if layout_file is None:
+        layout_file = _own_layout_file(folder)
     source = RankFilesSource(files, layout_file, f"rank-file checkpoint {str(folder)!r}")
     expected = set(range(source.layout.world_size))
     if set(files) - expected:

@@ -7,9 +7,11 @@ the destination, with a manifest of SHA-256 digests written last, then renamed i
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import math
 import os
+import resource
 import shutil
 import time
 import uuid
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 
+from lightning_sink._fs import DiskFullError, check_file_prefix, check_room_for, open_nofollow, remove_leftovers
 from lightning_sink.layout.io import load_layout, save_layout
 from lightning_sink.layout.schema import Layout
 from lightning_sink.layout.validation import torch_dtype
@@ -79,12 +82,6 @@ def _source_layout_arg(value: LayoutArg) -> Path | None:
     if isinstance(value, Layout):
         raise TypeError("src_strategy_file must be a path (or None to use the checkpoint's own layout), not a Layout")
     return None if value is None else Path(value)
-
-
-def _check_prefix(ckpt_prefix: str) -> None:
-    if not isinstance(ckpt_prefix, str) or any(c in ckpt_prefix for c in "/\\\x00") or ckpt_prefix in (".", ".."):
-        raise ValueError(f"ckpt_prefix={ckpt_prefix!r} must be a plain file-name prefix (no path separators)"
-                         " so that rank files stay inside the destination folder")
 
 
 def rank_list_for_transform(rank_id: int, src_strategy_file: str | os.PathLike, dst_strategy_file: LayoutArg) -> list[int]:
@@ -149,14 +146,54 @@ def _convert_rank(plan: RankPlan, source: Source, dst: Layout, out_path: Path, p
                   checks: RecordChecks, on_shard: Callable[[int], None] | None = None) -> tuple[str, int, ReadStats]:
     """Write target rank ``plan.rank``'s file; the parts of records it read in part are left in ``checks``."""
     stats = ReadStats()
-    out = StreamedRankFile(out_path, _payload(plan, source, dst, stats, provenance))
-    try:
-        _fill(plan, source, out, stats, checks, on_shard)
-    except BaseException:
-        out.close()
-        raise
-    digest, size = out.finish()
+    payload = _payload(plan, source, dst, stats, provenance)
+    with _write_errors_in_words(out_path):
+        try:
+            out = StreamedRankFile(out_path, payload)
+        except RuntimeError as error:  # torch.save says a failed write so ("unexpected pos", "iostream error")
+            raise OSError(errno.EIO, f"torch.save could not write it ({error})") from None
+        try:
+            _fill(plan, source, out, stats, checks, on_shard)
+        except BaseException:
+            out.close()
+            raise
+        digest, size = out.finish()
     return digest, size, stats
+
+
+@contextmanager
+def _write_errors_in_words(path: Path) -> Iterator[None]:
+    """A write of ``path`` that fails (a full disk, the file-size limit, torch.save's own report of either) becomes
+    one OSError naming the file and, where it can be told, the reason in words."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except OSError as error:
+        if error.filename is not None and Path(error.filename) != path:
+            raise  # not this file's write (e.g. a source that vanished)
+        reason = _full_disk_reason(path, error)
+        raise (DiskFullError if reason else OSError)(f"could not write {str(path)!r}: {reason or error}") from None
+
+
+def _full_disk_reason(path: Path, error: OSError) -> str | None:
+    if error.errno == errno.ENOSPC or error.errno == errno.EDQUOT:
+        return "the disk is full"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    written = path.stat().st_size if path.exists() else 0
+    if error.errno == errno.EFBIG or (limit != resource.RLIM_INFINITY and written >= limit):
+        return f"the file reached this process's file-size limit ({limit} bytes)"
+    stats = os.statvfs(path.parent)
+    if stats.f_bavail == 0:
+        return "the disk is full"
+    return None
+
+
+def _check_room(plans: list[RankPlan], target: Layout, output: Path) -> None:
+    """Refuse before writing when the rank files (at least their shards and layout) cannot fit."""
+    header = len(target.to_json())
+    sizes = [_shard_bytes(plan) + header for plan in plans]
+    check_room_for(output.parent, sum(sizes), max(sizes, default=0), f"resharded checkpoint {str(output)!r}")
 
 
 def _provenance(source: Source, dst: Layout, ckpt_prefix: str) -> dict[str, Any]:
@@ -188,8 +225,9 @@ def worker_main(task: dict) -> int:
 
     try:
         result = _convert_task(task)
-    except (ValueError, FileNotFoundError, TypeError) as error:
-        print(json.dumps({"error": type(error).__name__, "message": str(error)}))
+    except (ValueError, FileNotFoundError, TypeError, OSError) as error:
+        kind = type(error).__name__ if isinstance(error, (ValueError, FileNotFoundError, TypeError)) else "OSError"
+        print(json.dumps({"error": kind, "message": str(error)}))
         return 1
     print(json.dumps({"result": result}))
     sys.stdout.flush()
@@ -215,10 +253,7 @@ def _convert_task(task: dict) -> dict:
 def _prepare_destination(dst: Path, provenance: dict, overwrite: bool) -> None:
     """Refuse a destination holding anything but this same conversion, unless ``overwrite``; clear leftovers of
     killed runs (staging and retired folders are never visible as the destination)."""
-    for leftover in dst.parent.glob(f".{dst.name}.staging-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
-    for leftover in dst.parent.glob(f".{dst.name}.old-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+    remove_leftovers(dst.parent, dst.name, ("staging", "old"))
     if not dst.exists():
         return
     if not dst.is_dir():
@@ -232,7 +267,8 @@ def _prepare_destination(dst: Path, provenance: dict, overwrite: bool) -> None:
     same = previous is not None and all(previous.get(k) == provenance[k] for k in ("source_fingerprint", "target_layout_sha256", "ckpt_prefix"))
     if not same:
         raise ValueError(f"dst_checkpoints_dir={str(dst)!r} already holds a different checkpoint (or other files);"
-                         " pass overwrite=True to replace it, or choose an empty folder")
+                         " pass overwrite=True (--overwrite on the command line) to replace it, or choose an empty"
+                         " folder")
 
 
 @contextmanager
@@ -245,7 +281,7 @@ def _exclusive(dst: Path) -> Iterator[None]:
     """
     path = dst.parent / f".{dst.name}.lock"
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)  # a planted link must not make us create its target
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -305,7 +341,9 @@ def transform_checkpoints(
         progress: called with (target bytes done, target bytes in all) as shards fill (in process) or as
             target ranks finish (workers).
     """
-    _check_prefix(ckpt_prefix)
+    check_file_prefix(ckpt_prefix, "ckpt_prefix")
+    if Path(dst_checkpoints_dir).is_symlink():  # the output replaces dst as a whole: never at a link's target
+        raise ValueError(f"dst_checkpoints_dir={str(dst_checkpoints_dir)!r} is a symbolic link; name the folder itself")
     src_dir, dst = Path(src_checkpoints_dir).resolve(), Path(dst_checkpoints_dir).resolve()
     if dst == src_dir or src_dir in dst.parents or dst in src_dir.parents:
         raise ValueError(f"dst_checkpoints_dir={str(dst)!r} must not be, contain or lie inside src_checkpoints_dir={str(src_dir)!r}")
@@ -318,6 +356,7 @@ def transform_checkpoints(
     source.check_files(sorted({r for plan in plans for r in plan.source_ranks()}))
     provenance = _provenance(source, target, ckpt_prefix)
     dst.parent.mkdir(parents=True, exist_ok=True)
+    _check_room(plans, target, dst)
     with _exclusive(dst):
         _prepare_destination(dst, provenance, overwrite)
         return _convert_all(plans, source, target, src_dir, src_strategy_file, dst, ckpt_prefix, provenance, workers,
@@ -419,13 +458,18 @@ def transform_checkpoint_by_rank(
                          f" (see rank_list_for_transform)")
     source.check_files(plan.source_ranks())
     out = Path(save_checkpoint_file_name)
+    if out.is_dir() or not out.name:
+        raise ValueError(f"save_checkpoint_file_name={str(out)!r} is a folder: name the rank file to write (e.g."
+                         f" {str(out / f'rank_{rank_id}' / f'checkpoint_{rank_id}.pt')!r})")
     provenance = _provenance(source, target, "")
     if out.exists() and not overwrite:
         header = read_rank_file_header(out) if out.is_file() else {}
         previous = header.get("provenance") or {}
         if header.get("rank") != rank_id or any(previous.get(k) != provenance[k] for k in ("source_fingerprint", "target_layout_sha256")):
-            raise ValueError(f"save_checkpoint_file_name={str(out)!r} already holds a different checkpoint; pass overwrite=True")
+            raise ValueError(f"save_checkpoint_file_name={str(out)!r} already holds a different checkpoint; pass"
+                             " overwrite=True (--overwrite on the command line)")
     out.parent.mkdir(parents=True, exist_ok=True)
+    _check_room([plan], target, out)
     temp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
     sidecar = out.with_name(out.name + ".sha256")
     try:

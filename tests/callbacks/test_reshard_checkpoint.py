@@ -105,6 +105,19 @@ def test_bad_arguments_are_named(tmp_path: Path, kwargs, error, match):
         ReshardCheckpoint(**arguments)
 
 
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"ckpt_prefix": ".."}, r"ckpt_prefix='\.\.' must be a plain file-name prefix"),
+    ({"ckpt_prefix": "."}, r"ckpt_prefix='\.' must be a plain file-name prefix"),
+    ({"dst_dir": ""}, r"dst_dir='' is empty"),
+    ({"dst_dir": "."}, r"dst_dir='\.' is the working folder"),
+    ({"dst_strategy_file": ""}, r"dst_strategy_file='' is empty"),
+])
+def test_arguments_that_would_fail_only_at_fit_end_are_refused_at_construction(tmp_path: Path, kwargs, match):
+    arguments = {"dst_strategy_file": tmp_path / "t.json", "dst_dir": tmp_path / "out", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        ReshardCheckpoint(**arguments)
+
+
 def test_source_inside_destination_is_refused(tmp_path: Path):
     with pytest.raises(ValueError, match="must not be or contain one another"):
         ReshardCheckpoint(tmp_path / "t.json", tmp_path / "out", src_dir=tmp_path / "out" / "src")
