@@ -196,11 +196,21 @@ class RankFilesSource(Source):
         raise ValueError(f"{description}: the rank files embed no layout; pass src_strategy_file")
 
     def check_files(self, ranks: list[int]) -> None:
-        """Also: this package's rank files carry no CRC-32s, so each is checked whole against the SHA-256 of its
-        manifest (or ``.sha256`` sidecar) before any of its bytes is copied."""
+        """Also, before any buffer is made or byte copied: the chunks the layout gives a rank fit in its file, and
+        this package's rank files (which carry no CRC-32s) match the SHA-256 of their manifest or ``.sha256``
+        sidecar."""
         super().check_files(ranks)
         for rank in ranks:
+            self._check_claimed_bytes(rank)
             self._check_digest(self.files[rank])
+
+    def _check_claimed_bytes(self, rank: int) -> None:
+        nbytes = sum(chunk.numel * torch_dtype(tensor.dtype).itemsize for tensor in self.layout.tensors.values()
+                     for chunk in tensor.chunks_of_rank(rank))
+        size = os.path.getsize(self.files[rank])
+        if nbytes > size:
+            raise ValueError(f"rank file {str(self.files[rank])!r}: the source layout gives rank {rank} {nbytes}"
+                             f" bytes of tensors, the file holds only {size}")
 
     def _check_digest(self, path: Path) -> None:
         from lightning_sink.reshard.loading import expected_digest, read_rank_file_header
@@ -229,17 +239,6 @@ class RankFilesSource(Source):
             else:
                 raise ValueError(f"rank file {str(path)!r} holds a {type(loaded).__name__}, not a dict of tensors")
         return self._located[rank]
-
-    def check_files(self, ranks: list[int]) -> None:
-        """Also: the chunks the layout gives a rank fit in its file (refused before any buffer of that size)."""
-        super().check_files(ranks)
-        for rank in ranks:
-            nbytes = sum(chunk.numel * torch_dtype(tensor.dtype).itemsize for tensor in self.layout.tensors.values()
-                         for chunk in tensor.chunks_of_rank(rank))
-            size = os.path.getsize(self.files[rank])
-            if nbytes > size:
-                raise ValueError(f"rank file {str(self.files[rank])!r}: the source layout gives rank {rank} {nbytes}"
-                                 f" bytes of tensors, the file holds only {size}")
 
     def locate(self, chunk: Chunk, fqn: str, stats: ReadStats, fds) -> TensorLocation:
         entries = self._entries(chunk.rank, stats, fds)

@@ -95,7 +95,7 @@ def test_a_crafted_dcp_metadata_file_runs_no_code(tmp_path: Path):
 
 
 def test_a_crafted_non_tensor_value_runs_no_code(tmp_path: Path):
-    folder, model, optimizer = saved_folder(tmp_path)
+    folder, _model, _optimizer = saved_folder(tmp_path)
     marker = tmp_path / "code_ran"
     metadata = read_dcp_metadata(folder)
     fqn = next(fqn for fqn, item in metadata.state_dict_metadata.items()
