@@ -95,8 +95,8 @@ def _loss_of(output: STEP_OUTPUT) -> Tensor | None:
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if not isinstance(loss, Tensor):
         raise ValueError(
-            "training_step must return the loss tensor, a dict with a 'loss' tensor, or None (skip the micro-batch);"
-            f" it returned {type(output).__name__}."
+            "training_step must return the loss tensor or a dict with a 'loss' tensor (or None to skip the"
+            f" micro-batch) when a lightning-sink strategy accumulates; it returned {type(output).__name__}."
         )
     return loss
 
@@ -391,6 +391,7 @@ class StepEngineMixin:
             output = self._forward(*args, **kwargs)
         else:
             output = self.accumulate_step(*args, **kwargs)
+        _loss_of(output)  # a clear error for an output without a loss, before Lightning's closure reads it
         self._data_position.advance()
         if compat.is_last_batch_of_epoch(self._trainer):  # (the sink loop keeps its own position)
             self._data_position.end_pass()  # a resume after this point starts a fresh pass
