@@ -8,9 +8,11 @@ micro-batches that returned a loss, sinks) the reference is a plain PyTorch loop
 from __future__ import annotations
 
 import copy
+import inspect
 import warnings
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
@@ -61,6 +63,12 @@ def loop_state(trainer) -> dict[str, Any]:
     state = trainer.fit_loop.state_dict()
     return {"optimizer": state["epoch_loop.automatic_optimization.optim_progress"],
             "schedulers": state["epoch_loop.scheduler_progress"]}
+
+
+def update_totals(trainer) -> dict[str, Any]:
+    """The run's total zero-grad and step counts (a sink run has other epochs, so only totals compare)."""
+    progress = loop_state(trainer)["optimizer"]["optimizer"]
+    return {name: counters["total"] for name, counters in progress.items()}
 
 
 # ---------------------------------------------------------------------------------------------- 1. None skips
@@ -322,3 +330,110 @@ def test_gradient_accumulation_scheduler_is_honoured():
 def test_explicit_accumulation_steps_and_a_scheduler_is_a_clear_error():
     with pytest.raises(ValueError, match=r"accumulation_steps=2\) and a GradientAccumulationScheduler"):
         fit(TinyClassifier(), SinkStrategy(accumulation_steps=2), callbacks=[GradientAccumulationScheduler({0: 2})])
+
+
+# ---------------------------------------------------------------------------------------------- 9. hook order
+_MODULE_HOOKS = sorted(
+    name for name, value in {**vars(pl.core.hooks.ModelHooks), **vars(pl.LightningModule)}.items()
+    if inspect.isfunction(value) and (name.startswith("on_") or name in (
+        "training_step", "validation_step", "optimizer_step", "optimizer_zero_grad", "backward",
+        "configure_gradient_clipping", "lr_scheduler_step", "setup", "teardown", "configure_model",
+        "transfer_batch_to_device"))
+)
+_CALLBACK_HOOKS = sorted(name for name, value in vars(Callback).items()
+                         if inspect.isfunction(value) and (name.startswith("on_") or name in ("setup", "teardown")))
+
+
+def recording(cls: type, calls: list[str]) -> type:
+    """A subclass of the LightningModule ``cls`` that appends ``m.<hook>`` to ``calls`` for every hook."""
+    def wrap(name: str):
+        def hook(self, *args, **kwargs):
+            calls.append(f"m.{name}")
+            return getattr(super(recorded, self), name)(*args, **kwargs)
+        return hook
+
+    recorded = type(f"Recording{cls.__name__}", (cls,), {name: wrap(name) for name in _MODULE_HOOKS})
+    return recorded
+
+
+class RecordingCallback(Callback):
+    def __init__(self, calls: list[str]):
+        self.calls = calls
+
+    def __getattribute__(self, name):
+        if name in _CALLBACK_HOOKS:
+            calls = object.__getattribute__(self, "calls")
+            return lambda *args, **kwargs: calls.append(f"cb.{name}")
+        return object.__getattribute__(self, name)
+
+
+class WithValidation(TinyClassifier):
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", F.cross_entropy(self(batch[0]), batch[1]))
+
+
+def recorded_fit(strategy: Any, **kwargs) -> tuple[list[str], Any, Any]:
+    calls: list[str] = []
+    module = recording(WithValidation, calls)(lr=0.05, step_lr_gamma=0.9)
+    kwargs.setdefault("limit_val_batches", 2)
+    trainer = quiet_trainer(strategy=strategy, callbacks=[RecordingCallback(calls)], **kwargs)
+    data = loader(make_dataset(num_samples=32), MICRO)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, data, loader(make_dataset(num_samples=8, seed=1), MICRO))
+    return calls, module, trainer
+
+
+def test_hook_sequence_of_a_fit_is_stocks():
+    stock_calls, stock, stock_trainer = recorded_fit("auto", accumulate_grad_batches=2, max_epochs=2)
+    sink_calls, sink, sink_trainer = recorded_fit(SinkStrategy(accumulation_steps=2), max_epochs=2)
+    assert "m.optimizer_zero_grad" in stock_calls and "m.on_validation_model_zero_grad" in stock_calls
+    assert sink_calls == stock_calls
+    assert relative_error(flat_params(sink), flat_params(stock)) <= 1e-6
+    assert loop_state(sink_trainer) == loop_state(stock_trainer)
+
+
+_STEP_HOOKS = {"training_step", "on_before_zero_grad", "optimizer_zero_grad", "on_before_backward", "backward",
+               "on_after_backward", "optimizer_step", "on_before_optimizer_step", "configure_gradient_clipping",
+               "lr_scheduler_step"}
+
+
+def _per_batch(calls: list[str]) -> list[list[str]]:
+    """The step hooks each training batch ran, between its on_train_batch_start and on_train_batch_end."""
+    batches, inside = [], None
+    for call in calls:
+        if call == "m.on_train_batch_start":
+            inside = []
+        elif call == "cb.on_train_batch_end":
+            batches.append(inside)
+            inside = None
+        elif inside is not None and call.split(".", 1)[1] in _STEP_HOOKS:
+            inside.append(call)
+    return batches
+
+
+def test_sink_hook_rule_batch_hooks_per_sink_step_hooks_per_micro_batch_and_update():
+    """A sink of K micro-batches is one Lightning batch (its batch hooks run once), and inside it the step hooks
+    run exactly as stock Lightning runs them for those K batches: zero-grad hooks at each window's first
+    micro-batch, backward hooks per micro-batch, optimizer_step (around the window's last micro-batch),
+    on_before_optimizer_step and the step LR schedulers per update."""
+    stock_calls, stock, stock_trainer = recorded_fit("auto", accumulate_grad_batches=2, max_epochs=1,
+                                                     limit_val_batches=0)
+    sink_calls, sink, sink_trainer = recorded_fit(SinkStrategy(accumulation_steps=2, sink_size=4), max_epochs=2,
+                                                  limit_val_batches=0)
+    stock_batches, sink_batches = _per_batch(stock_calls), _per_batch(sink_calls)
+    assert len(stock_batches) == 8 and len(sink_batches) == 2
+    assert sink_batches == [sum(stock_batches[:4], []), sum(stock_batches[4:], [])]
+    assert sink_calls.count("m.on_train_batch_start") == sink_calls.count("cb.on_train_batch_end") == 2
+    assert relative_error(flat_params(sink), flat_params(stock)) <= 1e-6
+    assert sink_trainer.global_step == stock_trainer.global_step == 4
+    assert update_totals(sink_trainer) == update_totals(stock_trainer)
+
+
+def test_sink_without_hook_overrides_counts_zero_grads_and_steps_as_stock():
+    stock, sink = twins(lr=0.05)
+    stock_trainer = fit(stock, accumulate_grad_batches=2)
+    sink_trainer = fit(sink, SinkStrategy(accumulation_steps=2, sink_size=4), epochs=2)
+    assert sink_trainer.strategy._hooks.direct_sink_step  # the fast path, no hook dispatch
+    assert update_totals(sink_trainer) == update_totals(stock_trainer)
+    assert relative_error(flat_params(sink), flat_params(stock)) <= 1e-6
