@@ -26,7 +26,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
@@ -38,52 +37,43 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_sink import _lightning_compat as compat
-from lightning_sink.accumulation import (PARTIAL_WINDOW_MODES, GradientAccumulator, MicroStep, SingleStepGradients,
-                                         plan_micro_step, unique_trainable)
+from lightning_sink.accumulation import (
+    GradientAccumulator,
+    MicroStep,
+    SingleStepGradients,
+    plan_micro_step,
+    unique_trainable,
+)
 from lightning_sink.data import DataPosition, ResumableLoader
 from lightning_sink.device_prefetch import CudaBatchCopier
 from lightning_sink.loss_scale import DynamicLossScale
 from lightning_sink.precision import LossScalePrecision
 from lightning_sink.sink_data import PASS_END, MicroBatchStream, SinkLoader
-from lightning_sink.strategies.graph_modes import check_graph_mode_device, step_function, validate_graph_mode
+from lightning_sink.strategies.checkpoint_state import (
+    CHECKPOINT_KEY,
+    WindowCheckpointMixin,
+)
+from lightning_sink.strategies.graph_modes import (
+    check_graph_mode_device,
+    step_function,
+    validate_graph_mode,
+)
 from lightning_sink.strategies.hooks import HookPlan
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
-from lightning_sink.strategies.step_triggers import ignore_one_batch_per_epoch_warning, warn_about_unaligned_step_triggers
-from lightning_sink.window import GradientStore, NoReduction, Reducer, finish_window
+from lightning_sink.strategies.step_triggers import (
+    ignore_one_batch_per_epoch_warning,
+    warn_about_unaligned_step_triggers,
+)
+from lightning_sink.strategies.window_args import validate_accumulation_args
+from lightning_sink.window import (
+    GradientStore,
+    NoGradients,
+    NoReduction,
+    Reducer,
+    finish_window,
+)
 
 __all__ = ["StepEngineMixin", "CHECKPOINT_KEY", "validate_accumulation_args"]
-
-CHECKPOINT_KEY = "lightning_sink"
-_STATE_VERSION = 1
-
-
-def validate_accumulation_args(
-    accumulation_steps: int | None, partial_window: str, sink_size: int | None = None,
-    prefetch_depth: int | None = None,
-) -> None:
-    if accumulation_steps is not None and (
-        isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1
-    ):
-        raise ValueError(
-            f"accumulation_steps={accumulation_steps!r} is not valid: pass an int >= 1 (micro-batches per optimizer"
-            " update), or None to take Trainer(accumulate_grad_batches=...)."
-        )
-    if sink_size is not None and (isinstance(sink_size, bool) or not isinstance(sink_size, int)
-                                  or sink_size == 0 or sink_size < -1):
-        raise ValueError(
-            f"sink_size={sink_size!r} is not valid: pass an int >= 1 (micro-batches per sink), -1 (one data pass per"
-            " sink), or None (no sinking: one Lightning batch per micro-batch)."
-        )
-    if prefetch_depth is not None and (isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int)
-                                       or prefetch_depth < 0):
-        raise ValueError(
-            f"prefetch_depth={prefetch_depth!r} is not valid: pass an int >= 1 (batches a background thread reads"
-            " ahead), 0 (read in the training thread) or None (2 on CUDA, 0 on CPU)."
-        )
-    if partial_window not in PARTIAL_WINDOW_MODES:
-        raise ValueError(
-            f"partial_window={partial_window!r} is not valid: choose one of {', '.join(map(repr, PARTIAL_WINDOW_MODES))}."
-        )
 
 
 def _loss_of(output: STEP_OUTPUT) -> Tensor | None:
@@ -116,7 +106,7 @@ def _needs_closure(optimizer: Optimizer) -> bool:
     return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
-class StepEngineMixin:
+class StepEngineMixin(WindowCheckpointMixin):
     """Mixed into a Lightning ``Strategy`` subclass; the subclass chooses the gradient store and the reducer
     (``_make_store`` and ``_make_reducer``)."""
 
@@ -340,7 +330,7 @@ class StepEngineMixin:
             for param in params:
                 param.grad = None  # the old store's views; the new window starts from zero
         self._store_params = key
-        self._accumulator = self._make_store(params) if key else _NoGradients()
+        self._accumulator = self._make_store(params) if key else NoGradients()
 
     def _close_stream(self) -> None:
         if self._stream is not None:
@@ -614,10 +604,11 @@ class StepEngineMixin:
 
     def _sink_micro_step_direct(self, batch: Any, batch_idx: int) -> Tensor | None:
         """The same micro-step when nobody overrides its hooks: no dispatch, no closure object."""
-        store = self._accumulator
         if self._sink_window_batches == 0:
-            store.zero_grad()  # what the default optimizer_zero_grad (set_to_none=True) leaves for the backward
+            self._refresh_store()  # parameters unfrozen or param groups added since the last window
+            self._accumulator.zero_grad()  # what the default optimizer_zero_grad (set_to_none=True) leaves
             compat.count_zero_grad(self._trainer)
+        store = self._accumulator
         self._sink_window_batches += 1
         ends = self._sink_window_batches == self.accumulation_steps
         output = self._forward(*self._step_args(batch, batch_idx))
@@ -637,109 +628,3 @@ class StepEngineMixin:
         if self._hooks.direct_transfer:
             return move_data_to_device(batch, self.root_device)  # type: ignore[attr-defined]
         return self.batch_to_device(batch)  # type: ignore[attr-defined]  # the module's transfer hooks
-
-    # ------------------------------------------------------------------ checkpoint state
-    def _window_state(self) -> dict[str, Any] | None:
-        if self._accumulator is None:
-            return None
-        state = self._accumulator.state_dict()
-        buffer = state.pop("buffer")
-        # Each rank's partial sum differs; keep all of them so a resume is bit-identical.
-        state["buffers"] = self._gather_buffers(buffer) if buffer is not None else None
-        state["world_size"] = self.world_size
-        return state
-
-    def _gather_buffers(self, buffer: Tensor) -> list[Tensor]:
-        if self.world_size == 1:
-            return [buffer]
-        gathered = [torch.empty_like(buffer) for _ in range(self.world_size)]
-        dist.all_gather(gathered, buffer)
-        return gathered
-
-    def _load_window_state(self, state: dict[str, Any]) -> None:
-        window = state.get("window")
-        if window is None:
-            return
-        assert self._accumulator is not None
-        buffers = window["buffers"]
-        if buffers is not None and len(buffers) != self.world_size:
-            raise ValueError(
-                f"The checkpoint was saved inside an accumulation window by {len(buffers)} ranks; resume it with"
-                f" {len(buffers)} ranks (now {self.world_size}), or from a checkpoint saved at a window boundary."
-            )
-        rank = getattr(self, "global_rank", 0)
-        buffer = buffers[rank] if buffers is not None else None
-        self._accumulator.load_state_dict({"micro_steps": window["micro_steps"], "buffer": buffer})
-        if self.sink_size is not None:
-            self._sink_window_batches = int(window["micro_steps"])
-
-    def sink_state_dict(self) -> dict[str, Any]:
-        """Everything the strategy needs to resume exactly: window buffers, micro-step index, data position."""
-        return {
-            "version": _STATE_VERSION,
-            "accumulation_steps": self.accumulation_steps,
-            "window": self._window_state(),
-            "data": self._data_position.state_dict(),
-        }
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        # Called on every rank by Trainer.save_checkpoint, so the gather above is safe.
-        checkpoint[CHECKPOINT_KEY] = self.sink_state_dict()
-        super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
-
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
-        self._restore_sink_state(checkpoint, checkpoint_path)
-        return checkpoint
-
-    def _restore_sink_state(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
-        """Take this package's state from a loaded checkpoint (also called for resharded checkpoints)."""
-        state = checkpoint.get(CHECKPOINT_KEY)
-        if state is not None:
-            if state.get("version") != _STATE_VERSION:
-                raise ValueError(
-                    f"{checkpoint_path}: '{CHECKPOINT_KEY}' state has version {state.get('version')!r}; this"
-                    f" lightning-sink reads version {_STATE_VERSION}."
-                )
-            # The data position must be known before Lightning first iterates the loader; the window buffers
-            # are applied in on_train_start, once they exist.
-            self._data_position.load_state_dict(state["data"])
-            self._pending_state = state
-
-
-class _NoGradients:
-    """The store while the optimizer holds no trainable parameter (all frozen, or ``configure_optimizers``
-    returned ``None``): micro-steps are counted, the update is the optimizer's own (a no-op without gradients)."""
-
-    flat = None
-    follows_zero_grad = True
-
-    def __init__(self) -> None:
-        self.micro_steps = 0
-
-    def begin_micro_step(self, window_ends: bool = False) -> None:
-        pass
-
-    def end_micro_step(self) -> None:
-        self.micro_steps += 1
-
-    def zero_grad(self) -> None:
-        pass
-
-    def unscale(self, scaling: Any, divisor: float) -> Tensor | None:
-        return None
-
-    def write_gradients(self) -> None:
-        pass
-
-    def end_window(self) -> None:
-        self.micro_steps = 0
-
-    def clear(self) -> None:
-        self.micro_steps = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"micro_steps": 0, "buffer": None}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.micro_steps = 0

@@ -3,6 +3,11 @@ that ends it (``finish_window``). The strategies only choose a store and a reduc
 
 from lightning_sink.window.finish import finish_window
 from lightning_sink.window.protocols import GradientStore, Reducer
-from lightning_sink.window.reducers import FlatAllReduce, NoReduction, OverflowFlagAllReduce
+from lightning_sink.window.reducers import (
+    FlatAllReduce,
+    NoReduction,
+    OverflowFlagAllReduce,
+)
+from lightning_sink.window.stores import NoGradients
 
-__all__ = ["GradientStore", "Reducer", "NoReduction", "FlatAllReduce", "OverflowFlagAllReduce", "finish_window"]
+__all__ = ["GradientStore", "Reducer", "NoGradients", "NoReduction", "FlatAllReduce", "OverflowFlagAllReduce", "finish_window"]
