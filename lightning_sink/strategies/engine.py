@@ -91,12 +91,6 @@ def _loss_of(output: STEP_OUTPUT) -> Tensor | None:
     return loss
 
 
-def _detached(output: STEP_OUTPUT) -> STEP_OUTPUT:
-    if type(output) is not Tensor and isinstance(output, Mapping):
-        return {key: value.detach() if isinstance(value, Tensor) else value for key, value in output.items()}
-    return output.detach()
-
-
 def _needs_closure(optimizer: Optimizer) -> bool:
     """Whether ``optimizer.step`` requires a closure that re-evaluates the loss (``torch.optim.LBFGS``, ...)."""
     try:
@@ -395,9 +389,17 @@ class StepEngineMixin(WindowCheckpointMixin):
         skip_backward = self._window_already_overflowed()
         self._skip_backward_now = skip_backward
         if not self._needs_step_context and not skip_backward and torch.is_grad_enabled():
-            return self._step_function(*args, **kwargs)  # nothing to enter: the contexts cost a few us a step
-        with self.precision_plugin.train_step_context(), torch.set_grad_enabled(not skip_backward):
-            return self._step_function(*args, **kwargs)
+            output = self._step_function(*args, **kwargs)  # nothing to enter: the contexts cost a few us a step
+        else:
+            with self.precision_plugin.train_step_context(), torch.set_grad_enabled(not skip_backward):
+                output = self._step_function(*args, **kwargs)
+        if output is None and self.world_size > 1:
+            # Lightning's own rule (its loop raises the same): the ranks' reductions would no longer pair up
+            raise RuntimeError(
+                "Skipping the `training_step` by returning None in distributed training is not supported: every"
+                " rank must contribute to each window's gradient reduction."
+            )
+        return output
 
     @contextmanager
     def block_backward_sync(self) -> Any:
