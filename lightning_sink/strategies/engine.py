@@ -251,6 +251,7 @@ class StepEngineMixin(WindowCheckpointMixin):
         self._needs_step_context = self._plugin_has_step_context()
         self._hooks = HookPlan.for_run(trainer)
         self._reducer = self._make_reducer()
+        self._accumulator, self._sink_window_batches = None, 0  # a fresh window for this fit
         self._refresh_store()
         check_graph_mode_device(self.graph_mode, self.root_device)  # type: ignore[attr-defined]
         self._step_function = step_function(self.lightning_module.training_step, self.graph_mode)
