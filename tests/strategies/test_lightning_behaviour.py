@@ -438,3 +438,13 @@ def test_sink_without_hook_overrides_counts_zero_grads_and_steps_as_stock():
     assert sink_trainer.strategy._hooks.direct_sink_step  # the fast path, no hook dispatch
     assert update_totals(sink_trainer) == update_totals(stock_trainer)
     assert relative_error(flat_params(sink), flat_params(stock)) <= 1e-6
+
+
+# ---------------------------------------------------------------------------------------------- graph_mode everywhere
+def test_graph_mode_is_an_argument_of_every_sink_strategy():
+    from lightning_sink import SinkDDPStrategy, SinkModelParallelStrategy
+
+    for strategy in (SinkStrategy, SinkDDPStrategy, SinkModelParallelStrategy):
+        assert strategy(graph_mode="compile").graph_mode == "compile"
+        with pytest.raises(ValueError, match=r"graph_mode='fast' is not valid: choose one of 'eager', 'compile'"):
+            strategy(graph_mode="fast")
