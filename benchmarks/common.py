@@ -1,13 +1,42 @@
-"""Pieces the benchmarks share: a classifier LightningModule around any net, and a quiet CPU Trainer."""
+"""Pieces the benchmarks share: the two small nets and their random data, a classifier LightningModule around any
+net, quiet and default CPU Trainers, and a callback timing optimizer steps."""
 
 from __future__ import annotations
 
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from lenet import LeNet5
+
+MODELS = ("tiny_mlp", "lenet5")
+
+
+def make_model(name: str) -> nn.Module:
+    """``"tiny_mlp"``: 64-64-10; ``"lenet5"``: LeNet-5 on 1x32x32. Seeded, so every configuration starts alike."""
+    torch.manual_seed(0)
+    if name == "tiny_mlp":
+        return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    return LeNet5()
+
+
+def make_loader(name: str, batch_size: int = 32, batches: int = 512) -> DataLoader:
+    """Random inputs for ``make_model(name)`` and labels in memory, shuffled, ``batches`` whole batches an epoch."""
+    shape = (64,) if name == "tiny_mlp" else (1, 32, 32)
+    samples = batch_size * batches
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(samples, *shape, generator=generator),
+                         torch.randint(0, 10, (samples,), generator=generator))
+    return DataLoader(data, batch_size=batch_size, shuffle=True, drop_last=True)
 
 
 class NetClassifier(pl.LightningModule):
@@ -39,3 +68,20 @@ def default_trainer(root_dir: str, **kwargs: Any) -> pl.Trainer:
     """A Trainer as a user gets it by default (TensorBoard logger, progress bar), minus checkpoint files."""
     return pl.Trainer(**{"default_root_dir": root_dir, "enable_checkpointing": False, "enable_model_summary": False,
                          "num_sanity_val_steps": 0, **kwargs})
+
+
+class StepTimer(pl.Callback):
+    """Wall time and optimizer steps from the first Lightning batch that starts at ``global_step >= warmup_steps``
+    to the end of training (a sink is one Lightning batch, so sink runs are timed from a sink boundary)."""
+
+    def __init__(self, warmup_steps: int) -> None:
+        self.warmup_steps, self.start = warmup_steps, None
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx):
+        if self.start is None and trainer.global_step >= self.warmup_steps:
+            self.start, self.start_step = time.perf_counter(), trainer.global_step
+
+    def on_train_end(self, trainer, module):
+        if module.device.type == "cuda":
+            torch.cuda.synchronize()  # the GPU may still be working through queued steps
+        self.seconds, self.steps = time.perf_counter() - self.start, trainer.global_step - self.start_step

@@ -27,12 +27,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-import lightning.pytorch as pl  # noqa: E402
-from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import lightning.pytorch as pl
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.utils.data import DataLoader, TensorDataset
 
-from lenet import LeNet5  # noqa: E402
-from lightning_sink import DynamicLossScale, LossScalePrecision, SinkStrategy  # noqa: E402
+from lightning_sink import DynamicLossScale, LossScalePrecision, SinkStrategy
+
+from lenet import LeNet5
 
 MICRO, STEPS, WARMUP = 32, 4, 3
 CONFIGS = ("sink_fused", "stock_fused", "sink_sgd", "stock_sgd")

@@ -29,9 +29,10 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from callbacks import LossMonitor, TimeMonitor  # noqa: E402
-from common import NetClassifier, quiet_trainer  # noqa: E402
-from lightning_sink import SinkStrategy  # noqa: E402
+from lightning_sink import SinkStrategy
+from lightning_sink.callbacks import LossMonitor, TimeMonitor
+
+from common import NetClassifier, quiet_trainer
 
 BATCH, SINK = 32, 500
 CONFIGS = {  # name: (sink_size, callbacks factory)

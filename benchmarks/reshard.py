@@ -8,7 +8,7 @@ Per target, alternating order, median of repeats:
   anchor    : DCP's ``dcp_to_torch_save`` to one full file, then slicing each target rank's shards and saving them
   reshard   : ``transform_checkpoints`` in this process (workers=None)
   reshard_w2: ``transform_checkpoints(workers=2)``, one spawned process per target rank (includes process start)
-Also: bytes read / bytes needed, peak RSS per worker (and of an idle worker: the interpreter + torch baseline)
+Also: bytes read / bytes needed, bytes read only to check integrity (apart from the payload), peak RSS per worker (and of an idle worker: the interpreter + torch baseline)
 against the largest target shard, and a bit-exact check of every output against the anchor's slices. The page
 cache is not dropped (shared machine): all reads are warm. The last line printed is one JSON object.
 """
@@ -128,7 +128,8 @@ def run_reshard(source: Path, out: Path, layout, workers: int | None) -> dict:
     seconds = time.perf_counter() - started
     stats = report.stats
     return {"seconds": seconds, "bytes_needed": stats.bytes_needed, "payload_bytes_read": stats.payload_bytes_read,
-            "header_bytes_read": stats.header_bytes_read, "peak_rss_per_worker": [r.peak_rss_bytes for r in report.ranks]}
+            "header_bytes_read": stats.header_bytes_read, "verify_bytes_read": stats.verify_bytes_read,
+            "records_crc_checked": stats.records_crc_checked, "peak_rss_per_worker": [r.peak_rss_bytes for r in report.ranks]}
 
 
 def idle_worker_rss() -> int:
@@ -176,9 +177,9 @@ def main() -> None:
             largest = max(sum(t.chunks_of_rank(r)[0].numel * 4 for t in layout.tensors.values()) for r in range(ranks))
             modes = {
                 "cp": lambda out: run_cp(source, out),
-                "anchor": lambda out: run_anchor(source, out, layout),
-                "reshard": lambda out: run_reshard(source, out, layout, None),
-                "reshard_w2": lambda out: run_reshard(source, out, layout, 2),
+                "anchor": lambda out, layout=layout: run_anchor(source, out, layout),
+                "reshard": lambda out, layout=layout: run_reshard(source, out, layout, None),
+                "reshard_w2": lambda out, layout=layout: run_reshard(source, out, layout, 2),
             }
             samples: dict[str, list[dict]] = {mode: [] for mode in modes}
             equal = None
@@ -203,6 +204,10 @@ def main() -> None:
                 "payload_bytes_read": last["payload_bytes_read"],
                 "header_bytes_read": last["header_bytes_read"],
                 "read_over_needed": round((last["payload_bytes_read"] + last["header_bytes_read"]) / last["bytes_needed"], 4),
+                "payload_over_needed": round(last["payload_bytes_read"] / last["bytes_needed"], 4),
+                # integrity checks, apart from the payload: data descriptors, rests of records read in part
+                "verify_bytes_read": last["verify_bytes_read"],
+                "records_crc_checked": last["records_crc_checked"],
                 "largest_target_shard_mib": round(largest / 2**20, 1),
                 "peak_rss_per_worker_mib": [round(b / 2**20, 1) for b in last["peak_rss_per_worker"]],
                 "peak_rss_over_idle_worker_mib": [round((b - idle) / 2**20, 1) for b in last["peak_rss_per_worker"]],

@@ -27,18 +27,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import lightning.pytorch as pl  # noqa: E402
 
-from common import NetClassifier, default_trainer, quiet_trainer  # noqa: E402
-from lenet import LeNet5  # noqa: E402
-from lightning_sink import SinkStrategy  # noqa: E402
+from lightning_sink import SinkStrategy
+
+from common import NetClassifier, StepTimer, default_trainer, make_loader, make_model, quiet_trainer
 
 BATCH, SINK, WARMUP = 32, 500, 50
 CPU_CONFIGS = ("hand_written", "stock_lightning", "sink_eager", "sink_eager_prefetch_thread", "sink_compile",
@@ -53,38 +49,8 @@ SINK_CONFIGS = {  # name: (SinkStrategy keyword arguments, Trainer defaults)
 }
 
 
-def make_model(name: str) -> nn.Module:
-    torch.manual_seed(0)
-    if name == "tiny_mlp":
-        return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
-    return LeNet5()
-
-
-def make_loader(name: str, steps: int) -> DataLoader:
-    shape = (64,) if name == "tiny_mlp" else (1, 32, 32)
-    samples = BATCH * 512
-    generator = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(samples, *shape, generator=generator),
-                         torch.randint(0, 10, (samples,), generator=generator))
-    return DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True)
-
-
-class StepTimer(pl.Callback):
-    def __init__(self, warmup_batches: int) -> None:
-        self.warmup_batches, self.start = warmup_batches, None
-
-    def on_train_batch_start(self, trainer, module, batch, batch_idx):
-        if self.start is None and trainer.global_step >= self.warmup_batches:
-            self.start, self.start_step = time.perf_counter(), trainer.global_step
-
-    def on_train_end(self, trainer, module):
-        if module.device.type == "cuda":
-            torch.cuda.synchronize()  # the GPU may still be working through queued steps
-        self.seconds, self.steps = time.perf_counter() - self.start, trainer.global_step - self.start_step
-
-
 def hand_written(model_name: str, steps: int, device: torch.device) -> float:
-    model, loader = make_model(model_name).to(device), make_loader(model_name, steps)
+    model, loader = make_model(model_name).to(device), make_loader(model_name)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     done, start = 0, None
     while done < steps + WARMUP:
@@ -105,13 +71,13 @@ def hand_written(model_name: str, steps: int, device: torch.device) -> float:
 
 def lightning(model_name: str, steps: int, device: torch.device, strategy, defaults: bool) -> float:
     sink = strategy is not None
-    timer = StepTimer(warmup_batches=SINK if sink else WARMUP)  # sinks are timed from the second sink on
+    timer = StepTimer(warmup_steps=SINK if sink else WARMUP)  # sinks are timed from the second sink on
     settings = dict(strategy=strategy or "auto", accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
-                    max_steps=steps + timer.warmup_batches, max_epochs=-1, callbacks=[timer])
+                    max_steps=steps + timer.warmup_steps, max_epochs=-1, callbacks=[timer])
     with tempfile.TemporaryDirectory() as root, open(os.devnull, "w") as quiet, \
             contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):  # the progress bar's output
         trainer = default_trainer(root, **settings) if defaults else quiet_trainer(**settings)
-        trainer.fit(NetClassifier(make_model(model_name), log_loss=defaults), make_loader(model_name, steps))
+        trainer.fit(NetClassifier(make_model(model_name), log_loss=defaults), make_loader(model_name))
     return timer.steps / timer.seconds
 
 

@@ -1,11 +1,8 @@
-"""lightning-sink callbacks: MindSpore's monitoring callbacks for Lightning (top-level package per the design card).
+"""Top-level alias of :mod:`lightning_sink.callbacks` (the canonical import, which nothing in a user's project shadows).
 
-This package may import ``lightning_sink``; ``lightning_sink`` never imports it.
+This package imports ``lightning_sink``; ``lightning_sink`` never imports it.
 """
 
-from callbacks.loss_monitor import LossMonitor, NonFiniteLossError
-from callbacks.loss_scale_monitor import LossScaleMonitor
-from callbacks.reshard_checkpoint import ReshardCheckpoint
-from callbacks.time_monitor import TimeMonitor
+from lightning_sink.callbacks import LossMonitor, LossScaleMonitor, NonFiniteLossError, ReshardCheckpoint, TimeMonitor
 
 __all__ = ["LossMonitor", "NonFiniteLossError", "TimeMonitor", "LossScaleMonitor", "ReshardCheckpoint"]

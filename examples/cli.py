@@ -19,9 +19,10 @@ from lightning.pytorch.cli import LightningCLI
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # digits.py and lenet.py sit next to this file
 
-import lightning_sink  # noqa: E402,F401  (registers the "sink", "sink_ddp" and "sink_ddp_spawn" strategy names)
-from digits import DigitsDataModule  # noqa: E402
-from lenet import LeNet5Classifier  # noqa: E402
+import lightning_sink  # noqa: F401  (registers the "sink", "sink_ddp" and "sink_ddp_spawn" strategy names)
+
+from digits import DigitsDataModule, exit_on_missing_data
+from lenet import LeNet5Classifier
 
 __all__ = ["main"]
 
@@ -33,4 +34,4 @@ def main(args: list[str] | None = None) -> LightningCLI:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_missing_data(main)

@@ -1,6 +1,6 @@
 """Handwritten-digit data for the examples, offline: MNIST from a local folder, else scikit-learn's 8x8 digits.
 
-MNIST is prepared as in the MindSpore LeNet recipe the seeds use: resized to 32x32 (bilinear), scaled to [0, 1],
+MNIST is prepared as in MindSpore's LeNet recipe: resized to 32x32 (bilinear), scaled to [0, 1],
 normalised with mean 0.1307 and std 0.3081. The whole split is turned into one tensor up front, so an epoch costs
 no per-sample Python work.
 """
@@ -8,14 +8,16 @@ no per-sample Python work.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["DigitsDataModule", "find_mnist"]
+__all__ = ["DigitsDataModule", "MissingDataError", "exit_on_missing_data", "find_mnist"]
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
 # Places looked at when no --data-dir is given: an env var, the repo's sibling shared/data, ./data.
@@ -24,6 +26,18 @@ _CANDIDATES = (
     str(Path(__file__).resolve().parents[2] / "shared" / "data"),
     "data",
 )
+
+
+class MissingDataError(FileNotFoundError):
+    """MNIST was required but is not where the example looked; the message says where to put it."""
+
+
+def exit_on_missing_data(main: Callable[[], Any]) -> None:
+    """Run an example's ``main``; missing data ends it with the one-line message instead of a traceback."""
+    try:
+        main()
+    except MissingDataError as error:
+        raise SystemExit(f"error: {error}") from None
 
 
 def _has_mnist(root: Path) -> bool:
@@ -37,7 +51,7 @@ def find_mnist(data_dir: str | None) -> Path | None:
     if data_dir is not None:
         root = Path(data_dir)
         if not _has_mnist(root):
-            raise FileNotFoundError(
+            raise MissingDataError(
                 f"--data-dir {data_dir!r} does not hold MNIST in torchvision's layout: expected"
                 f" {root / 'MNIST' / 'raw'}/{{train,t10k}}-{{images-idx3,labels-idx1}}-ubyte."
             )
@@ -52,7 +66,7 @@ def find_mnist_quietly(data_dir: str | None) -> Path | None:
     """Like ``find_mnist``, but a ``data_dir`` without MNIST is not an error (it is where a download goes)."""
     try:
         return find_mnist(data_dir)
-    except FileNotFoundError:
+    except MissingDataError:
         return None
 
 
@@ -93,7 +107,7 @@ class DigitsDataModule(pl.LightningDataModule):
         batch_size: micro-batch size.
         max_train_samples: keep only the first this-many training samples (quick runs and tests).
         max_test_samples: the same for the test split.
-        drop_last: drop the last incomplete batch, as the seed's ``drop_remainder=True``.
+        drop_last: drop the last incomplete batch, as MindSpore's ``drop_remainder=True``.
         source: ``"auto"`` (MNIST when found, else digits), ``"mnist"`` (an error when not found) or ``"digits"``.
         download: with ``source="mnist"``, download MNIST with torchvision into ``data_dir`` (or ``./data``) when it
             is not found (needs internet).
@@ -124,7 +138,7 @@ class DigitsDataModule(pl.LightningDataModule):
             return
         root = None if self.source_choice == "digits" else find_mnist(self.data_dir)
         if root is None and self.source_choice == "mnist":
-            raise FileNotFoundError(
+            raise MissingDataError(
                 "source='mnist' but no MNIST folder was found: pass --data-dir (a folder holding MNIST/raw), set"
                 " LIGHTNING_SINK_DATA, or allow a torchvision download (--download, needs internet)."
             )

@@ -1,4 +1,4 @@
-"""LeNet-5 as in MindSpore's model zoo (the seeds' network), as a LightningModule with torchmetrics accuracy."""
+"""LeNet-5 as in MindSpore's model zoo (the network of its LeNet recipes), as a LightningModule with torchmetrics accuracy."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ class LeNet5(nn.Module):
 
 
 class LeNet5Classifier(pl.LightningModule):
-    """LeNet-5 trained with Momentum (SGD, momentum 0.9), as the seed's ``nn.Momentum(params, 0.01, 0.9)``."""
+    """LeNet-5 trained with Momentum (SGD, momentum 0.9), as MindSpore's ``nn.Momentum(params, 0.01, 0.9)``."""
 
     def __init__(self, lr: float = 0.01, momentum: float = 0.9, num_classes: int = 10) -> None:
         super().__init__()

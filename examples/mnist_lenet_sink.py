@@ -1,4 +1,4 @@
-"""Seeds 001/004: data sinking. LeNet-5 on MNIST, batch 32, Momentum(0.01, 0.9), K batches per sink.
+"""MindSpore's data sinking example: LeNet-5 on MNIST, batch 32, Momentum(0.01, 0.9), K batches per sink.
 
     python examples/mnist_lenet_sink.py --data-dir ../shared/data              # model.train(10, sink_size=1000)
     python examples/mnist_lenet_sink.py --data-dir ../shared/data --mode step  # data_sink(): one step per sink
@@ -8,7 +8,7 @@
 The default reproduces ``model.train(epoch=10, ..., callbacks=[LossMonitor()], dataset_sink_mode=True,
 sink_size=1000)``: each epoch is one sink of 1000 batches drawn from an endless traversal of the 1875 batches of
 MNIST, so 10 epochs consume 10 x 1000 = 10,000 batches and ``LossMonitor`` prints one line per epoch,
-``epoch: 1 step: 1000, loss is ...``. The other modes are the three ``data_sink`` calls of seed 004, each training
+``epoch: 1 step: 1000, loss is ...``. The other modes are MindSpore's three ``data_sink`` calls, each training
 10 data passes: one step per sink (a line per step), one data pass per sink, and all 10 passes in a single sink.
 """
 
@@ -19,10 +19,11 @@ import time
 
 import lightning.pytorch as pl
 
-from callbacks import LossMonitor, TimeMonitor
-from digits import DigitsDataModule
-from lenet import LeNet5Classifier
 from lightning_sink import SinkStrategy
+from lightning_sink.callbacks import LossMonitor, TimeMonitor
+
+from digits import DigitsDataModule, exit_on_missing_data
+from lenet import LeNet5Classifier
 
 MODES = ("sink1000", "step", "pass", "all")
 
@@ -94,4 +95,4 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_missing_data(main)

@@ -20,11 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torchmetrics.classification import MulticlassAccuracy
 
-from digits import DigitsDataModule
 from lightning_sink import SinkModelParallelStrategy
+
+from digits import DigitsDataModule, exit_on_missing_data
 
 
 class ShardedMLP(pl.LightningModule):
@@ -40,18 +42,25 @@ class ShardedMLP(pl.LightningModule):
         if isinstance(self.net, FSDPModule):
             return  # already sharded (Trainer.test after Trainer.fit calls this again)
         mesh = self.device_mesh
-        parallelize_module(self.net, mesh["tensor_parallel"], {"1": ColwiseParallel(), "3": RowwiseParallel()})
+        # The layers hand DTensors on (use_local_output=False) and ``forward`` takes the local tensor at the end,
+        # outside the FSDP2 modules: a local tensor is a view, and FSDP2 warns about modules that return views.
+        plan = {"1": ColwiseParallel(use_local_output=False), "3": RowwiseParallel(use_local_output=False)}
+        parallelize_module(self.net, mesh["tensor_parallel"], plan)
         for index in (1, 3):
             fully_shard(self.net[index], mesh=mesh["data_parallel"])
         fully_shard(self.net, mesh=mesh["data_parallel"])
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.net(x)
+        return logits.to_local() if isinstance(logits, DTensor) else logits
+
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return F.cross_entropy(self.net(x), y)
+        return F.cross_entropy(self(x), y)
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
-        self.test_accuracy(self.net(x).argmax(dim=1), y)
+        self.test_accuracy(self(x).argmax(dim=1), y)
         self.log("test_accuracy", self.test_accuracy, on_epoch=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -76,14 +85,14 @@ def main(argv: list[str] | None = None) -> None:
                                          accumulation_steps=args.accumulation_steps, process_group_backend="gloo")
     trainer = pl.Trainer(accelerator="cpu", devices=args.data_parallel_size * args.tensor_parallel_size,
                          strategy=strategy, max_epochs=args.epochs, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-                         limit_val_batches=0)
+                         enable_progress_bar=False, enable_model_summary=False)
     model = ShardedMLP()
     started = time.perf_counter()
-    trainer.fit(model, datamodule=data)
+    data.setup()
+    trainer.fit(model, train_dataloaders=data.train_dataloader())  # (the model has no validation step)
     seconds = time.perf_counter() - started
     if args.checkpoint:
-        trainer.save_checkpoint(args.checkpoint)
+        trainer.save_checkpoint(args.checkpoint, weights_only=False)
     accuracy = trainer.test(model, datamodule=data, verbose=False)[0]["test_accuracy"]
     if trainer.is_global_zero:
         global_batch = args.batch_size * args.accumulation_steps * args.data_parallel_size
@@ -94,4 +103,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_missing_data(main)

@@ -1,7 +1,7 @@
-"""Stage 1 of ``reshard_8_to_4.py --pipeline``: the seed's MLP in 2 pipeline stages on 8 processes.
+"""Stage 1 of ``reshard_8_to_4.py --pipeline``: the tutorial's MLP in 2 pipeline stages on 8 processes.
 
 Lightning has no pipeline-parallel strategy, so this stage is a hand-written PyTorch loop, as MindSpore's
-pipeline example is its own script; what matters to the seed is what it leaves behind. Ranks 0-3 are stage 0
+pipeline example is its own script; what matters to the tutorial is what it leaves behind. Ranks 0-3 are stage 0
 (layer1, layer2), ranks 4-7 stage 1 (layer3 and the loss). Each stage is a 2 x 2 mesh, data parallel x tensor
 parallel, sharded as the non-pipeline stage 1 (FSDP2 over data parallel; layer1 split by output features, layer3
 by input features). Rank r of stage 0 sends its activations to rank r + 4, which returns their gradient: one
@@ -30,8 +30,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, DistributedSampler
 
-from digits import DigitsDataModule
 from lightning_sink.layout import flatten_like_dcp, layout_from_state_dict, save_layout
+
+from digits import DigitsDataModule
 
 STAGES, STAGE_MESH = 2, (2, 2)  # pipeline stages; data parallel x tensor parallel inside each
 WORLD_SIZE = STAGES * STAGE_MESH[0] * STAGE_MESH[1]
@@ -39,7 +40,7 @@ ACTIVATION = 512  # the width layer2 hands to layer3
 
 
 class StageModel(nn.Module):
-    """The seed's network (``net`` as in ``SeedMLP``, so parameter names match) with the other stage's layers
+    """The tutorial's network (``net`` as in ``SeedMLP``, so parameter names match) with the other stage's layers
     replaced by ``Identity``: stage 0 keeps layer1 and layer2 (``net.1``, ``net.3``), stage 1 layer3 (``net.5``)."""
 
     def __init__(self, stage: int, in_features: int = 1024) -> None:

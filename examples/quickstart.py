@@ -21,14 +21,14 @@ import argparse
 import time
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
-import torch
-
-from callbacks import LossMonitor, LossScaleMonitor, TimeMonitor
-from digits import DigitsDataModule
-from lenet import LeNet5Classifier
 from lightning_sink import DynamicLossScale, LossScalePrecision, SinkStrategy
+from lightning_sink.callbacks import LossMonitor, LossScaleMonitor, TimeMonitor
+
+from digits import DigitsDataModule, exit_on_missing_data
+from lenet import LeNet5Classifier
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> float:
         callbacks=[LossMonitor(), LossScaleMonitor(), TimeMonitor()],
         max_epochs=epochs,
         logger=TensorBoardLogger(args.log_dir, name="quickstart"),
-        log_every_n_steps=1,  # in sink mode Lightning writes logs once per sink; write at every one
+        log_every_n_steps=1,  # every update's self.log values (Lightning's default is every 50th)
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -89,4 +89,4 @@ def main(argv: list[str] | None = None) -> float:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_missing_data(main)

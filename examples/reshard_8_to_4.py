@@ -1,15 +1,15 @@
-"""Seed 002 (MindSpore "Model Transformation"): train on 8 processes, reshard, fine-tune and infer on 4.
+"""MindSpore's "Model Transformation" tutorial: train on 8 processes, reshard, fine-tune and infer on 4.
 
     python examples/reshard_8_to_4.py                          # CI size: 8 + 4 gloo processes on CPU, ~2 minutes
     python examples/reshard_8_to_4.py --per-rank-conversion    # one process per target rank converts its file
     python examples/reshard_8_to_4.py --pipeline               # stage 1 in 2 pipeline stages, merged layouts
     python examples/reshard_8_to_4.py --train-samples 60000 --stage1-epochs 2 --stage2-epochs 1   # a full run
 
-The seed's MLP ``layer1 = Dense(in, 512), layer2 = Dense(512, 512), layer3 = Dense(512, 10)`` with ReLUs, on
-MNIST as ``examples/digits.py`` prepares it for the seeds (32x32, normalised), so ``in`` = 1024 instead of 784.
+The tutorial's MLP ``layer1 = Dense(in, 512), layer2 = Dense(512, 512), layer3 = Dense(512, 10)`` with ReLUs, on
+MNIST as ``examples/digits.py`` prepares it for the MindSpore recipes (32x32, normalised), so ``in`` = 1024 instead of 784.
 
 1. Stage 1, 8 processes: ``SinkModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=2)``, sharded as
-   the seed's first strategy splits layer1's and layer3's weights: layer1 column-wise (its output features over
+   the tutorial's first strategy splits layer1's and layer3's weights: layer1 column-wise (its output features over
    the 2 tensor-parallel ranks), layer3 row-wise (its input features), layer2 not tensor-parallel. FSDP2 over the
    4 data-parallel ranks also shards parameters and optimizer state (the strategy's data parallelism is FSDP2, so
    MindSpore's "optimizer parallel off" has no equivalent here). ``ReshardCheckpoint`` saves the final checkpoint
@@ -17,7 +17,7 @@ MNIST as ``examples/digits.py`` prepares it for the seeds (32x32, normalised), s
 2. Inference, 4 processes: ``Trainer.test(ckpt_path=<resharded folder>)`` on the stage-2 mesh (2 x 2): each rank
    loads only its own converted file.
 3. Stage 2, 4 processes: ``SinkModelParallelStrategy(2, 2)`` with another sharding - layer1 row-wise (its input
-   features split, the seed's target strategy), layer2 column-wise and layer3 row-wise - and FSDP2 over 2
+   features split, the tutorial's target strategy), layer2 column-wise and layer3 row-wise - and FSDP2 over 2
    data-parallel ranks, which shards the optimizer state (MindSpore's optimizer parallel). ``Trainer.fit(
    ckpt_path=<resharded folder>)`` continues: the global step goes on and the first loss is stage 1's last.
 
@@ -53,11 +53,12 @@ from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torchmetrics.classification import MulticlassAccuracy
 
-from callbacks import ReshardCheckpoint
-from digits import DigitsDataModule
 from lightning_sink import SinkModelParallelStrategy
+from lightning_sink.callbacks import ReshardCheckpoint
 
-# Tensor-parallel plans, by the seed's stages; the Sequential's layers are "1" (layer1), "3" (layer2), "5" (layer3).
+from digits import DigitsDataModule, exit_on_missing_data
+
+# Tensor-parallel plans, by the tutorial's stages; the Sequential's layers are "1" (layer1), "3" (layer2), "5" (layer3).
 PLANS = {
     "stage1": {"1": ColwiseParallel(output_layouts=Replicate()), "5": RowwiseParallel(input_layouts=Replicate())},
     "stage2": {"1": RowwiseParallel(input_layouts=Replicate()), "3": ColwiseParallel(), "5": RowwiseParallel()},
@@ -66,7 +67,7 @@ MESHES = {"stage1": (4, 2), "stage2": (2, 2)}
 
 
 class SeedMLP(pl.LightningModule):
-    """The seed's three Dense layers with ReLUs, sharded in ``configure_model`` by ``plan``."""
+    """The tutorial's three Dense layers with ReLUs, sharded in ``configure_model`` by ``plan``."""
 
     def __init__(self, plan: str = "stage1", lr: float = 1e-3, in_features: int = 1024) -> None:
         super().__init__()
@@ -133,8 +134,12 @@ class LoadResharded(Callback):
         self._load(trainer, pl_module, with_optimizer=True)
 
     def _load(self, trainer: pl.Trainer, pl_module: pl.LightningModule, with_optimizer: bool) -> None:
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
-                                                             set_model_state_dict, set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         from lightning_sink.layout import flatten_like_dcp
         from lightning_sink.reshard import load_into_state_dict, load_resharded_checkpoint
@@ -179,7 +184,7 @@ def run_stage1(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     trainer.fit(SeedMLP("stage1", lr=args.lr), datamodule=data(args))
     if args.per_rank_conversion:
-        trainer.save_checkpoint(out / "stage1")
+        trainer.save_checkpoint(out / "stage1", weights_only=False)
     if trainer.is_global_zero:
         print(f"stage 1: 8 processes, mesh 4 x 2, {trainer.global_step} updates in {time.perf_counter() - started:.1f} s")
 
@@ -225,10 +230,10 @@ def convert_rank(args: argparse.Namespace) -> None:
 
 def convert_pipeline_stages(args: argparse.Namespace) -> None:
     """Stage 1 as 2 pipeline stages, then MindSpore's steps: merge the stage layouts, convert the rank files."""
-    from pipeline_stage1 import run_pipeline_stage1
-
     from lightning_sink.layout import merge_pipeline_strategies
     from lightning_sink.reshard import transform_checkpoints
+
+    from pipeline_stage1 import run_pipeline_stage1
 
     out = Path(args.out_dir)
     started = time.perf_counter()
@@ -250,7 +255,7 @@ def run(command: list[str]) -> None:
 
 
 def orchestrate(args: argparse.Namespace, argv: list[str]) -> None:
-    """The seed's steps in order, each stage in its own set of processes."""
+    """The tutorial's steps in order, each stage in its own set of processes."""
     from lightning_sink.layout import save_layout
     from lightning_sink.layout_inference import infer_layout
 
@@ -305,4 +310,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_missing_data(main)

@@ -1,8 +1,8 @@
-"""Seed 000 (parallel mode): ResNet-50, data-parallel with gradient accumulation over 6 micro-batches and dynamic
+"""MindSpore's gradient-accumulation tutorial (parallel mode): ResNet-50, data-parallel with gradient accumulation over 6 micro-batches and dynamic
 loss scaling, the data sunk one pass per sink (``dataset_sink_mode=True``).
 
     python examples/resnet_ddp_accumulation.py --data-dir ../shared/data          # small run: 2 CPU processes, gloo
-    python examples/resnet_ddp_accumulation.py --data-dir ../shared/data --full   # the seed's setting (slow on CPU)
+    python examples/resnet_ddp_accumulation.py --data-dir ../shared/data --full   # the tutorial's setting (slow on CPU)
 
 MindSpore's tutorial trains ResNet-50 (10 classes) with ``grad_accumulation_step=6``, batch 32 per device,
 Momentum(0.01, 0.9), and prints one ``LossMonitor`` line per sink. Here ``SinkDDPStrategy(accumulation_steps=6,
@@ -27,11 +27,12 @@ import torch.nn.functional as F
 import torchvision
 from torchmetrics.classification import MulticlassAccuracy
 
-from callbacks import LossMonitor, LossScaleMonitor
-from digits import DigitsDataModule
 from lightning_sink import DynamicLossScale, LossScalePrecision, SinkDDPStrategy
+from lightning_sink.callbacks import LossMonitor, LossScaleMonitor
 
-# The small default keeps a CPU run to about a minute; --full is the seed's recipe.
+from digits import DigitsDataModule, exit_on_missing_data
+
+# The small default keeps a CPU run to about a minute; --full is the tutorial's recipe.
 SMALL = dict(epochs=1, batch_size=8, max_train_samples=192, max_test_samples=256)
 FULL = dict(epochs=10, batch_size=32, max_train_samples=None, max_test_samples=None)
 
@@ -65,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default=None, help="folder holding MNIST/raw (default: searched, see digits.py)")
     parser.add_argument("--download", action="store_true", help="download MNIST with torchvision if not found")
-    parser.add_argument("--full", action="store_true", help="the seed's setting: 10 epochs, batch 32, all data")
+    parser.add_argument("--full", action="store_true", help="the tutorial's setting: 10 epochs, batch 32, all data")
     parser.add_argument("--epochs", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=None, help="micro-batch per process")
     parser.add_argument("--max-train-samples", type=int, default=None)
@@ -111,4 +112,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_missing_data(main)

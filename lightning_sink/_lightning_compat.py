@@ -7,7 +7,8 @@ skipped update) the functions below reach into the loop. ``tests/test_lightning_
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -26,6 +27,7 @@ __all__ = [
     "count_zero_grad",
     "lightning_optimizer",
     "process_group_backend",
+    "logging_step_set_to",
     "run_before_optimizer_step",
     "call_lightning_module_hook",
     "checkpoint_every_n_train_steps",
@@ -136,6 +138,18 @@ def lightning_optimizer(strategy: Any) -> Any:
 def process_group_backend(strategy: Any) -> str | None:
     """``DDPStrategy``/``ModelParallelStrategy(process_group_backend=...)`` as given (``None``: chosen by device)."""
     return strategy._process_group_backend
+
+
+@contextmanager
+def logging_step_set_to(trainer: pl.Trainer, step: int) -> Iterator[None]:
+    """Lightning's logging step (the step its loggers and ``LearningRateMonitor`` write at, and the one
+    ``log_every_n_steps`` is checked against) set to ``step`` for the duration of the block, then restored."""
+    loop = _epoch_loop(trainer)
+    saved, loop._batches_that_stepped = loop._batches_that_stepped, step
+    try:
+        yield
+    finally:
+        loop._batches_that_stepped = saved
 
 
 def run_before_optimizer_step(trainer: pl.Trainer, optimizer: Any) -> None:

@@ -26,6 +26,7 @@ class Command:
     help: str
     configure: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    check: Callable[[argparse.ArgumentParser, argparse.Namespace], None] = lambda parser, args: None
 
 
 def parse_size(text: str) -> int:
@@ -39,18 +40,56 @@ def parse_size(text: str) -> int:
 
 def _configure_reshard(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--src-checkpoints-dir", required=True,
-                        help="source: a DCP folder, or a folder of rank_<x>/ folders with one checkpoint file each")
+                        help="source: a DCP folder, a folder of rank_<x>/ folders with one checkpoint file each, or a"
+                             " one-device checkpoint file (Lightning .ckpt or a torch.save state dict)")
     parser.add_argument("--dst-checkpoints-dir", help="destination folder (whole conversion)")
-    parser.add_argument("--ckpt-prefix", default="checkpoint_", help="target files: rank_<r>/<prefix><r>.pt")
+    parser.add_argument("--ckpt-prefix", default="checkpoint_", type=_file_prefix,
+                        help="target files: rank_<r>/<prefix><r>.pt")
     parser.add_argument("--src-strategy-file", help="source layout (default: the folder's layout.json, else DCP metadata)")
     parser.add_argument("--dst-strategy-file", required=True, help="target layout file")
-    parser.add_argument("--workers", type=int, help="parallel worker processes, one target rank each")
+    parser.add_argument("--workers", type=_positive_int, help="parallel worker processes, one target rank each")
     parser.add_argument("--memory-budget", type=parse_size, help="cap workers so that workers x largest shard fits, e.g. 8GiB")
     parser.add_argument("--overwrite", action="store_true", help="replace a destination holding a different checkpoint")
     parser.add_argument("--rank-id", type=int, help="convert only this target rank (transform_checkpoint_by_rank)")
     parser.add_argument("--save-checkpoint-file-name", help="with --rank-id: the file to write")
     parser.add_argument("--list-ranks", action="store_true", help="with --rank-id: print the source ranks it needs and exit")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid count {text!r}: pass an integer >= 1")
+    return value
+
+
+def _file_prefix(text: str) -> str:
+    from lightning_sink._fs import check_file_prefix
+
+    try:
+        return check_file_prefix(text, "--ckpt-prefix")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _check_reshard_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Combinations argparse cannot express, refused before any work (exit status 2)."""
+    one_rank = args.rank_id is not None
+    if args.list_ranks and not one_rank:
+        parser.error("--list-ranks needs --rank-id (the target rank whose source ranks to list)")
+    if args.save_checkpoint_file_name and not one_rank:
+        parser.error("--save-checkpoint-file-name needs --rank-id (it names one target rank's file)")
+    if one_rank and args.workers is not None:
+        parser.error("--workers belongs to a whole conversion; --rank-id converts one target rank in this process")
+    if one_rank and not args.list_ranks and not args.save_checkpoint_file_name:
+        parser.error("--rank-id needs --save-checkpoint-file-name (or --list-ranks)")
+    if not one_rank and not args.dst_checkpoints_dir:
+        parser.error("--dst-checkpoints-dir is required (or --rank-id for one target rank)")
+    if args.memory_budget is not None and args.workers is None:
+        parser.error("--memory-budget caps the number of --workers: pass --workers too")
 
 
 def _run_reshard(args: argparse.Namespace) -> int:
@@ -64,17 +103,14 @@ def _run_reshard(args: argparse.Namespace) -> int:
         if args.list_ranks:
             print(json.dumps(needed))
             return 0
-        if not args.save_checkpoint_file_name:
-            raise ValueError("--rank-id needs --save-checkpoint-file-name (or --list-ranks)")
         source = Path(args.src_checkpoints_dir)
-        files = ({rank: source / f"__{rank}_0.distcp" for rank in needed} if (source / ".metadata").is_file()
+        files = ({0: source} if source.is_file()
+                 else {rank: source / f"__{rank}_0.distcp" for rank in needed} if (source / ".metadata").is_file()
                  else {rank: next((source / f"rank_{rank}").glob("*.pt"), source / f"rank_{rank}") for rank in needed})
         result = transform_checkpoint_by_rank(args.rank_id, files, args.save_checkpoint_file_name,
                                               args.src_strategy_file, args.dst_strategy_file, overwrite=args.overwrite)
         print(f"wrote {result.relative_path}: {result.bytes_written} bytes, sha256 {result.sha256}")
         return 0
-    if not args.dst_checkpoints_dir:
-        raise ValueError("--dst-checkpoints-dir is required (or --rank-id for one target rank)")
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
@@ -96,7 +132,8 @@ def _run_reshard(args: argparse.Namespace) -> int:
     stats = report.stats
     print(json.dumps({"destination": str(report.destination), "ranks": len(report.ranks),
                       "bytes_written": sum(r.bytes_written for r in report.ranks), "bytes_needed": stats.bytes_needed,
-                      "payload_bytes_read": stats.payload_bytes_read, "header_bytes_read": stats.header_bytes_read}))
+                      "payload_bytes_read": stats.payload_bytes_read, "header_bytes_read": stats.header_bytes_read,
+                      "verify_bytes_read": stats.verify_bytes_read}))
     return 0
 
 
@@ -126,7 +163,8 @@ def _run_layout(args: argparse.Namespace) -> int:
 
 
 COMMANDS: list[Command] = [
-    Command("reshard", "convert a distributed checkpoint to another rank count / layout (offline)", _configure_reshard, _run_reshard),
+    Command("reshard", "convert a distributed checkpoint to another rank count / layout (offline)", _configure_reshard,
+            _run_reshard, _check_reshard_arguments),
     Command("verify", "check a resharded checkpoint's integrity (SHA-256) and completeness", _configure_verify, _run_verify),
     Command("layout", "predict the layout file of a SinkModelParallelStrategy run without launching it",
             _configure_layout, _run_layout),
@@ -139,13 +177,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     for command in COMMANDS:
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
         command.configure(sub)
-        sub.set_defaults(_run=command.run)
+        sub.set_defaults(_run=command.run, _check=command.check, _parser=sub)
     args = parser.parse_args(argv)
+    args._check(args._parser, args)
     try:
         return args._run(args)
-    except (ValueError, TypeError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (ValueError, TypeError, OSError) as error:  # bad input, or the environment (a full disk, permissions)
+        print(f"error: {_one_line(error)}", file=sys.stderr)
         return 2
+
+
+def _one_line(error: BaseException) -> str:
+    """The message, on one line; an OSError from the system names its file."""
+    if isinstance(error, OSError) and error.filename is not None and str(error.filename) not in str(error):
+        message = f"{error.filename}: {error.strerror or error}"
+    else:
+        message = str(error)
+    return " ".join(message.split())
 
 
 if __name__ == "__main__":

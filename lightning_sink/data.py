@@ -1,6 +1,6 @@
 """The training loader wrapper that lets a run resume at the exact micro-batch it stopped at.
 
-Lightning's own resume of a loader is tied to its prefetching and to ``fit_loop.restarting`` (see DESIGN.md), so
+Lightning's own resume of a loader is tied to its prefetching and to ``fit_loop.restarting``, so
 the strategy counts the micro-batches it has *trained* in the current pass and saves that number in its own
 checkpoint state. On resume the wrapper skips that many batches of the pass before yielding.
 """

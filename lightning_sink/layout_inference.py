@@ -36,9 +36,11 @@ def _resolve(module: str | Callable[..., pl.LightningModule]) -> Callable[..., p
         return module
     module_path, _, name = module.rpartition(".")
     try:
-        factory = getattr(importlib.import_module(module_path), name) if module_path else None
+        factory = getattr(importlib.import_module(module_path), name, None) if module_path else None
     except ImportError as error:
         raise ValueError(f"module={module!r}: cannot import {module_path!r} ({error}).") from error
+    if module_path and factory is None:
+        raise ValueError(f"module={module!r}: {module_path!r} has no attribute {name!r}.")
     if factory is None:
         raise ValueError(f"module={module!r} is not valid: pass a class path like 'package.module.MyLightningModule'.")
     return factory
@@ -89,9 +91,9 @@ def _state_to_save(module: pl.LightningModule, with_optimizer: bool) -> dict[str
 
 def _fake_process_group(world_size: int) -> None:
     # Importing torch's fake process group registers the "fake" backend: collectives return at once, no peers.
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from lightning_sink._torch_compat import fake_store
 
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=fake_store())
 
 
 def infer_layout(

@@ -1,6 +1,6 @@
 """``LossScalePrecision``: Lightning precision plugin with device-resident dynamic or fixed loss scaling.
 
-MindSpore's ``TrainAccuStepsWithLossScaleCell`` (seed 000) and ``TrainOneStepWithLossScaleCell`` (seed 003):
+MindSpore's ``TrainAccuStepsWithLossScaleCell`` and ``TrainOneStepWithLossScaleCell``:
 the loss is multiplied by the scale before backward; at the update the window's gradients are unscaled once,
 checked for overflow, clipped, and the update is skipped on overflow while the scale moves down (or up after a run
 of good updates). The plugin owns everything precision-specific; the sink strategies call it from their update
@@ -65,7 +65,7 @@ class LossScalePrecision(Precision):
     def __init__(
         self,
         precision: str = "16-mixed",
-        loss_scale: DynamicLossScale | FixedLossScale | None | str = "auto",
+        loss_scale: DynamicLossScale | FixedLossScale | str | None = "auto",
         skip_window_on_overflow: bool = False,
         device: str | None = None,
     ) -> None:

@@ -1,6 +1,6 @@
 """Data sinking: an endless stream of micro-batches, prefetched by a background thread, one sink per epoch.
 
-MindSpore's ``dataset_sink_mode`` (seeds 001/004) traverses the dataset continuously: with ``sink_size=K`` epoch e
+MindSpore's ``dataset_sink_mode`` traverses the dataset continuously: with ``sink_size=K`` epoch e
 trains batches e*K .. e*K+K-1 of an endless pass. ``SinkLoader`` is what Lightning iterates: one placeholder
 ``SinkToken`` per epoch (so a Lightning epoch is one Lightning batch); the strategy pulls the sink's micro-batches
 from ``MicroBatchStream``, whose iterator survives epochs and whose sampler epoch advances at each new data pass.

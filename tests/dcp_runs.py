@@ -8,12 +8,12 @@ in the test process (the independent reference).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
+
+from tests.distributed import init_process_group, spawn
 
 # name -> (shape, dtype name, placements as strings, one per mesh dim); all "state_dict.*" and "optimizer_0.*"
 # names mimic Lightning's ModelParallelStrategy checkpoint keys.
@@ -63,7 +63,7 @@ def _worker(rank: int, world_size: int, init_file: str, mesh_shape, dim_names, s
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    init_process_group(rank, world_size, init_file)
     try:
         mesh = init_device_mesh("cpu", tuple(mesh_shape), mesh_dim_names=tuple(dim_names))
         flat: dict[str, Any] = {}
@@ -103,29 +103,22 @@ def save_dcp_checkpoint(
         world_size *= size
     dim_names = dim_names or tuple(f"d{index}" for index in range(len(mesh_shape)))
     out_dir.mkdir(parents=True, exist_ok=True)
-    init_file = str(out_dir.parent / f".init_{out_dir.name}")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(
-        _worker,
-        args=(world_size, init_file, mesh_shape, dim_names, spec, seed, str(out_dir), plain_names, thread_count),
-        nprocs=world_size,
-        start_method="spawn",
-    )
-    Path(init_file).unlink(missing_ok=True)
+    spawn(_worker, world_size, out_dir.parent / f".init_{out_dir.name}", mesh_shape, dim_names, spec, seed,
+          str(out_dir), plain_names, thread_count)
     return out_dir
 
 
 def _dcp_load_worker(rank: int, world_size: int, init_file: str, layout_json: str, checkpoint_dir: str, out_file: str):
     """Build zero DTensors placed as the target layout says and let DCP reshard the checkpoint into them."""
+    import json
+
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    import json
-
     layout = json.loads(layout_json)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    init_process_group(rank, world_size, init_file)
     try:
         mesh = init_device_mesh("cpu", tuple(layout["mesh"]["shape"]), mesh_dim_names=tuple(layout["mesh"]["dim_names"]))
         flat: dict[str, Any] = {}
@@ -151,9 +144,6 @@ def _dcp_load_worker(rank: int, world_size: int, init_file: str, layout_json: st
 
 def dcp_reshard_load(layout, checkpoint_dir: Path, out_prefix: Path) -> list[dict[str, torch.Tensor]]:
     """DCP's own load-time resharding onto ``layout`` (real gloo processes): each rank's local shards."""
-    init_file = str(out_prefix.parent / f".init_{out_prefix.name}")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(_dcp_load_worker, args=(layout.world_size, init_file, layout.to_json(), str(checkpoint_dir),
-                                               str(out_prefix)), nprocs=layout.world_size, start_method="spawn")
-    Path(init_file).unlink(missing_ok=True)
+    spawn(_dcp_load_worker, layout.world_size, out_prefix.parent / f".init_{out_prefix.name}", layout.to_json(),
+          str(checkpoint_dir), str(out_prefix))
     return [torch.load(f"{out_prefix}.{rank}", weights_only=True) for rank in range(layout.world_size)]

@@ -69,7 +69,7 @@ def test_single_step_gradients_are_each_micro_steps_own_as_in_a_plain_loop():
     weight = torch.nn.Parameter(torch.randn(3, 2))
     store = SingleStepGradients([weight])
     assert store.flat is None  # no window buffer: nothing is summed, reduced or unscaled
-    for step in range(3):
+    for _ in range(3):
         x = torch.randn(5, 3)
         store.begin_micro_step()
         (x @ weight).square().sum().backward()

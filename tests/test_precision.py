@@ -194,7 +194,8 @@ def test_loss_scale_overflow_and_skips_are_logged(tmp_path):
     model = InjectingClassifier(inf_at=(5, 9), optimizer="sgd", lr=0.02)
     plugin = LossScalePrecision("32-true", DynamicLossScale(init_scale=2.0**10, scale_window=2))
     fit(model, plugin, logger=logger, log_every_n_steps=1)
-    rows = [row for row in csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")) if row.get("loss_scale")]
+    with open(Path(logger.log_dir) / "metrics.csv") as handle:
+        rows = [row for row in csv.DictReader(handle) if row.get("loss_scale")]
     overflow = [float(row["overflow"]) for row in rows]
     assert overflow == [0, 1, 1, 0, 0, 0, 0, 0]
     assert [float(row["skipped_updates"]) for row in rows] == [0, 1, 2, 2, 2, 2, 2, 2]
@@ -240,7 +241,7 @@ def test_precision_flag_and_plugin_together_is_an_error():
         quiet_trainer(strategy="sink", precision="bf16-mixed", plugins=[LossScalePrecision("16-mixed")])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on a lent GPU; CI has none)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (CI has no GPU)")
 def test_cuda_step_programs_never_sync_with_a_fused_optimizer():
     """On the GPU, torch's sync debug mode raises on any host synchronization inside the step programs."""
     model = Unlogged(inf_at=(5,), optimizer="adamw_fused", lr=0.01)

@@ -53,6 +53,8 @@ def read_dcp_metadata(checkpoint_dir: str | os.PathLike) -> Metadata:
     path = Path(checkpoint_dir) / DCP_METADATA_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{str(Path(checkpoint_dir))!r} is not a DCP checkpoint folder: no {DCP_METADATA_FILE} file")
+    if path.is_symlink():
+        raise ValueError(f"DCP metadata file {str(path)!r} is a symbolic link; links inside a checkpoint folder are not followed")
     try:
         with open(path, "rb") as handle:
             metadata = _MetadataUnpickler(handle).load()

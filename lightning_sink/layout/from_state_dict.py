@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement, Replicate
 
+from lightning_sink._torch_compat import flatten_state_dict
 from lightning_sink.layout.geometry import chunks_for_placements, placement_to_str, replicated_chunks
 from lightning_sink.layout.schema import Layout, MeshLayout, PipelineLayout, TensorLayout
 from lightning_sink.layout.validation import validate_layout

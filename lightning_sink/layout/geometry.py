@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import Placement, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
+from lightning_sink._torch_compat import StridedShard, compute_local_shape_and_global_offset
 from lightning_sink.layout.schema import Chunk, MeshLayout
 
 __all__ = ["placement_to_str", "parse_placement", "chunk_at", "chunks_for_placements", "replicated_chunks"]
@@ -24,7 +24,7 @@ _STRIDED = re.compile(r"^_StridedShard\((\d+),\s*sf=(\d+)\)$")
 
 def placement_to_str(placement: Placement) -> str:
     """``Shard(0)``, ``Replicate()`` or ``_StridedShard(0,sf=2)``; ValueError for placements a checkpoint cannot hold."""
-    if isinstance(placement, _StridedShard):  # check first: it is a subclass of Shard in some torch versions
+    if isinstance(placement, StridedShard):  # check first: it is a subclass of Shard in some torch versions
         return f"_StridedShard({placement.dim},sf={int(placement.split_factor)})"
     if isinstance(placement, Shard):
         return f"Shard({placement.dim})"
@@ -43,7 +43,7 @@ def parse_placement(text: str) -> Placement:
     if match := _SHARD.match(text):
         return Shard(int(match.group(1)))
     if match := _STRIDED.match(text):
-        return _StridedShard(int(match.group(1)), split_factor=int(match.group(2)))
+        return StridedShard(int(match.group(1)), split_factor=int(match.group(2)))
     raise ValueError(f"unknown placement {text!r} (valid: 'Replicate()', 'Shard(d)', '_StridedShard(d,sf=k)')")
 
 
@@ -51,7 +51,7 @@ def chunk_at(
     global_shape: Sequence[int], mesh_shape: Sequence[int], placements: Sequence[Placement], coordinate: Sequence[int]
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(offsets, sizes) of the box the rank at ``coordinate`` holds."""
-    sizes, offsets = _compute_local_shape_and_global_offset(
+    sizes, offsets = compute_local_shape_and_global_offset(
         tuple(global_shape), tuple(mesh_shape), list(coordinate), list(placements)
     )
     # An empty shard reports the end of the dim as its offset; keep it in bounds and canonical.

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
 
+from lightning_sink.layout.bounded_json import loads_bounded
 from lightning_sink.layout.schema import LAYOUT_FILE_NAME, Layout
 from lightning_sink.layout.validation import validate_layout
 
@@ -43,14 +43,9 @@ def load_layout(path: str | os.PathLike) -> Layout:
     path = resolve_layout_path(path)
     if not path.is_file():
         raise FileNotFoundError(f"layout file {str(path)!r} does not exist")
-    try:
-        data = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"layout file {str(path)!r} is not valid JSON: {error}") from None
+    data = loads_bounded(path.read_bytes(), f"layout file {str(path)!r}")
     try:
         layout = Layout.from_dict(data)
-    except (KeyError, TypeError) as error:
-        raise ValueError(f"layout file {str(path)!r} is malformed: missing or wrong field {error}") from None
     except ValueError as error:
         raise ValueError(f"layout file {str(path)!r}: {error}") from None
     return validate_layout(layout, f"layout file {str(path)!r}")

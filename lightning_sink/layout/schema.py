@@ -1,7 +1,7 @@
 """The layout (strategy) file: which slice of which tensor every rank holds, as versioned JSON.
 
 A layout is plain data: it can be read, validated and compared without torch.distributed. The JSON form is
-documented in notes/README_layout.md (schema version 1).
+documented in docs/layout.md (schema version 1).
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from lightning_sink.layout.bounded_json import loads_bounded
 
 __all__ = [
     "LAYOUT_FORMAT",
@@ -191,17 +193,27 @@ class Layout:
                 f"unknown layout schema version {data.get('version')!r}; this lightning-sink reads version"
                 f" {LAYOUT_VERSION}"
             )
-        return cls(
-            world_size=data["world_size"],
-            mesh=MeshLayout.from_dict(data["mesh"]),
-            pipeline=PipelineLayout.from_dict(data.get("pipeline", {"stage": 0, "num_stages": 1})),
-            tensors={fqn: TensorLayout.from_dict(tensor) for fqn, tensor in data["tensors"].items()},
-            non_tensor_state=dict(data.get("non_tensor_state", {})),
-        )
+        try:
+            return cls(
+                world_size=data["world_size"],
+                mesh=MeshLayout.from_dict(_mapping(data["mesh"], "mesh")),
+                pipeline=PipelineLayout.from_dict(_mapping(data.get("pipeline", {"stage": 0, "num_stages": 1}), "pipeline")),
+                tensors={fqn: TensorLayout.from_dict(_mapping(tensor, f"tensors[{fqn!r}]"))
+                         for fqn, tensor in _mapping(data["tensors"], "tensors").items()},
+                non_tensor_state=dict(_mapping(data.get("non_tensor_state", {}), "non_tensor_state")),
+            )
+        except (KeyError, TypeError, AttributeError) as error:  # a field missing, or of the wrong kind
+            raise ValueError(f"malformed: missing or wrong field {error}") from None
 
     @classmethod
     def from_json(cls, text: str) -> Layout:
-        return cls.from_dict(json.loads(text))
+        return cls.from_dict(loads_bounded(text, "layout JSON"))
+
+
+def _mapping(value: Any, name: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name!r} must be an object, not {type(value).__name__}")
+    return value
 
 
 def _to_lists(node: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable
 
@@ -10,7 +11,11 @@ import torch
 from lightning_sink.layout.geometry import parse_placement
 from lightning_sink.layout.schema import TENSOR_ROLES, Chunk, Layout, MeshLayout, TensorLayout
 
-__all__ = ["validate_layout", "torch_dtype"]
+__all__ = ["MAX_DIMS", "MAX_TENSOR_BYTES", "MAX_WORLD_SIZE", "validate_layout", "torch_dtype"]
+
+MAX_DIMS = 64  # torch's own limit on a tensor's dims
+MAX_WORLD_SIZE = 2**24  # far beyond any job; bounds the per-rank loops a per-stage layout's stage count could inflate
+MAX_TENSOR_BYTES = 2**63 - 1  # a tensor's byte size is an int64 in torch
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -29,6 +34,7 @@ def validate_layout(layout: Layout, source: str = "layout") -> Layout:
     pipeline = layout.pipeline
     if not _is_int(pipeline.num_stages) or pipeline.num_stages < 1:
         raise ValueError(f"{source}: pipeline.num_stages must be a positive integer, got {pipeline.num_stages!r}")
+    _validate_world_size(layout, source)
     if pipeline.stage is not None and not (_is_int(pipeline.stage) and 0 <= pipeline.stage < pipeline.num_stages):
         raise ValueError(f"{source}: pipeline.stage {pipeline.stage!r} is outside 0..{pipeline.num_stages - 1}")
     for fqn, tensor in layout.tensors.items():
@@ -39,13 +45,29 @@ def validate_layout(layout: Layout, source: str = "layout") -> Layout:
     return layout
 
 
+def _validate_world_size(layout: Layout, source: str) -> None:
+    """The world is the mesh's ranks: the mesh itself, or, in the layout of one pipeline stage, one mesh of that
+    size per stage. (A world size the mesh does not account for would make every rank loop run that long.)"""
+    mesh_size = len(layout.mesh.flat_ranks())
+    stages = layout.pipeline.num_stages if layout.pipeline.stage is not None else 1
+    allowed = sorted({mesh_size, mesh_size * stages})
+    if layout.world_size not in allowed:
+        raise ValueError(f"{source}: world_size {layout.world_size} does not match the mesh of {mesh_size} ranks"
+                         f" (expected {' or '.join(map(str, allowed))}"
+                         f"{' for ' + str(stages) + ' pipeline stages' if stages > 1 else ''})")
+    if layout.world_size > MAX_WORLD_SIZE:
+        raise ValueError(f"{source}: world_size {layout.world_size} is beyond {MAX_WORLD_SIZE} ranks (one file each)")
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _validate_mesh(mesh: MeshLayout, world_size: int, source: str) -> None:
     if not mesh.shape or not all(_is_int(size) and size >= 1 for size in mesh.shape):
-        raise ValueError(f"{source}: mesh.shape must be a non-empty list of positive integers, got {list(mesh.shape)}")
+        raise ValueError(f"{source}: mesh.shape must be a non-empty list of positive integers, got {list(mesh.shape)[:8]}")
+    if math.prod(mesh.shape) > world_size:
+        raise ValueError(f"{source}: mesh.shape {list(mesh.shape)} holds more ranks than the world size {world_size}")
     if len(mesh.dim_names) != len(mesh.shape):
         raise ValueError(
             f"{source}: mesh.dim_names {list(mesh.dim_names)} must name each of the {len(mesh.shape)} mesh dims"
@@ -78,7 +100,13 @@ def _validate_tensor(fqn: str, tensor: TensorLayout, layout: Layout, where: str)
         raise ValueError(f"{where}: {error}") from None
     shape = tensor.global_shape
     if not all(_is_int(size) and size >= 0 for size in shape):
-        raise ValueError(f"{where}: global_shape must be non-negative integers, got {list(shape)}")
+        raise ValueError(f"{where}: global_shape must be non-negative integers, got {list(shape)[:8]}")
+    if len(shape) > MAX_DIMS:
+        raise ValueError(f"{where}: global_shape has {len(shape)} dims; at most {MAX_DIMS} are supported")
+    nbytes = math.prod(shape) * torch_dtype(tensor.dtype).itemsize
+    if nbytes > MAX_TENSOR_BYTES:
+        raise ValueError(f"{where}: global_shape {list(shape)} is {nbytes} bytes of {tensor.dtype}, beyond any"
+                         f" tensor torch can hold ({MAX_TENSOR_BYTES} bytes)")
     if tensor.placements is not None:
         if len(tensor.placements) != len(layout.mesh.shape):
             raise ValueError(
@@ -117,20 +145,66 @@ def _validate_chunk(chunk: Chunk, shape: tuple[int, ...], world_size: int, where
 
 
 def _validate_tiling(chunks: Iterable[Chunk], shape: tuple[int, ...], where: str) -> None:
-    """Distinct non-empty boxes must not overlap and must cover the tensor; identical boxes are replicas."""
+    """Distinct non-empty boxes must not overlap and must cover the tensor; identical boxes are replicas.
+
+    Covering is a volume count; overlap is found by a sweep (``_first_overlap``), in O(n log n) for n boxes of
+    tensors up to 2-D.
+    """
     boxes = sorted({chunk.box for chunk in chunks if chunk.numel > 0})
-    for index, (offsets_a, sizes_a) in enumerate(boxes):
-        for offsets_b, sizes_b in boxes[index + 1 :]:
-            if all(
-                max(a, b) < min(a + sa, b + sb)
-                for a, sa, b, sb in zip(offsets_a, sizes_a, offsets_b, sizes_b)
-            ):
-                raise ValueError(
-                    f"{where}: chunks overlap: offsets {list(offsets_a)} sizes {list(sizes_a)} and offsets"
-                    f" {list(offsets_b)} sizes {list(sizes_b)}"
-                )
+    overlap = _first_overlap(boxes)
+    if overlap is not None:
+        (offsets_a, sizes_a), (offsets_b, sizes_b) = overlap
+        raise ValueError(
+            f"{where}: chunks overlap: offsets {list(offsets_a)} sizes {list(sizes_a)} and offsets"
+            f" {list(offsets_b)} sizes {list(sizes_b)}"
+        )
     covered = sum(math.prod(sizes) for _, sizes in boxes)
     if covered != math.prod(shape):
         raise ValueError(
             f"{where}: chunks cover {covered} of {math.prod(shape)} elements of shape {list(shape)}: they leave a gap"
         )
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def _overlaps(a: Box, b: Box) -> bool:
+    return all(max(oa, ob) < min(oa + sa, ob + sb) for oa, sa, ob, sb in zip(a[0], a[1], b[0], b[1]))
+
+
+def _first_overlap(boxes: list[Box]) -> tuple[Box, Box] | None:
+    """Two distinct boxes that overlap, or None.
+
+    A sweep along dim 0: boxes enter at their first row and leave after their last. While no two boxes have
+    overlapped, the active boxes are disjoint, so for a 2-D tensor their column intervals are disjoint too and
+    a new box can only meet its neighbours in column order (a sorted list, bisected). Higher-dim boxes are
+    compared with every active box.
+    """
+    if not boxes or not boxes[0][0]:
+        return (boxes[0], boxes[1]) if len(boxes) > 1 else None  # 0-d: one box, or the same box twice
+    events = sorted([(o[0] + s[0], 0, i) for i, (o, s) in enumerate(boxes)] + [(o[0], 1, i) for i, (o, s) in enumerate(boxes)])
+    active_starts: list[tuple[int, int]] = []  # (first column, box index), sorted; 2-D only
+    active: set[int] = set()
+    for _, entering, index in events:  # leaving (0) sorts before entering (1) at the same row
+        box = boxes[index]
+        if len(box[0]) == 1:
+            if entering and active:
+                return boxes[next(iter(active))], box
+            (active.add if entering else active.discard)(index)
+        elif len(box[0]) == 2:
+            key = (box[0][1], index)
+            if not entering:
+                active_starts.pop(bisect.bisect_left(active_starts, key))
+                continue
+            at = bisect.bisect_left(active_starts, key)
+            for neighbour in active_starts[max(at - 1, 0) : at + 1]:
+                if _overlaps(boxes[neighbour[1]], box):
+                    return boxes[neighbour[1]], box
+            active_starts.insert(at, key)
+        else:
+            if entering:
+                for other in active:
+                    if _overlaps(boxes[other], box):
+                        return boxes[other], box
+            (active.add if entering else active.discard)(index)
+    return None

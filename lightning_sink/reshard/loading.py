@@ -167,9 +167,9 @@ def load_into_state_dict(state_dict: dict[str, Any], checkpoint: Mapping[str, An
     DTensor leaves get their local shard copied in (their placements must give this rank the file's chunk);
     plain tensors get the full value; non-tensor leaves are replaced by the carried values.
     """
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-    from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.tensor import DTensor
+
+    from lightning_sink._torch_compat import flatten_state_dict, set_element
 
     flat, mapping = flatten_state_dict(state_dict)
     tensors, carried = checkpoint["tensors"], checkpoint.get("non_tensor_state", {})

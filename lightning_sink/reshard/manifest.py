@@ -9,12 +9,13 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
+from lightning_sink._fs import check_file_prefix, check_relative_name, inside, read_inside, sha256_inside
+from lightning_sink.layout.bounded_json import loads_bounded
 from lightning_sink.layout.io import load_layout
 from lightning_sink.layout.schema import LAYOUT_FILE_NAME
-from lightning_sink.reshard.writer import sha256_of_file
 
 __all__ = ["MANIFEST_FILE_NAME", "MANIFEST_FORMAT", "MANIFEST_VERSION", "Manifest", "read_manifest", "write_manifest",
            "safe_relative_path", "verify_checkpoint", "VerifyReport"]
@@ -36,10 +37,7 @@ class Manifest:
 
 def safe_relative_path(name: str, root: Path, what: str) -> Path:
     """``root / name`` for a relative name that stays inside ``root``; ValueError otherwise."""
-    pure = PurePosixPath(name)
-    if not name or pure.is_absolute() or ".." in pure.parts or "\\" in name or "\x00" in name:
-        raise ValueError(f"{what}: path {name!r} would escape the folder {str(root)!r}")
-    return root.joinpath(*pure.parts)
+    return root.joinpath(*check_relative_name(name, f"{what} (folder {str(root)!r})").parts)
 
 
 def write_manifest(folder: Path, manifest: Manifest) -> Path:
@@ -52,13 +50,13 @@ def write_manifest(folder: Path, manifest: Manifest) -> Path:
 
 
 def read_manifest(folder: Path) -> Manifest:
-    path = Path(folder) / MANIFEST_FILE_NAME
-    if not path.is_file():
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"resharded checkpoint folder {str(folder)!r} does not exist or is not a folder")
+    path = folder / MANIFEST_FILE_NAME
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"{str(folder)!r} holds no {MANIFEST_FILE_NAME}: not a complete resharded checkpoint")
-    try:
-        data = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"manifest {str(path)!r} is not valid JSON: {error}") from None
+    data = loads_bounded(read_inside(folder, MANIFEST_FILE_NAME, "resharded checkpoint"), f"manifest {str(path)!r}")
     if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
         raise ValueError(f"manifest {str(path)!r}: format is not {MANIFEST_FORMAT!r}")
     if data.get("version") != MANIFEST_VERSION:
@@ -66,9 +64,22 @@ def read_manifest(folder: Path) -> Manifest:
     files = data.get("files")
     if not isinstance(files, dict):
         raise ValueError(f"manifest {str(path)!r}: 'files' must be an object")
-    for name in files:
-        safe_relative_path(name, Path(folder), f"manifest {str(path)!r}")
-    return Manifest(files=files, provenance=data.get("provenance", {}))
+    for name, entry in files.items():
+        safe_relative_path(name, folder, f"manifest {str(path)!r}")
+        if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str) or not _is_count(entry.get("bytes")):
+            raise ValueError(f"manifest {str(path)!r}: entry {name!r} must be {{'sha256': str, 'bytes': int}}")
+    provenance = data.get("provenance", {})
+    if not isinstance(provenance, dict):
+        raise ValueError(f"manifest {str(path)!r}: 'provenance' must be an object")
+    check_file_prefix(provenance.get("ckpt_prefix", ""), f"manifest {str(path)!r}: provenance.ckpt_prefix")
+    if "world_size" in provenance and not (_is_count(provenance["world_size"]) and provenance["world_size"] > 0):
+        raise ValueError(f"manifest {str(path)!r}: provenance.world_size {provenance['world_size']!r} is not a"
+                         " positive integer")
+    return Manifest(files=files, provenance=provenance)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 @dataclass(frozen=True)
@@ -92,20 +103,21 @@ def verify_checkpoint(folder: str | os.PathLike, *, deep: bool = True) -> Verify
     total = 0
     for name, entry in sorted(manifest.files.items()):
         path = safe_relative_path(name, folder, f"manifest of {str(folder)!r}")
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise FileNotFoundError(f"{str(path)!r} is listed in the manifest but missing")
-        size = path.stat().st_size
-        if size != entry.get("bytes"):
-            raise ValueError(f"{str(path)!r} is {size} bytes, the manifest says {entry.get('bytes')}: truncated or replaced")
-        if sha256_of_file(path) != entry.get("sha256"):
+        digest, size = sha256_inside(folder, name, f"manifest of {str(folder)!r}")  # (no symbolic link followed)
+        if size != entry["bytes"]:
+            raise ValueError(f"{str(path)!r} is {size} bytes, the manifest says {entry['bytes']}: truncated or replaced")
+        if digest != entry["sha256"]:
             raise ValueError(f"{str(path)!r}: SHA-256 differs from the manifest: the file is corrupt")
         total += size
-    layout = load_layout(folder / LAYOUT_FILE_NAME)
+    layout = load_layout(inside(folder, LAYOUT_FILE_NAME, f"resharded checkpoint {str(folder)!r}"))
     prefix = manifest.provenance.get("ckpt_prefix", "")
     for rank in range(layout.world_size):
         name = f"rank_{rank}/{prefix}{rank}.pt"
         if name not in manifest.files:
             raise ValueError(f"{str(folder)!r} is incomplete: no file for target rank {rank} ({name}) in the manifest")
         if deep:
-            check_rank_payload(load_rank_payload(folder / name), layout, rank, str(folder / name))
+            check_rank_payload(load_rank_payload(inside(folder, name, f"manifest of {str(folder)!r}")), layout, rank,
+                               str(folder / name))
     return VerifyReport(folder, layout.world_size, len(manifest.files), total)

@@ -11,18 +11,18 @@ from __future__ import annotations
 import io
 import math
 import os
-import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from lightning_sink._fs import open_nofollow
+from lightning_sink.reshard.integrity import PartCrc, RecordChecks, WholeCrc
 from lightning_sink.reshard.plan import Box
 
 __all__ = ["ReadStats", "TensorLocation", "RangeFile", "locate_tensors", "copy_region", "FileCache"]
 
-_DATA_DESCRIPTOR_SIGNATURE = 0x08074B50
 READ_BUFFER_BYTES = 16 * 2**20  # the bounded staging buffer for regions that are contiguous only in the file
 SCATTER_RUN_BYTES = 4096  # target runs at least this long are read into place by scatter reads (preadv)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
@@ -30,12 +30,15 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 
 @dataclass
 class ReadStats:
-    """Bytes read from the source: tensor payload, zip/pickle headers, and the payload bytes actually needed."""
+    """Bytes read from the source: tensor payload, zip/pickle headers, the payload bytes actually needed, and
+    the bytes read only to check integrity (CRC-32 data descriptors, the unread rest of records read in part,
+    whole files hashed against their manifest)."""
 
     payload_bytes_read: int = 0
     header_bytes_read: int = 0
     bytes_needed: int = 0
     records_crc_checked: int = 0
+    verify_bytes_read: int = 0
 
     @property
     def bytes_read(self) -> int:
@@ -46,6 +49,7 @@ class ReadStats:
         self.header_bytes_read += other.header_bytes_read
         self.bytes_needed += other.bytes_needed
         self.records_crc_checked += other.records_crc_checked
+        self.verify_bytes_read += other.verify_bytes_read
 
 
 @dataclass(frozen=True)
@@ -99,7 +103,7 @@ class FileCache:
 
     def fd(self, path: Path) -> int:
         if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
+            self._fds[path] = open_nofollow(path)  # a link planted as a source file is refused, not followed
         return self._fds[path]
 
     def close(self) -> None:
@@ -168,32 +172,40 @@ def copy_region(
     target: torch.Tensor,
     target_offsets: tuple[int, ...],
     stats: ReadStats,
+    checks: RecordChecks | None = None,
 ) -> None:
     """Read ``region`` (global box) of the stored chunk at ``source_offsets`` into the contiguous ``target`` shard
-    at ``target_offsets``, reading only the region's bytes (plus, for non-row-major storage, its whole span)."""
+    at ``target_offsets``, reading only the region's bytes (plus, for non-row-major storage, its whole span).
+
+    The bytes are CRC-checked: a record read whole at once, a part through ``checks`` (its register is kept
+    there until ``checks.finish()`` has all the parts; without ``checks``, only whole records are checked)."""
+    checks = RecordChecks() if checks is None else checks
     item = source.dtype.itemsize
     stats.bytes_needed += math.prod(region[1]) * item
     if source.stride != _contiguous_strides(source.shape):
-        _copy_region_strided(fd, source, source_offsets, region, target, target_offsets, stats)
+        _copy_region_strided(fd, source, source_offsets, region, target, target_offsets, stats, checks)
         return
     region_offsets, sizes = region
     src_start = [r - s for r, s in zip(region_offsets, source_offsets)]
     dst_start = [r - t for r, t in zip(region_offsets, target_offsets)]
     src_shape, dst_shape = source.shape, tuple(target.shape)
     whole_record = source.storage_offset == 0 and sizes == src_shape and math.prod(src_shape) * item == source.storage_nbytes
+    crc = None if not checks.needs_crc(source.path) else WholeCrc() if whole_record else PartCrc()
     split = _split_dim(sizes, src_shape, dst_shape)
     run = math.prod(sizes[split:])
     if _split_dim(sizes, src_shape, src_shape) != 0:
-        crc = _copy_runs_direct(fd, source, src_start, sizes, split, target, dst_start, stats, whole_record)
+        _copy_runs_direct(fd, source, src_start, sizes, split, target, dst_start, stats, crc)
     elif run * item >= SCATTER_RUN_BYTES:
         # One span of the file, runs of the target (e.g. half-rows into full rows): the kernel scatters it
         # straight into the target, up to IOV_MAX runs per read.
-        crc = _copy_span_scattered(fd, source, src_start, sizes, split, target, dst_start, stats, whole_record)
+        _copy_span_scattered(fd, source, src_start, sizes, split, target, dst_start, stats, crc)
     else:
         # Runs too short for a syscall vector each: few big reads into a bounded buffer, scattered by torch.
-        crc = _copy_span_buffered(fd, source, src_start, region, target, dst_start, stats, whole_record)
-    if whole_record:
-        _check_crc(fd, source, crc, stats)
+        _copy_span_buffered(fd, source, src_start, region, target, dst_start, stats, crc)
+    if isinstance(crc, WholeCrc):
+        checks.whole(fd, source, crc.value, stats)
+    elif crc is not None:
+        checks.part(fd, source, (tuple(src_start), tuple(sizes)), crc.finish(source.storage_nbytes), stats)
 
 
 def _split_dim(sizes, src_shape, dst_shape) -> int:
@@ -215,25 +227,22 @@ def _run_elements(sizes, split, start, strides) -> list[int]:
     return offsets.tolist()
 
 
-def _copy_runs_direct(fd, source: TensorLocation, src_start, sizes, split, target, dst_start, stats, whole_record) -> int:
+def _copy_runs_direct(fd, source: TensorLocation, src_start, sizes, split, target, dst_start, stats, crc) -> None:
     item = source.dtype.itemsize
     run = math.prod(sizes[split:])
     src_strides, dst_strides = _contiguous_strides(source.shape), _contiguous_strides(tuple(target.shape))
     out = _as_bytes(target)
-    crc = 0
     src_runs = _run_elements(sizes, split, src_start, src_strides)
     for src_element, dst_element in zip(src_runs, _run_elements(sizes, split, dst_start, dst_strides)):
         src_element += source.storage_offset
         view = out[dst_element * item : (dst_element + run) * item]
         _pread_exact(fd, view, source.data_offset + src_element * item, source)
         stats.payload_bytes_read += len(view)
-        if whole_record:
-            crc = zlib.crc32(view, crc)
-    return crc
+        if crc is not None:
+            crc.feed(src_element * item, view)
 
 
-def _copy_span_scattered(fd, source: TensorLocation, src_start, sizes, split, target, dst_start, stats,
-                         whole_record) -> int:
+def _copy_span_scattered(fd, source: TensorLocation, src_start, sizes, split, target, dst_start, stats, crc) -> None:
     """The region is one contiguous span of the file whose runs land apart in the target: ``preadv`` with one
     buffer per run, in file order, so the bytes go to their place with no staging copy."""
     item = source.dtype.itemsize
@@ -243,18 +252,19 @@ def _copy_span_scattered(fd, source: TensorLocation, src_start, sizes, split, ta
     src_element = source.storage_offset + sum(b * s for b, s in zip(src_start, _contiguous_strides(source.shape)))
     offset = source.data_offset + src_element * item
     views: list[memoryview] = []
-    crc = 0
 
     def read_batch() -> None:
-        nonlocal offset, crc
+        nonlocal offset
         wanted = len(views) * run_bytes
         got = os.preadv(fd, views, offset)
         if got != wanted:
             raise ValueError(f"{source.what}: truncated: wanted {wanted} bytes at offset {offset}, the file ended"
                              f" after {got}")
-        if whole_record:
+        if crc is not None:
+            at = offset - source.data_offset
             for view in views:
-                crc = zlib.crc32(view, crc)
+                crc.feed(at, view)
+                at += len(view)
         offset += got
         stats.payload_bytes_read += got
         views.clear()
@@ -266,10 +276,9 @@ def _copy_span_scattered(fd, source: TensorLocation, src_start, sizes, split, ta
             read_batch()
     if views:
         read_batch()
-    return crc
 
 
-def _copy_span_buffered(fd, source: TensorLocation, src_start, region, target, dst_start, stats, whole_record) -> int:
+def _copy_span_buffered(fd, source: TensorLocation, src_start, region, target, dst_start, stats, crc) -> None:
     """The region is one contiguous span of the file (rows of the stored chunk): read it in blocks of whole
     dim-0 slices that fit the buffer, copying each block into the target's strided view."""
     item = source.dtype.itemsize
@@ -280,19 +289,18 @@ def _copy_span_buffered(fd, source: TensorLocation, src_start, region, target, d
     buffer = torch.empty(min(rows, rows_per_block) * row_elements, dtype=source.dtype)
     raw = _as_bytes(buffer)
     start_element = source.storage_offset + (src_start[0] * math.prod(source.shape[1:]) if sizes else 0)
-    crc = 0
     for first in range(0, rows, rows_per_block):
         count = min(rows_per_block, rows - first)
         view = raw[: count * row_elements * item]
-        _pread_exact(fd, view, source.data_offset + (start_element + first * row_elements) * item, source)
+        at = (start_element + first * row_elements) * item
+        _pread_exact(fd, view, source.data_offset + at, source)
         stats.payload_bytes_read += len(view)
-        if whole_record:
-            crc = zlib.crc32(view, crc)
+        if crc is not None:
+            crc.feed(at, view)
         block = buffer[: count * row_elements].view(count, *sizes[1:]) if sizes else buffer.view(())
         index = tuple(slice(d + (first if dim == 0 else 0), d + (first + count if dim == 0 else n))
                       for dim, (d, n) in enumerate(zip(dst_start, sizes)))
         target[index].copy_(block)
-    return crc
 
 
 def _pread_exact(fd: int, view: memoryview, offset: int, source: TensorLocation) -> None:
@@ -301,29 +309,16 @@ def _pread_exact(fd: int, view: memoryview, offset: int, source: TensorLocation)
         raise ValueError(f"{source.what}: truncated: wanted {len(view)} bytes at offset {offset}, the file ended after {got}")
 
 
-def _check_crc(fd: int, source: TensorLocation, crc: int, stats: ReadStats) -> None:
-    """A record read whole is checked against the CRC-32 in the zip data descriptor that follows it."""
-    descriptor = os.pread(fd, 8, source.data_offset + source.storage_nbytes)
-    stats.header_bytes_read += len(descriptor)
-    if len(descriptor) < 8:
-        raise ValueError(f"{source.what}: truncated after the tensor data (no zip data descriptor)")
-    signature, stored_crc = struct.unpack("<II", descriptor)
-    if signature != _DATA_DESCRIPTOR_SIGNATURE:
-        return  # written without a data descriptor: the CRC lives in the headers; zip checks it on full loads
-    if stored_crc == 0:
-        return  # not recorded (torch.save under skip_data or set_crc32_options(False), as this package's rank files)
-    if stored_crc != crc:
-        raise ValueError(f"{source.what}: corrupt: CRC-32 of the tensor data is {crc:08x}, the zip record says {stored_crc:08x}")
-    stats.records_crc_checked += 1
-
-
-def _copy_region_strided(fd, source: TensorLocation, source_offsets, region, target, target_offsets, stats) -> None:
+def _copy_region_strided(fd, source: TensorLocation, source_offsets, region, target, target_offsets, stats,
+                         checks: RecordChecks) -> None:
     """Non-row-major storage (e.g. a saved transpose): read the storage span once and slice it in memory."""
     span = bytearray(source.storage_nbytes)
     got = os.preadv(fd, [span], source.data_offset)
     if got != len(span):
         raise ValueError(f"{source.what}: truncated: wanted {len(span)} bytes, the file ended after {got}")
     stats.payload_bytes_read += got
+    if checks.needs_crc(source.path):
+        checks.whole(fd, source, zlib.crc32(span), stats)
     stored = torch.frombuffer(span, dtype=torch.uint8).view(source.dtype)
     stored = stored.as_strided(source.shape, source.stride, source.storage_offset)
     region_offsets, sizes = region

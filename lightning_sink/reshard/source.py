@@ -6,7 +6,9 @@ bytes, the non-tensor state to carry, and a fingerprint (to tell whether a desti
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -15,10 +17,17 @@ from pathlib import Path
 
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-from lightning_sink.layout.dcp_metadata import DCP_METADATA_FILE, layout_from_dcp_metadata, read_dcp_metadata, storage_rank
+from lightning_sink._fs import inside, open_nofollow, read_inside
+from lightning_sink.layout.dcp_metadata import (
+    DCP_METADATA_FILE,
+    layout_from_dcp_metadata,
+    read_dcp_metadata,
+    storage_rank,
+)
 from lightning_sink.layout.io import load_layout, resolve_layout_path
 from lightning_sink.layout.schema import LAYOUT_FILE_NAME, Chunk, Layout
-from lightning_sink.reshard.reader import ReadStats, TensorLocation, locate_tensors
+from lightning_sink.layout.validation import torch_dtype
+from lightning_sink.reshard.reader import FileCache, ReadStats, TensorLocation, locate_tensors
 from lightning_sink.reshard.writer import sha256_of_file
 
 __all__ = ["LIGHTNING_META_FILE", "RESHARDED_FORMAT", "Source", "DcpSource", "RankFilesSource", "open_source", "source_from_files"]
@@ -37,6 +46,9 @@ class Source:
     files: dict[int, Path]  # rank -> the file holding its chunks (DCP: one per rank)
     fingerprint: str
     paths: dict[str, list[str]] = field(default_factory=dict)  # fqn -> DCP's nested path, to unflatten
+    # Files whose whole SHA-256 ``check_files`` checked (their records need no CRC-32), and the bytes it read.
+    verified_files: set[str] = field(default_factory=set)
+    verify_bytes_read: int = 0
 
     def locate(self, chunk: Chunk, fqn: str, stats: ReadStats, fds) -> TensorLocation:
         raise NotImplementedError
@@ -62,20 +74,30 @@ class DcpSource(Source):
     def __init__(self, folder: Path, layout_file: Path | None, allowed: Mapping[int, Path] | None = None):
         self.folder = folder
         self.metadata = read_dcp_metadata(folder)
-        declared_path = layout_file or (folder / LAYOUT_FILE_NAME if (folder / LAYOUT_FILE_NAME).is_file() else None)
+        declared_path = layout_file or _own_layout_file(folder)
         declared = load_layout(declared_path) if declared_path is not None else None
-        storage = layout_from_dcp_metadata(folder, world_size=declared.world_size if declared else None)
+        storage = layout_from_dcp_metadata(folder)
         if declared is not None:
-            _check_layout_matches_storage(declared, storage, str(resolve_layout_path(declared_path)), str(folder))
+            layout_name = str(resolve_layout_path(declared_path))
+            if declared.world_size < storage.world_size:
+                raise ValueError(f"layout file {layout_name!r} does not match DCP checkpoint {str(folder)!r}: the"
+                                 f" checkpoint was saved by {storage.world_size} ranks, the layout has world size"
+                                 f" {declared.world_size}")
+            storage = layout_from_dcp_metadata(folder, world_size=declared.world_size)
+            _check_layout_matches_storage(declared, storage, layout_name, str(folder))
         # A rank may have written several files (__{rank}_0.distcp, __{rank}_1.distcp, ...): keep them all.
         self.rank_files: dict[int, set[Path]] = {}
         for info in (self.metadata.storage_data or {}).values():
-            self.rank_files.setdefault(storage_rank(info.relative_path), set()).add(folder / info.relative_path)
+            self.rank_files.setdefault(storage_rank(info.relative_path), set()).add(self._file(info.relative_path))
         files = {rank: min(paths) for rank, paths in self.rank_files.items()}
         if allowed is not None:  # transform_checkpoint_by_rank: only the ranks in the map may be read
             files = {rank: path for rank, path in files.items() if rank in allowed}
         paths = {fqn: list(path) for fqn, path in (self.metadata.planner_data or {}).items()}
         super().__init__(f"DCP checkpoint {str(folder)!r}", storage, files, sha256_of_file(folder / DCP_METADATA_FILE), paths)
+
+    def _file(self, relative_path: str) -> Path:
+        """A storage file named by the metadata, inside the folder and reached without a symbolic link."""
+        return inside(self.folder, relative_path, f"DCP checkpoint {str(self.folder)!r}")
 
     def _info(self, fqn: str, chunk: Chunk):
         item = self.metadata.state_dict_metadata[fqn]
@@ -95,18 +117,25 @@ class DcpSource(Source):
                 continue
             for index, stored in enumerate(item.chunks):
                 info = self.metadata.storage_data[MetadataIndex(fqn, stored.offsets, index)]
-                rank, path = storage_rank(info.relative_path), self.folder / info.relative_path
+                rank, path = storage_rank(info.relative_path), self._file(info.relative_path)
                 if rank in ranks and os.path.getsize(path) < info.offset + info.length:
                     raise ValueError(
                         f"{self.description}: file {str(path)!r} is truncated: tensor {fqn!r} needs bytes up to"
                         f" {info.offset + info.length}, the file has {os.path.getsize(path)}"
+                    )
+                nbytes = math.prod(stored.sizes) * item.properties.dtype.itemsize
+                if rank in ranks and nbytes > info.length:  # refused before any buffer of that size is made
+                    raise ValueError(
+                        f"{self.description}: tensor {fqn!r} (chunk at {list(stored.offsets)}) claims"
+                        f" {list(stored.sizes)} {item.properties.dtype}, {nbytes} bytes, but its record in"
+                        f" {str(path)!r} holds {info.length}"
                     )
 
     def locate(self, chunk: Chunk, fqn: str, stats: ReadStats, fds) -> TensorLocation:
         info = self._info(fqn, chunk)
         if chunk.rank not in self.files:
             raise ValueError(f"{self.description}: source rank {chunk.rank} is not among the files given")
-        path = self.folder / info.relative_path
+        path = self._file(info.relative_path)
         what = f"tensor {fqn!r} (chunk at {list(chunk.offsets)}) in file {str(path)!r}"
         location = locate_tensors(fds.fd(path), path, info.offset, info.length, what, stats)
         if not isinstance(location, TensorLocation):
@@ -120,12 +149,14 @@ class DcpSource(Source):
             if not isinstance(item, BytesStorageMetadata):
                 continue
             info = self.metadata.storage_data[MetadataIndex(fqn)]
-            path = self.folder / info.relative_path
+            path = self._file(info.relative_path)
             if not path.is_file():
                 raise FileNotFoundError(f"{self.description}: file {str(path)!r} holding {fqn!r} is missing")
-            with open(path, "rb") as handle:
-                handle.seek(info.offset)
-                data = handle.read(info.length)
+            fd = open_nofollow(path)
+            try:
+                data = os.pread(fd, info.length, info.offset)
+            finally:
+                os.close(fd)
             if len(data) != info.length:
                 raise ValueError(f"{self.description}: file {str(path)!r} is truncated: {fqn!r} is cut short")
             stats.header_bytes_read += len(data)
@@ -133,8 +164,9 @@ class DcpSource(Source):
         return carried
 
     def extra_files(self) -> dict[str, bytes]:
-        meta = self.folder / LIGHTNING_META_FILE
-        return {LIGHTNING_META_FILE: meta.read_bytes()} if meta.is_file() else {}
+        if not os.path.lexists(self.folder / LIGHTNING_META_FILE):
+            return {}
+        return {LIGHTNING_META_FILE: read_inside(self.folder, LIGHTNING_META_FILE, self.description)}
 
 
 class RankFilesSource(Source):
@@ -163,6 +195,39 @@ class RankFilesSource(Source):
                     return header["layout"]
         raise ValueError(f"{description}: the rank files embed no layout; pass src_strategy_file")
 
+    def check_files(self, ranks: list[int]) -> None:
+        """Also, before any buffer is made or byte copied: the chunks the layout gives a rank fit in its file, and
+        this package's rank files (which carry no CRC-32s) match the SHA-256 of their manifest or ``.sha256``
+        sidecar."""
+        super().check_files(ranks)
+        for rank in ranks:
+            self._check_claimed_bytes(rank)
+            self._check_digest(self.files[rank])
+
+    def _check_claimed_bytes(self, rank: int) -> None:
+        nbytes = sum(chunk.numel * torch_dtype(tensor.dtype).itemsize for tensor in self.layout.tensors.values()
+                     for chunk in tensor.chunks_of_rank(rank))
+        size = os.path.getsize(self.files[rank])
+        if nbytes > size:
+            raise ValueError(f"rank file {str(self.files[rank])!r}: the source layout gives rank {rank} {nbytes}"
+                             f" bytes of tensors, the file holds only {size}")
+
+    def _check_digest(self, path: Path) -> None:
+        from lightning_sink.reshard.loading import expected_digest, read_rank_file_header
+
+        if str(path) in self.verified_files or read_rank_file_header(path).get("format") != RESHARDED_FORMAT:
+            return  # a plain torch.save file: its records' CRC-32s are checked as they are read
+        expected = expected_digest(path)
+        if expected is None:
+            raise ValueError(f"rank file {str(path)!r} carries no CRC-32s and has no MANIFEST.json entry or .sha256"
+                             " sidecar: its integrity cannot be checked")
+        size = os.path.getsize(path)
+        self.verify_bytes_read += size
+        if size != expected[1] or sha256_of_file(path) != expected[0]:
+            raise ValueError(f"rank file {str(path)!r}: SHA-256 or size differs from its manifest (or sidecar): the"
+                             " file is corrupt or was replaced")
+        self.verified_files.add(str(path))
+
     def _entries(self, rank: int, stats: ReadStats, fds) -> dict:
         if rank not in self._located:
             path = self.files[rank]
@@ -186,11 +251,9 @@ class RankFilesSource(Source):
                 f"rank file {str(path)!r}: tensor {fqn!r} is {list(location.shape)} {location.dtype}, the source layout"
                 f" says {list(chunk.sizes)} {self.layout.tensors[fqn].dtype}"
             )
-        return location
+        return dataclasses.replace(location, what=f"tensor {fqn!r} in rank file {str(path)!r}")
 
     def non_tensor_state(self, stats: ReadStats) -> dict[str, bytes]:
-        from lightning_sink.reshard.reader import FileCache
-
         fds = FileCache()
         try:
             first = min(self.files)
@@ -228,25 +291,40 @@ def _check_layout_matches_storage(declared: Layout, storage: Layout, layout_name
                 )
 
 
+def _own_layout_file(folder: Path) -> Path | None:
+    """The folder's ``layout.json`` if it has one (a symbolic link there is refused, not followed)."""
+    if not os.path.lexists(folder / LAYOUT_FILE_NAME):
+        return None
+    return inside(folder, LAYOUT_FILE_NAME, f"checkpoint folder {str(folder)!r}")
+
+
 def _rank_files_in(folder: Path) -> dict[int, Path]:
     files: dict[int, Path] = {}
     for child in sorted(folder.iterdir()):
         match = _RANK_DIR.match(child.name)
-        if not match or not child.is_dir():
+        if not match or not (child.is_dir() or child.is_symlink()):
             continue
-        candidates = sorted(p for p in child.iterdir() if p.is_file() and p.suffix in (".pt", ".ckpt", ".pth"))
+        inside(folder, child.name, f"rank-file checkpoint {str(folder)!r}")  # a linked rank folder is refused
+        candidates = sorted(inside(child, p.name, f"rank folder {str(child)!r}") for p in child.iterdir()
+                            if p.suffix in (".pt", ".ckpt", ".pth") and (p.is_file() or p.is_symlink()))
         if len(candidates) != 1:
             raise ValueError(f"{str(child)!r} must hold exactly one checkpoint file (*.pt/*.ckpt/*.pth), found {len(candidates)}")
         files[int(match.group(1))] = candidates[0]
     return files
 
 
-def open_source(src_checkpoints_dir: str | os.PathLike, src_strategy_file: str | os.PathLike | None) -> Source:
-    """A DCP folder (``.metadata`` inside) or a folder of ``rank_{x}/`` subfolders."""
+def open_source(src_checkpoints_dir: str | os.PathLike, src_strategy_file: str | os.PathLike | None,
+                roles: Layout | None = None) -> Source:
+    """A DCP folder (``.metadata`` inside), a folder of ``rank_{x}/`` subfolders, or a one-device checkpoint file
+    (``roles``: a layout whose roles tell a Lightning checkpoint's buffers from its parameters, see one_device.py)."""
     folder = Path(src_checkpoints_dir)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"src_checkpoints_dir={str(folder)!r} is not a folder")
     layout_file = Path(src_strategy_file) if src_strategy_file is not None else None
+    if folder.is_file():
+        from lightning_sink.reshard.one_device import OneDeviceSource
+
+        return OneDeviceSource(folder, layout_file, roles)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"src_checkpoints_dir={str(folder)!r} is not a folder (nor a checkpoint file)")
     if (folder / DCP_METADATA_FILE).is_file():
         return DcpSource(folder, layout_file)
     files = _rank_files_in(folder)
@@ -255,8 +333,8 @@ def open_source(src_checkpoints_dir: str | os.PathLike, src_strategy_file: str |
             f"src_checkpoints_dir={str(folder)!r} is neither a DCP checkpoint (no .metadata) nor a folder of rank_<x>/"
             " checkpoint folders"
         )
-    if layout_file is None and (folder / LAYOUT_FILE_NAME).is_file():
-        layout_file = folder / LAYOUT_FILE_NAME
+    if layout_file is None:
+        layout_file = _own_layout_file(folder)
     source = RankFilesSource(files, layout_file, f"rank-file checkpoint {str(folder)!r}")
     expected = set(range(source.layout.world_size))
     if set(files) - expected:
@@ -266,11 +344,17 @@ def open_source(src_checkpoints_dir: str | os.PathLike, src_strategy_file: str |
     return source
 
 
-def source_from_files(checkpoint_files_map: Mapping[int, str | os.PathLike], src_strategy_file) -> Source:
-    """``transform_checkpoint_by_rank``'s map {source rank: file}: DCP ``.distcp`` files of one folder, or rank files."""
+def source_from_files(checkpoint_files_map: Mapping[int, str | os.PathLike], src_strategy_file,
+                      roles: Layout | None = None) -> Source:
+    """``transform_checkpoint_by_rank``'s map {source rank: file}: DCP ``.distcp`` files of one folder, rank files,
+    or {0: a one-device Lightning checkpoint file}."""
     files = {int(rank): Path(path) for rank, path in checkpoint_files_map.items()}
     if not files:
         raise ValueError("checkpoint_files_map is empty: map each needed source rank to its file")
+    if list(files) == [0] and files[0].is_file() and _is_lightning_file(files[0]):
+        from lightning_sink.reshard.one_device import OneDeviceSource
+
+        return OneDeviceSource(files[0], Path(src_strategy_file) if src_strategy_file is not None else None, roles)
     if all(path.suffix == ".distcp" for path in files.values()):
         folders = {path.parent for path in files.values()}
         if len(folders) != 1:
@@ -278,3 +362,15 @@ def source_from_files(checkpoint_files_map: Mapping[int, str | os.PathLike], src
         layout_file = Path(src_strategy_file) if src_strategy_file is not None else None
         return DcpSource(folders.pop(), layout_file, allowed=files)
     return RankFilesSource(files, Path(src_strategy_file) if src_strategy_file is not None else None, "checkpoint_files_map")
+
+
+def _is_lightning_file(path: Path) -> bool:
+    """A Lightning checkpoint (read on the meta device: its structure only)."""
+    from lightning_sink.reshard.one_device import is_lightning_checkpoint
+
+    fds = FileCache()
+    try:
+        loaded = locate_tensors(fds.fd(path), path, 0, os.path.getsize(path), f"checkpoint file {str(path)!r}", ReadStats())
+    finally:
+        fds.close()
+    return is_lightning_checkpoint(loaded)

@@ -7,12 +7,15 @@ the destination, with a manifest of SHA-256 digests written last, then renamed i
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import math
 import os
+import resource
 import shutil
 import time
 import uuid
+import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,9 +24,11 @@ from typing import Any
 
 import torch
 
+from lightning_sink._fs import DiskFullError, check_file_prefix, check_room_for, open_nofollow, remove_leftovers
 from lightning_sink.layout.io import load_layout, save_layout
 from lightning_sink.layout.schema import Layout
 from lightning_sink.layout.validation import torch_dtype
+from lightning_sink.reshard.integrity import RecordChecks
 from lightning_sink.reshard.loading import RESHARDED_VERSION, read_rank_file_header
 from lightning_sink.reshard.manifest import Manifest, read_manifest, write_manifest
 from lightning_sink.reshard.plan import RankPlan, band_box, bands_of, plan_rank
@@ -54,10 +59,12 @@ class RankResult:
 class ReshardReport:
     destination: Path
     ranks: list[RankResult] = field(default_factory=list)
+    checks: ReadStats = field(default_factory=ReadStats)  # integrity checks done once for all ranks
 
     @property
     def stats(self) -> ReadStats:
         total = ReadStats()
+        total.add(self.checks)
         for result in self.ranks:
             total.add(result.stats)
         return total
@@ -77,12 +84,6 @@ def _source_layout_arg(value: LayoutArg) -> Path | None:
     return None if value is None else Path(value)
 
 
-def _check_prefix(ckpt_prefix: str) -> None:
-    if not isinstance(ckpt_prefix, str) or any(c in ckpt_prefix for c in "/\\\x00") or ckpt_prefix in (".", ".."):
-        raise ValueError(f"ckpt_prefix={ckpt_prefix!r} must be a plain file-name prefix (no path separators)"
-                         " so that rank files stay inside the destination folder")
-
-
 def rank_list_for_transform(rank_id: int, src_strategy_file: str | os.PathLike, dst_strategy_file: LayoutArg) -> list[int]:
     """The source ranks whose files target ``rank_id`` needs, from the layouts alone.
 
@@ -90,11 +91,12 @@ def rank_list_for_transform(rank_id: int, src_strategy_file: str | os.PathLike, 
     (DCP stores a replicated chunk once, so only that folder knows which replica's file has it).
     """
     source_path = Path(src_strategy_file)
-    if source_path.is_dir() and (source_path / ".metadata").is_file():
-        src = open_source(source_path, None).layout
+    target = _layout(dst_strategy_file, "dst_strategy_file")
+    if (source_path.is_dir() and (source_path / ".metadata").is_file()) or zipfile.is_zipfile(source_path):
+        src = open_source(source_path, None, roles=target).layout  # a DCP folder or a one-device checkpoint
     else:
         src = load_layout(source_path)
-    return plan_rank(rank_id, src, _layout(dst_strategy_file, "dst_strategy_file")).source_ranks()
+    return plan_rank(rank_id, src, target).source_ranks()
 
 
 def _shard_bytes(plan: RankPlan) -> int:
@@ -111,12 +113,12 @@ def _payload(plan: RankPlan, source: Source, dst: Layout, stats: ReadStats, prov
         "tensors": {shard.fqn: torch.empty(shard.chunk.sizes, dtype=torch_dtype(shard.dtype)) for shard in plan.shards},
         "non_tensor_state": source.non_tensor_state(stats),
         "extra_files": source.extra_files(),
-        "paths": {fqn: path for fqn, path in source.paths.items()},
+        "paths": dict(source.paths),
         "provenance": provenance,
     }
 
 
-def _fill(plan: RankPlan, source: Source, out: StreamedRankFile, stats: ReadStats,
+def _fill(plan: RankPlan, source: Source, out: StreamedRankFile, stats: ReadStats, checks: RecordChecks,
           on_shard: Callable[[int], None] | None) -> None:
     """Every shard in file order, band by band: each band filled in place, in the file's write window, from
     exact byte ranges of the source."""
@@ -133,7 +135,7 @@ def _fill(plan: RankPlan, source: Source, out: StreamedRankFile, stats: ReadStat
                         raise ValueError(f"{location.what}: stored as {list(location.shape)} {location.dtype}, the"
                                          f" source layout says {list(copy.src_chunk.sizes)} {shard.dtype}")
                     copy_region(fds.fd(location.path), location, copy.src_chunk.offsets, copy.region, rows,
-                                band_offsets, stats)
+                                band_offsets, stats, checks)
             if on_shard is not None:
                 on_shard(shard.numel * dtype.itemsize)
     finally:
@@ -141,16 +143,57 @@ def _fill(plan: RankPlan, source: Source, out: StreamedRankFile, stats: ReadStat
 
 
 def _convert_rank(plan: RankPlan, source: Source, dst: Layout, out_path: Path, provenance: dict,
-                  on_shard: Callable[[int], None] | None = None) -> tuple[str, int, ReadStats]:
+                  checks: RecordChecks, on_shard: Callable[[int], None] | None = None) -> tuple[str, int, ReadStats]:
+    """Write target rank ``plan.rank``'s file; the parts of records it read in part are left in ``checks``."""
     stats = ReadStats()
-    out = StreamedRankFile(out_path, _payload(plan, source, dst, stats, provenance))
-    try:
-        _fill(plan, source, out, stats, on_shard)
-    except BaseException:
-        out.close()
-        raise
-    digest, size = out.finish()
+    payload = _payload(plan, source, dst, stats, provenance)
+    with _write_errors_in_words(out_path):
+        try:
+            out = StreamedRankFile(out_path, payload)
+        except RuntimeError as error:  # torch.save says a failed write so ("unexpected pos", "iostream error")
+            raise OSError(errno.EIO, f"torch.save could not write it ({error})") from None
+        try:
+            _fill(plan, source, out, stats, checks, on_shard)
+        except BaseException:
+            out.close()
+            raise
+        digest, size = out.finish()
     return digest, size, stats
+
+
+@contextmanager
+def _write_errors_in_words(path: Path) -> Iterator[None]:
+    """A write of ``path`` that fails (a full disk, the file-size limit, torch.save's own report of either) becomes
+    one OSError naming the file and, where it can be told, the reason in words."""
+    try:
+        yield
+    except DiskFullError:
+        raise
+    except OSError as error:
+        if error.filename is not None and Path(error.filename) != path:
+            raise  # not this file's write (e.g. a source that vanished)
+        reason = _full_disk_reason(path, error)
+        raise (DiskFullError if reason else OSError)(f"could not write {str(path)!r}: {reason or error}") from None
+
+
+def _full_disk_reason(path: Path, error: OSError) -> str | None:
+    if error.errno == errno.ENOSPC or error.errno == errno.EDQUOT:
+        return "the disk is full"
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    written = path.stat().st_size if path.exists() else 0
+    if error.errno == errno.EFBIG or (limit != resource.RLIM_INFINITY and written >= limit):
+        return f"the file reached this process's file-size limit ({limit} bytes)"
+    stats = os.statvfs(path.parent)
+    if stats.f_bavail == 0:
+        return "the disk is full"
+    return None
+
+
+def _check_room(plans: list[RankPlan], target: Layout, output: Path) -> None:
+    """Refuse before writing when the rank files (at least their shards and layout) cannot fit."""
+    header = len(target.to_json())
+    sizes = [_shard_bytes(plan) + header for plan in plans]
+    check_room_for(output.parent, sum(sizes), max(sizes, default=0), f"resharded checkpoint {str(output)!r}")
 
 
 def _provenance(source: Source, dst: Layout, ckpt_prefix: str) -> dict[str, Any]:
@@ -182,8 +225,9 @@ def worker_main(task: dict) -> int:
 
     try:
         result = _convert_task(task)
-    except (ValueError, FileNotFoundError, TypeError) as error:
-        print(json.dumps({"error": type(error).__name__, "message": str(error)}))
+    except (ValueError, FileNotFoundError, TypeError, OSError) as error:
+        kind = type(error).__name__ if isinstance(error, (ValueError, FileNotFoundError, TypeError)) else "OSError"
+        print(json.dumps({"error": kind, "message": str(error)}))
         return 1
     print(json.dumps({"result": result}))
     sys.stdout.flush()
@@ -193,24 +237,23 @@ def worker_main(task: dict) -> int:
 def _convert_task(task: dict) -> dict:
     started = time.perf_counter()
     rank, staging, ckpt_prefix = task["rank"], Path(task["staging"]), task["ckpt_prefix"]
-    source = open_source(task["src_dir"], task["src_layout"])
     dst = Layout.from_json(task["dst_layout"])
+    source = open_source(task["src_dir"], task["src_layout"], roles=dst)
     relative = f"rank_{rank}/{ckpt_prefix}{rank}.pt"
     (staging / f"rank_{rank}").mkdir(parents=True, exist_ok=True)
     plan = plan_rank(rank, source.layout, dst)
-    digest, size, stats = _convert_rank(plan, source, dst, staging / relative, _provenance(source, dst, ckpt_prefix))
+    checks = RecordChecks(set(task["verified_files"]))
+    digest, size, stats = _convert_rank(plan, source, dst, staging / relative, _provenance(source, dst, ckpt_prefix),
+                                        checks)
     return {"rank": rank, "relative_path": relative, "sha256": digest, "bytes_written": size, "stats": vars(stats),
-            "peak_rss_bytes": peak_rss_bytes(),
+            "checks": checks.to_json(), "peak_rss_bytes": peak_rss_bytes(),
             "seconds": time.perf_counter() - started}
 
 
 def _prepare_destination(dst: Path, provenance: dict, overwrite: bool) -> None:
     """Refuse a destination holding anything but this same conversion, unless ``overwrite``; clear leftovers of
     killed runs (staging and retired folders are never visible as the destination)."""
-    for leftover in dst.parent.glob(f".{dst.name}.staging-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
-    for leftover in dst.parent.glob(f".{dst.name}.old-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+    remove_leftovers(dst.parent, dst.name, ("staging", "old"))
     if not dst.exists():
         return
     if not dst.is_dir():
@@ -224,7 +267,8 @@ def _prepare_destination(dst: Path, provenance: dict, overwrite: bool) -> None:
     same = previous is not None and all(previous.get(k) == provenance[k] for k in ("source_fingerprint", "target_layout_sha256", "ckpt_prefix"))
     if not same:
         raise ValueError(f"dst_checkpoints_dir={str(dst)!r} already holds a different checkpoint (or other files);"
-                         " pass overwrite=True to replace it, or choose an empty folder")
+                         " pass overwrite=True (--overwrite on the command line) to replace it, or choose an empty"
+                         " folder")
 
 
 @contextmanager
@@ -237,7 +281,7 @@ def _exclusive(dst: Path) -> Iterator[None]:
     """
     path = dst.parent / f".{dst.name}.lock"
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)  # a planted link must not make us create its target
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -286,7 +330,8 @@ def transform_checkpoints(
 
     Args:
         src_checkpoints_dir: a DCP folder (this package's, or a Lightning ModelParallelStrategy/FSDPStrategy
-            sharded checkpoint) or a folder of ``rank_{x}/`` subfolders holding one checkpoint file each.
+            sharded checkpoint), a folder of ``rank_{x}/`` subfolders holding one checkpoint file each, or a
+            one-device checkpoint file (a Lightning ``.ckpt``, or a plain ``torch.save`` state dict).
         src_strategy_file: the source layout; None: the folder's ``layout.json``, else derived from DCP metadata.
         dst_strategy_file: the target layout (file or :class:`Layout`).
         workers: None converts in this process; k converts in k spawned processes, one target rank each.
@@ -296,18 +341,22 @@ def transform_checkpoints(
         progress: called with (target bytes done, target bytes in all) as shards fill (in process) or as
             target ranks finish (workers).
     """
-    _check_prefix(ckpt_prefix)
+    check_file_prefix(ckpt_prefix, "ckpt_prefix")
+    if Path(dst_checkpoints_dir).is_symlink():  # the output replaces dst as a whole: never at a link's target
+        raise ValueError(f"dst_checkpoints_dir={str(dst_checkpoints_dir)!r} is a symbolic link; name the folder itself")
     src_dir, dst = Path(src_checkpoints_dir).resolve(), Path(dst_checkpoints_dir).resolve()
     if dst == src_dir or src_dir in dst.parents or dst in src_dir.parents:
         raise ValueError(f"dst_checkpoints_dir={str(dst)!r} must not be, contain or lie inside src_checkpoints_dir={str(src_dir)!r}")
     if workers is not None and (not isinstance(workers, int) or workers < 1):
         raise ValueError(f"workers={workers!r} must be None or a positive integer")
-    source = open_source(src_dir, _source_layout_arg(src_strategy_file))
-    target = _layout(dst_strategy_file, "dst_strategy_file")
+    roles = _layout(dst_strategy_file, "dst_strategy_file") if src_dir.is_file() else None  # a .ckpt's buffers
+    source = open_source(src_dir, _source_layout_arg(src_strategy_file), roles=roles)
+    target = roles or _layout(dst_strategy_file, "dst_strategy_file")
     plans = [plan_rank(rank, source.layout, target) for rank in range(target.world_size)]  # all errors before writing
     source.check_files(sorted({r for plan in plans for r in plan.source_ranks()}))
     provenance = _provenance(source, target, ckpt_prefix)
     dst.parent.mkdir(parents=True, exist_ok=True)
+    _check_room(plans, target, dst)
     with _exclusive(dst):
         _prepare_destination(dst, provenance, overwrite)
         return _convert_all(plans, source, target, src_dir, src_strategy_file, dst, ckpt_prefix, provenance, workers,
@@ -320,10 +369,13 @@ def _convert_all(plans, source, target, src_dir, src_strategy_file, dst, ckpt_pr
     staging = dst.parent / f".{dst.name}.staging-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     report = ReshardReport(dst)
+    report.checks.verify_bytes_read += source.verify_bytes_read
+    checks = RecordChecks(source.verified_files)
     try:
         layout_arg = str(src_strategy_file) if src_strategy_file is not None else None
         tasks = [{"rank": plan.rank, "src_dir": str(src_dir), "src_layout": layout_arg, "dst_layout": target.to_json(),
-                  "staging": str(staging), "ckpt_prefix": ckpt_prefix} for plan in plans]
+                  "staging": str(staging), "ckpt_prefix": ckpt_prefix, "verified_files": sorted(source.verified_files)}
+                 for plan in plans]
         total, done = sum(_shard_bytes(plan) for plan in plans), 0
 
         def advance(count: int) -> None:
@@ -332,8 +384,10 @@ def _convert_all(plans, source, target, src_dir, src_strategy_file, dst, ckpt_pr
             if progress is not None:
                 progress(done, total)
 
-        for result in _run(tasks, plans, source, target, staging, ckpt_prefix, workers, memory_budget_bytes, advance):
+        for result in _run(tasks, plans, source, target, staging, ckpt_prefix, workers, memory_budget_bytes, advance,
+                           checks):
             report.ranks.append(result)
+        checks.finish(report.checks)  # every record read in parts, before anything is committed
         report.ranks.sort(key=lambda r: r.rank)
         save_layout(target, staging / "layout.json")
         files = {r.relative_path: {"sha256": r.sha256, "bytes": r.bytes_written} for r in report.ranks}
@@ -347,18 +401,22 @@ def _convert_all(plans, source, target, src_dir, src_strategy_file, dst, ckpt_pr
     return report
 
 
-def _run(tasks, plans, source, target, staging, ckpt_prefix, workers, memory_budget_bytes, advance):
+def _run(tasks, plans, source, target, staging, ckpt_prefix, workers, memory_budget_bytes, advance,
+         checks: RecordChecks):
+    """Convert every target rank, in this process or in workers; the parts of records read in part are merged
+    into ``checks``."""
     if workers is None:
         provenance = _provenance(source, target, ckpt_prefix)
         for plan in plans:
             started = time.perf_counter()
             relative = f"rank_{plan.rank}/{ckpt_prefix}{plan.rank}.pt"
             (staging / f"rank_{plan.rank}").mkdir()
-            digest, size, stats = _convert_rank(plan, source, target, staging / relative, provenance, advance)
+            digest, size, stats = _convert_rank(plan, source, target, staging / relative, provenance, checks, advance)
             peak = peak_rss_bytes()
             yield RankResult(plan.rank, relative, digest, size, stats, peak, time.perf_counter() - started)
         return
     for result in run_in_workers(tasks, worker_count(plans, workers, memory_budget_bytes)):
+        checks.merge(RecordChecks.from_json(result["checks"]))
         advance(_shard_bytes(plans[result["rank"]]))
         yield RankResult(result["rank"], result["relative_path"], result["sha256"], result["bytes_written"],
                          ReadStats(**result["stats"]), result["peak_rss_bytes"], result["seconds"])
@@ -389,8 +447,10 @@ def transform_checkpoint_by_rank(
     files of one folder, or rank files). Writes ``save_checkpoint_file_name`` atomically plus a ``.sha256``
     sidecar that ``load_resharded_checkpoint`` checks."""
     started = time.perf_counter()
-    source = source_from_files(checkpoint_files_map, _source_layout_arg(src_strategy_file))
-    target = _layout(dst_strategy_file, "dst_strategy_file")
+    files = list(checkpoint_files_map.values())
+    roles = _layout(dst_strategy_file, "dst_strategy_file") if len(files) == 1 else None  # a .ckpt's buffers
+    source = source_from_files(checkpoint_files_map, _source_layout_arg(src_strategy_file), roles=roles)
+    target = roles or _layout(dst_strategy_file, "dst_strategy_file")
     plan = plan_rank(rank_id, source.layout, target)
     missing = [rank for rank in plan.source_ranks() if rank not in {int(r) for r in checkpoint_files_map}]
     if missing:
@@ -398,17 +458,25 @@ def transform_checkpoint_by_rank(
                          f" (see rank_list_for_transform)")
     source.check_files(plan.source_ranks())
     out = Path(save_checkpoint_file_name)
+    if out.is_dir() or not out.name:
+        raise ValueError(f"save_checkpoint_file_name={str(out)!r} is a folder: name the rank file to write (e.g."
+                         f" {str(out / f'rank_{rank_id}' / f'checkpoint_{rank_id}.pt')!r})")
     provenance = _provenance(source, target, "")
     if out.exists() and not overwrite:
         header = read_rank_file_header(out) if out.is_file() else {}
         previous = header.get("provenance") or {}
         if header.get("rank") != rank_id or any(previous.get(k) != provenance[k] for k in ("source_fingerprint", "target_layout_sha256")):
-            raise ValueError(f"save_checkpoint_file_name={str(out)!r} already holds a different checkpoint; pass overwrite=True")
+            raise ValueError(f"save_checkpoint_file_name={str(out)!r} already holds a different checkpoint; pass"
+                             " overwrite=True (--overwrite on the command line)")
     out.parent.mkdir(parents=True, exist_ok=True)
+    _check_room([plan], target, out)
     temp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
     sidecar = out.with_name(out.name + ".sha256")
     try:
-        digest, size, stats = _convert_rank(plan, source, target, temp, provenance)
+        checks = RecordChecks(source.verified_files)
+        digest, size, stats = _convert_rank(plan, source, target, temp, provenance, checks)
+        stats.verify_bytes_read += source.verify_bytes_read
+        checks.finish(stats)  # this rank's parts of records: the rest of each is read for checking only
         temp_sidecar = sidecar.with_name(f".{sidecar.name}.tmp")
         temp_sidecar.write_text(f"{digest} {size}\n")
         os.replace(temp, out)  # a kill between the two replaces leaves a digest mismatch that loaders report

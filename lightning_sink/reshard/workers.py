@@ -18,16 +18,21 @@ from pathlib import Path
 
 __all__ = ["run_in_workers", "WorkerError"]
 
-# Registers a bare `lightning_sink` package (its __path__ only) so that importing its subpackages does not run
-# lightning_sink/__init__.py; then runs one task read from stdin and prints the result as JSON.
+# Registers a bare `lightning_sink` package
+# (its __path__ only) so that importing its subpackages does not run lightning_sink/__init__.py; ties the worker's
+# life to its parent's before importing anything slow (torch); then runs one task read from stdin and prints the
+# result as JSON.
 _BOOTSTRAP = """
 import json, sys, types
 package = types.ModuleType("lightning_sink")
 package.__path__ = [sys.argv[1]]
 sys.modules["lightning_sink"] = package
+from lightning_sink._parent_watch import die_with_parent
+die_with_parent(int(sys.argv[2]))
 from lightning_sink.reshard.transform import worker_main
 sys.exit(worker_main(json.loads(sys.stdin.read())))
 """
+
 
 
 class WorkerError(RuntimeError):
@@ -37,12 +42,13 @@ class WorkerError(RuntimeError):
 def _run_one(task: dict) -> dict:
     package_dir = str(Path(__file__).resolve().parents[1])
     environment = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    done = subprocess.run([sys.executable, "-c", _BOOTSTRAP, package_dir], input=json.dumps(task), env=environment,
-                          capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-c", _BOOTSTRAP, package_dir, str(os.getpid())], input=json.dumps(task),
+                          env=environment, capture_output=True, text=True)
     lines = done.stdout.strip().splitlines()
     reply = json.loads(lines[-1]) if lines else {}
     if "error" in reply:
-        error_type = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "TypeError": TypeError}
+        error_type = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "TypeError": TypeError,
+                      "OSError": OSError}
         raise error_type.get(reply["error"], RuntimeError)(reply["message"])
     if done.returncode != 0 or "result" not in reply:
         raise WorkerError(f"worker for target rank {task['rank']} exited with status {done.returncode}: {done.stderr[-2000:]}")

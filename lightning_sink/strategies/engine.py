@@ -158,6 +158,14 @@ class StepEngineMixin(WindowCheckpointMixin):
         return self.lightning_module is not None and self.lightning_module.automatic_optimization
 
     @property
+    def micro_steps_in_window(self) -> int | None:
+        """In sink mode, micro-batches of the open window (0 right after an update); ``None`` otherwise, where a
+        Lightning batch is one micro-batch and Lightning's own counters tell whether it closed a window."""
+        if self._stream is None or not self._accumulating:
+            return None
+        return self._sink_window_batches
+
+    @property
     def _loss_scaling(self) -> LossScalePrecision | None:
         plugin = self.precision_plugin
         return plugin if isinstance(plugin, LossScalePrecision) else None
@@ -291,7 +299,7 @@ class StepEngineMixin(WindowCheckpointMixin):
             self._stream = MicroBatchStream(self._sink_loader.loader, self._data_position, self._prefetch_depth(),
                                             copier=self._device_copier())
             module = self.lightning_module
-            self._log_buffer = SinkLogBuffer(module) if SinkLogBuffer.usable(module) else None
+            self._log_buffer = SinkLogBuffer(module)
             compat.decide_window_ends(trainer, lambda: self._sink_updates == 0)
             compat.hold_step_schedulers(trainer, lambda: True)  # stepped per update by the sink loop
             compat.skip_lightning_backward(trainer, True)
@@ -555,8 +563,8 @@ class StepEngineMixin(WindowCheckpointMixin):
                 losses.append(loss)
             self._data_position.advance()
             micro_index += 1
-            if self._sink_window_batches == 0 and buffer is not None and hasattr(buffer, "end_update"):
-                buffer.end_update()  # a window (an update) ended: the log buffer may mark an update boundary
+            if self._sink_window_batches == 0 and buffer is not None:
+                buffer.end_update()  # the loggers get this update's values at its step (sink_logging.py)
         compat.set_logging_step(trainer, updated=self._sink_updates > 0)
         if not losses:
             return None  # every micro-batch returned None: Lightning skips the batch, as for a None step

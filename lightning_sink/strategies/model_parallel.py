@@ -15,7 +15,9 @@ from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
+from lightning_sink.layout.dcp_metadata import DCP_METADATA_FILE
 from lightning_sink.strategies.atomic_dcp import check_checkpoint_dir, save_dcp_atomically
+from lightning_sink.strategies.dcp_load import load_dcp_folder
 from lightning_sink.strategies.fsdp_window import FSDPWindow
 from lightning_sink.strategies.resharded_load import (
     adapt_sink_state,
@@ -143,6 +145,12 @@ class SinkModelParallelStrategy(StepEngineMixin, ModelParallelStrategy):
         its own file (see ``resharded_load.py`` for what happens to the window and the data position)."""
         path = Path(self.broadcast(str(checkpoint_path)))
         check_checkpoint_dir(path)
+        weights_only = True if weights_only is None else weights_only  # untrusted files run no code unless asked
+        if (path / DCP_METADATA_FILE).is_file():
+            checkpoint = load_dcp_folder(path, self.model, self.optimizers, self.lightning_module.strict_loading,
+                                         weights_only)
+            self._restore_sink_state(checkpoint, path)
+            return checkpoint
         if not is_resharded_checkpoint(path):
             return super().load_checkpoint(path, weights_only=weights_only)
         checkpoint = load_resharded_into_strategy(self, path, weights_only)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from lightning_sink import _lightning_compat as compat
+from lightning_sink._fs import inside
 from lightning_sink.layout.schema import Layout
 from lightning_sink.reshard import load_into_state_dict, load_resharded_checkpoint
 from lightning_sink.reshard.manifest import MANIFEST_FILE_NAME, read_manifest
@@ -47,18 +48,20 @@ def rank_file(folder: Path, rank: int) -> Path:
     """``rank_{rank}/{prefix}{rank}.pt`` of a resharded folder: the prefix from its manifest, or (per-rank output
     without a manifest) the one ``.pt`` file with a ``.sha256`` sidecar in ``rank_{rank}/``."""
     if not (folder / MANIFEST_FILE_NAME).is_file():
-        files = sorted(sidecar.with_suffix("") for sidecar in (folder / f"rank_{rank}").glob("*.pt.sha256"))
+        rank_dir = inside(folder, f"rank_{rank}", f"resharded checkpoint {str(folder)!r}")
+        files = sorted(inside(rank_dir, sidecar.with_suffix("").name, f"resharded checkpoint {str(folder)!r}")
+                       for sidecar in rank_dir.glob("*.pt.sha256"))
         if len(files) != 1:
             raise ValueError(f"resharded checkpoint {str(folder)!r} has no MANIFEST.json and {len(files)} rank files"
                              f" with a .sha256 sidecar in rank_{rank}/ (expected exactly 1 for this rank)")
         return files[0]
-    manifest = read_manifest(folder)
-    prefix = manifest.provenance.get("ckpt_prefix")
+    manifest = read_manifest(folder)  # (its ckpt_prefix is checked to be a plain file-name prefix)
+    prefix = manifest.provenance.get("ckpt_prefix", "")
     world_size = manifest.provenance.get("world_size")
     if world_size is not None and rank >= world_size:
         raise ValueError(f"resharded checkpoint {str(folder)!r} was made for {world_size} ranks; this run has rank"
                          f" {rank}: reshard for this run's mesh (its layout from `lightning-sink layout`)")
-    return folder / f"rank_{rank}" / f"{prefix}{rank}.pt"
+    return inside(folder, f"rank_{rank}/{prefix}{rank}.pt", f"resharded checkpoint {str(folder)!r}")
 
 
 def check_layout_matches_mesh(layout: Layout, device_mesh: Any, world_size: int, file: Path) -> None:
@@ -132,5 +135,6 @@ def load_resharded_into_strategy(strategy: Any, folder: Path, weights_only: bool
             ) from None
         set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state[key],
                                  options=StateDictOptions(cpu_offload=True))
-    return torch.load(io.BytesIO(meta), map_location="cpu", weights_only=weights_only)
+    # Unset means torch's own default, True: no code is unpickled from the carried Lightning state.
+    return torch.load(io.BytesIO(meta), map_location="cpu", weights_only=True if weights_only is None else weights_only)
 

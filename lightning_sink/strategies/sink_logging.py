@@ -1,4 +1,5 @@
-"""``self.log`` inside a sink: recorded on the device per micro-step, handed to Lightning once per sink.
+"""``self.log`` inside a sink: recorded on the device per micro-step, handed to Lightning once per sink, and written
+to the loggers at every update where Lightning would have written it without sinking.
 
 Lightning's ``self.log`` costs about 0.1 ms a call on CPU (validation, metadata, result bookkeeping), which is a
 fifth of a small model's whole step; a sink of K micro-steps would pay it K times per key although Lightning reads
@@ -7,37 +8,63 @@ the values only once, at the sink's end (a sink is one Lightning batch). ``SinkL
 its micro-batch size. At the end of the sink every key goes to the real ``self.log`` at most twice, so that
 Lightning's results are what K calls would have made them:
 
-- the step value (what the logger and progress bar show for this step) is the last micro-step's value;
+- the step value (what the progress bar and callbacks see) is the last micro-step's value, or, when the sink ends
+  inside an accumulation window, the value of the sink's last update (Lightning writes it at that update's step);
 - the epoch aggregate (``on_epoch=True``) covers every micro-step: the first call carries the other micro-steps,
   reduced with the key's ``reduce_fx`` (for "mean", their batch-size-weighted mean with their summed batch size),
-  the second the last micro-step.
+  the second the step value.
 
 The batch size of an ``on_epoch`` mean is taken from the micro-batch itself, as Lightning takes it from its batch
 (Lightning's own batch in sink mode is a placeholder with no size). Calls the buffer does not reduce (a torchmetrics
 ``Metric``, ``enable_graph=True``, another ``reduce_fx``, a value Lightning would reject) go to the real
-``self.log`` at once, as before.
+``self.log`` at once.
+
+Loggers. Without sinking, Lightning writes the step values at the end of the batch that makes the u-th update when
+``u % log_every_n_steps == 0``, at step u - 1, and ``LearningRateMonitor`` writes the learning rates at the start of
+the batches of that update, also at step u - 1. A sink is one Lightning batch, so Lightning itself only sees the
+sink's start (the first update's learning rates) and its end (the last update's values). The strategy calls
+``end_update`` after each update inside the sink, which notes how many values each key had by then and the
+optimizers' settings the update left for the next one; ``flush`` then writes, for every update of the sink but the
+last, the values Lightning would have written at its step (read back in one transfer, only when a point is due),
+and runs each ``LearningRateMonitor``'s batch-start hook as of the update that followed it.
 """
 
 from __future__ import annotations
 
 import inspect
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_sink import _lightning_compat as compat
 
 __all__ = ["SinkLogBuffer"]
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
-# reduce_fx values whose K-step result the buffer can rebuild from a reduced prefix and the last value.
+# reduce_fx values whose K-step result the buffer can rebuild from a reduced prefix and the last value; the names
+# are also the reduce_op names of ``Strategy.reduce`` (Lightning syncs ``sync_dist`` values with the same op).
 _REDUCTIONS: dict[Any, str] = {"mean": "mean", "avg": "mean", torch.mean: "mean", "sum": "sum", torch.sum: "sum",
                                "max": "max", torch.max: "max", "min": "min", torch.min: "min"}
+
+# One optimizer's param-group settings (everything but the parameters), as LearningRateMonitor reads them.
+_Settings = list[dict[str, Any]]
+
+
+def _logs_at_update(trainer: pl.Trainer, update: int) -> bool:
+    """Whether Lightning writes the step values of the batch that makes the ``update``-th optimizer update
+    (``should_update_logs`` in Lightning's logger connector, for the fit loop, and ``fast_dev_run``)."""
+    every_n = trainer.log_every_n_steps
+    return (every_n > 0 and (update % every_n == 0 or trainer.should_stop)) or bool(trainer.fast_dev_run)
 
 
 @dataclass
@@ -50,12 +77,28 @@ class _Key:
     batch_sizes: list[int] = field(default_factory=list)
 
 
+@dataclass
+class _Update:
+    """An optimizer update made inside a sink: the global step after it, how many values each key had by then, and
+    (when a LearningRateMonitor will write at its step) the optimizers' settings it left for the next update."""
+
+    global_step: int
+    counts: dict[str, int]
+    settings: list[_Settings] | None
+
+
 class SinkLogBuffer:
     """Records a LightningModule's ``self.log`` calls during one sink; ``flush`` hands them to Lightning."""
 
     def __init__(self, module: pl.LightningModule) -> None:
         self._module = module
+        self._trainer = module.trainer
+        self._stands_in = self.usable(module)
+        self._lr_monitors = [callback for callback in self._trainer.callbacks
+                             if isinstance(callback, LearningRateMonitor)]
         self._keys: dict[str, _Key] = {}
+        self._updates: list[_Update] = []
+        self._micro_steps_since_update = 0
         self._micro_batch: Any = None
         self._micro_batch_size: int | None = None
         self._real_log: Callable[..., None] | None = None
@@ -63,21 +106,37 @@ class SinkLogBuffer:
 
     @staticmethod
     def usable(module: pl.LightningModule) -> bool:
-        """Not for a module that defines its own ``log``: it would no longer be called per micro-step."""
+        """Whether the buffer can stand in for ``self.log``: not for a module that defines its own ``log`` (it
+        would no longer be called per micro-step); such a module's values reach the loggers once per sink."""
         return not is_overridden("log", module, pl.LightningModule)
 
     # ------------------------------------------------------------------ around a sink
     def install(self) -> None:
-        self._real_log = self._module.log
-        self._module.log = self._log  # an instance attribute; ``log_dict`` calls ``self.log`` and lands here too
+        if self._stands_in:
+            self._real_log = self._module.log
+            self._module.log = self._log  # an instance attribute; ``log_dict`` calls ``self.log`` and lands here too
 
     def uninstall(self) -> None:
-        self._module.__dict__.pop("log", None)
+        if self._stands_in:
+            self._module.__dict__.pop("log", None)
         self._keys.clear()
+        self._updates.clear()
+        self._micro_steps_since_update = 0
         self._micro_batch = None
 
     def begin_micro_step(self, batch: Any) -> None:
         self._micro_batch, self._micro_batch_size = batch, None
+        self._micro_steps_since_update += 1
+
+    def end_update(self) -> None:
+        """Called by the strategy after each optimizer update inside the sink (after its LR schedulers stepped)."""
+        self._micro_steps_since_update = 0
+        trainer = self._trainer
+        settings = None
+        if self._lr_monitors and trainer.loggers and _logs_at_update(trainer, trainer.global_step + 1):
+            settings = [_settings_of(optimizer) for optimizer in trainer.optimizers]
+        self._updates.append(_Update(trainer.global_step, {name: len(key.values) for name, key in self._keys.items()},
+                                     settings))
 
     # ------------------------------------------------------------------ the stand-in for self.log
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
@@ -116,14 +175,101 @@ class SinkLogBuffer:
 
     # ------------------------------------------------------------------ at the sink's end
     def flush(self) -> None:
-        """Hand every recorded key to the real ``self.log``: the reduced earlier steps, then the last step."""
+        """Hand every recorded key to the real ``self.log``; write the updates Lightning does not see to the loggers."""
+        updates, self._updates = self._updates, []
+        # Lightning writes the step values at the step of the sink's last update: when micro-steps of the next
+        # window follow that update, the step value is the update's own, not the last micro-step's.
+        last_update = updates[-1].counts if updates and self._micro_steps_since_update else {}
         for name, key in self._keys.items():
-            values = torch.stack([_to_log_dtype(value) for value in key.values])
-            if key.options["on_epoch"] and len(values) > 1:
-                earlier, earlier_size = _reduce(values[:-1], key.batch_sizes[:-1], key.reduction)
-                self._real_log(name, earlier, batch_size=earlier_size, **key.options)
-            self._real_log(name, values[-1], batch_size=key.batch_sizes[-1], **key.options)
+            self._hand_to_lightning(name, key, (last_update.get(name) or len(key.values)) - 1)
+        self._write_updates_before_the_last(updates[:-1])
         self._keys.clear()
+
+    def _hand_to_lightning(self, name: str, key: _Key, step_index: int) -> None:
+        """The other micro-steps reduced (for the epoch aggregate), then the step value: Lightning keeps the last."""
+        values = torch.stack([_to_log_dtype(value) for value in key.values])
+        if key.options["on_epoch"] and len(values) > 1:
+            others = torch.cat([values[:step_index], values[step_index + 1:]])
+            sizes = key.batch_sizes[:step_index] + key.batch_sizes[step_index + 1:]
+            earlier, earlier_size = _reduce(others, sizes, key.reduction)
+            self._real_log(name, earlier, batch_size=earlier_size, **key.options)
+        self._real_log(name, values[step_index], batch_size=key.batch_sizes[step_index], **key.options)
+
+    def _write_updates_before_the_last(self, updates: list[_Update]) -> None:
+        """What Lightning would have written around each of these updates: its step values (at the end of its
+        batch) and the learning rates for the next update (at the start of that update's batches)."""
+        trainer = self._trainer
+        if not updates or not trainer.loggers:
+            return
+        due = [update for update in updates if _logs_at_update(trainer, update.global_step)]
+        points = dict(zip((update.global_step for update in due), self._read_step_values(due)))
+        for update in updates:
+            point = points.get(update.global_step)
+            if point:
+                point["epoch"] = trainer.current_epoch  # as Lightning adds to every point it writes
+                for logger in trainer.loggers:
+                    logger.log_metrics(point, step=update.global_step - 1)
+            if update.settings is not None:
+                self._replay_lr_monitors(update)
+
+    def _read_step_values(self, due: list[_Update]) -> list[dict[str, float]]:
+        """Each due update's step values by logged name; one read back for all of them."""
+        points: list[dict[str, float]] = [{} for _ in due]
+        columns, placements = [], []
+        for name, key in self._keys.items():
+            if key.options["logger"] is False or not key.options["on_step"]:  # (None: Lightning logs it)
+                continue
+            rows = [(row, update.counts[name] - 1) for row, update in enumerate(due) if update.counts.get(name)]
+            if rows:
+                column = torch.stack([_to_log_dtype(key.values[index]) for _, index in rows])
+                columns.append(self._synced(column, key).double())
+                placements.append((f"{name}_step" if key.options["on_epoch"] else name, [row for row, _ in rows]))
+        if columns:
+            values = iter(torch.cat(columns).tolist())  # the one host read of this sink's points
+            for logged_name, rows in placements:
+                for row in rows:
+                    points[row][logged_name] = next(values)
+        return points
+
+    def _synced(self, values: Tensor, key: _Key) -> Tensor:
+        """``sync_dist=True`` values reduced across ranks, as Lightning reduces each step value it logs."""
+        options, trainer = key.options, self._trainer
+        if not options["sync_dist"] or options["rank_zero_only"] or trainer.world_size == 1:
+            return values
+        return trainer.strategy.reduce(values, group=options["sync_dist_group"], reduce_op=key.reduction)
+
+    def _replay_lr_monitors(self, update: _Update) -> None:
+        """Each LearningRateMonitor's batch-start hook as Lightning would have run it at the next update's start:
+        at that logging step, with the optimizer settings of that moment."""
+        trainer = self._trainer
+        with _settings_applied(trainer.optimizers, update.settings), \
+                compat.logging_step_set_to(trainer, update.global_step):
+            for monitor in self._lr_monitors:
+                monitor.on_train_batch_start(trainer, self._module, None, 0)
+
+
+def _settings_of(optimizer: Optimizer) -> _Settings:
+    """A copy of every param group's settings; tensors (a tensor learning rate) are cloned, schedulers change
+    them in place."""
+    return [{name: value.clone() if isinstance(value, Tensor) else value
+             for name, value in group.items() if name != "params"} for group in optimizer.param_groups]
+
+
+@contextmanager
+def _settings_applied(optimizers: list[Optimizer], settings: list[_Settings]) -> Iterator[None]:
+    """The optimizers' param groups with the given settings for the duration of the block; the very same objects
+    (a tensor learning rate a fused optimizer holds on to) are put back after it."""
+    current = [[{name: value for name, value in group.items() if name != "params"} for group in optimizer.param_groups]
+               for optimizer in optimizers]
+    for optimizer, groups in zip(optimizers, settings):
+        for group, values in zip(optimizer.param_groups, groups):
+            group.update(values)
+    try:
+        yield
+    finally:
+        for optimizer, groups in zip(optimizers, current):
+            for group, values in zip(optimizer.param_groups, groups):
+                group.update(values)
 
 
 def _as_scalar_tensor(value: Any, device: torch.device) -> Tensor | None:

@@ -1,5 +1,5 @@
 """Shared pieces of the callback tests: a module that records the loss of every step, a plain-PyTorch reference
-loop, the seed's line format, and a stdout-line reader."""
+loop, MindSpore's line format, and a stdout-line reader."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from torch.utils.data import TensorDataset
 
 from tests.helpers import TinyClassifier, make_optimizer
 
-# Seed 001 (MindSpore's LossMonitor with dataset_sink_mode=True, sink_size=1000), verbatim.
-SEED_LINES = ("epoch: 1 step: 1000, loss is 0.5399815", "epoch: 10 step: 1000, loss is 0.01490275",
+# MindSpore's LossMonitor lines with dataset_sink_mode=True, sink_size=1000, verbatim.
+MINDSPORE_LINES = ("epoch: 1 step: 1000, loss is 0.5399815", "epoch: 10 step: 1000, loss is 0.01490275",
               "epoch: 9 step: 1000, loss is 0.00017951085")
 LOSS_LINE = re.compile(r"^epoch: (\d+) step: (\d+), loss is (\S+)$")
 MICRO, SAMPLES = 4, 40  # 10 micro-batches per data pass

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from callbacks import LossMonitor, LossScaleMonitor, TimeMonitor
 from lightning_sink import DynamicLossScale, LossScalePrecision, SinkDDPStrategy
+from lightning_sink.callbacks import LossMonitor, LossScaleMonitor, TimeMonitor
 from tests.callbacks.common import MICRO, RecordingClassifier
 from tests.helpers import loader, make_dataset, quiet_trainer
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -11,17 +10,11 @@ import pytest
 import torch
 
 from tests.callbacks.common import loss_lines
-from tests.conftest import clean_subprocess_env
-
-REPO = Path(__file__).resolve().parents[2]
+from tests.distributed import run_launched
 
 
 def launch(out_dir: Path, scenario: str) -> subprocess.CompletedProcess:
-    env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "tests.callbacks.ddp_monitor_worker", str(out_dir), scenario]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done
+    return run_launched("tests.callbacks.ddp_monitor_worker", out_dir, scenario, timeout=180)
 
 
 @pytest.mark.slow

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from callbacks import LossMonitor, LossScaleMonitor, TimeMonitor
 from lightning_sink import DynamicLossScale, LossScalePrecision, SinkStrategy
+from lightning_sink.callbacks import LossMonitor, LossScaleMonitor, TimeMonitor
 from tests.callbacks.common import MICRO, SAMPLES, RecordingClassifier
 from tests.helpers import loader, make_dataset, quiet_trainer
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from callbacks import LossMonitor, NonFiniteLossError
 from lightning_sink import SinkStrategy
+from lightning_sink.callbacks import LossMonitor, NonFiniteLossError
 from tests.callbacks.common import (
     LOSS_LINE,
-    SAMPLES,
-    SEED_LINES,
     MICRO,
+    MINDSPORE_LINES,
+    SAMPLES,
     RecordingClassifier,
     epoch_windows,
     loss_lines,
@@ -44,9 +44,9 @@ def fit(model, strategy, epochs, monitor, **kwargs):
     return trainer
 
 
-def test_the_line_format_is_the_seeds():
-    for line in SEED_LINES:  # the pattern and the number format reproduce MindSpore's own output
-        epoch, step, value = LOSS_LINE.match(line).groups()
+def test_the_line_format_is_mindspores():
+    for line in MINDSPORE_LINES:  # the pattern and the number format reproduce MindSpore's own output
+        _epoch, _step, value = LOSS_LINE.match(line).groups()
         assert str(np.float32(float(value))) == value
 
 
@@ -68,7 +68,7 @@ def test_per_batch_lines_show_each_steps_loss_by_the_print_rule(capsys, strategy
     expected = [((t - 1) // STEPS_PER_EPOCH + 1, (t - 1) % STEPS_PER_EPOCH + 1, model.step_losses[t - 1])
                 for t in totals]
     lines = [line for line in capsys.readouterr().out.splitlines() if LOSS_LINE.match(line)]
-    assert lines == [f"epoch: {e} step: {s}, loss is {str(np.float32(loss.item()))}" for e, s, loss in expected]
+    assert lines == [f"epoch: {e} step: {s}, loss is {np.float32(loss.item())!s}" for e, s, loss in expected]
     for (_, _, printed), t in zip(loss_lines("\n".join(lines)), totals):  # vs the plain PyTorch loop
         assert float(printed) == pytest.approx(reference[t - 1].item(), rel=1e-5)
 

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from callbacks import LossScaleMonitor
 from lightning_sink import DynamicLossScale, LossScalePrecision, SinkStrategy
+from lightning_sink.callbacks import LossScaleMonitor
 from tests.callbacks.common import MICRO, SAMPLES, InfAtSteps, dynamic_scale_rule
 from tests.helpers import loader, make_dataset, quiet_trainer
 

@@ -15,8 +15,8 @@ import pytest
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from callbacks import ReshardCheckpoint
 from lightning_sink import SinkStrategy
+from lightning_sink.callbacks import ReshardCheckpoint
 from lightning_sink.layout import load_layout, save_layout
 from lightning_sink.layout_inference import infer_layout
 from lightning_sink.reshard import load_resharded_checkpoint, unpickle_carried, verify_checkpoint
@@ -105,6 +105,19 @@ def test_bad_arguments_are_named(tmp_path: Path, kwargs, error, match):
         ReshardCheckpoint(**arguments)
 
 
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"ckpt_prefix": ".."}, r"ckpt_prefix='\.\.' must be a plain file-name prefix"),
+    ({"ckpt_prefix": "."}, r"ckpt_prefix='\.' must be a plain file-name prefix"),
+    ({"dst_dir": ""}, r"dst_dir='' is empty"),
+    ({"dst_dir": "."}, r"dst_dir='\.' is the working folder"),
+    ({"dst_strategy_file": ""}, r"dst_strategy_file='' is empty"),
+])
+def test_arguments_that_would_fail_only_at_fit_end_are_refused_at_construction(tmp_path: Path, kwargs, match):
+    arguments = {"dst_strategy_file": tmp_path / "t.json", "dst_dir": tmp_path / "out", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        ReshardCheckpoint(**arguments)
+
+
 def test_source_inside_destination_is_refused(tmp_path: Path):
     with pytest.raises(ValueError, match="must not be or contain one another"):
         ReshardCheckpoint(tmp_path / "t.json", tmp_path / "out", src_dir=tmp_path / "out" / "src")
@@ -117,6 +130,7 @@ def test_model_parallel_without_distributed_checkpoints_is_refused(tmp_path: Pat
         callback.setup(trainer, TPClassifier(), "fit")
 
 
+@pytest.mark.slow
 def test_workers_convert_in_separate_processes_to_the_same_files(tmp_path: Path, target_layout: Path):
     in_process = ReshardCheckpoint(target_layout, tmp_path / "a", src_dir=tmp_path / "src_a")
     in_workers = ReshardCheckpoint(target_layout, tmp_path / "b", src_dir=tmp_path / "src_b", workers=2)

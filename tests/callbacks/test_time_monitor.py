@@ -8,8 +8,8 @@ import time
 import pytest
 from lightning.pytorch.callbacks import Callback
 
-from callbacks import TimeMonitor
 from lightning_sink import SinkStrategy
+from lightning_sink.callbacks import TimeMonitor
 from tests.callbacks.common import MICRO, SAMPLES, RecordingClassifier
 from tests.helpers import loader, make_dataset, quiet_trainer
 
@@ -50,7 +50,7 @@ def run(capsys, strategy, epochs, monitor):
 def assert_within_clocks(lines, before, after, steps_per_epoch):
     """The monitor's readings lie between the clocks read just before and just after its own."""
     rounding = 0.0005  # the line prints 3 decimals
-    for (epoch_ms, step_ms, throughput), outer, inner in zip(lines, before.epochs, after.epochs):
+    for (epoch_ms, step_ms, _throughput), outer, inner in zip(lines, before.epochs, after.epochs):
         epoch_low, epoch_high = outer["end"] - inner["start"], inner["end"] - outer["start"]
         assert epoch_low * 1e3 - rounding <= epoch_ms <= epoch_high * 1e3 + rounding
         train_low = outer["batch_ends"][-1] - inner["start"]
@@ -75,7 +75,7 @@ def test_sink_mode_per_step_time_is_the_sink_time_over_its_steps(capsys):
     lines, before, after = run(capsys, SinkStrategy(accumulation_steps=1, sink_size=sink), 3, TimeMonitor())
     assert len(lines) == 3  # one sink per epoch: one line per sink
     assert_within_clocks(lines, before, after, sink)
-    for (_, step_ms, throughput), outer, inner in zip(lines, before.epochs, after.epochs):
+    for (_, step_ms, throughput), outer, _inner in zip(lines, before.epochs, after.epochs):
         assert len(outer["batch_ends"]) == 1  # the sink is one Lightning batch
         assert throughput == pytest.approx(MICRO * 1e3 / step_ms, rel=1e-3)  # batch size from the sink's loader
 

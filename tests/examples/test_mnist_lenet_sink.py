@@ -1,4 +1,4 @@
-"""Example 2 (seeds 001/004): LossMonitor's lines against a plain PyTorch loop over the same endless traversal."""
+"""Example 2 (MindSpore's sink mode): LossMonitor's lines against a plain PyTorch loop over the same endless traversal."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_sinks_of_k_batches_continue_the_traversal_across_epochs(tmp_path):
     ("all", [(1, 40)], 1),  # every pass in a single sink
     ("step", [(epoch, 1) for epoch in range(1, 41)], 40),  # one step per sink
 ])
-def test_the_data_sink_modes_of_seed_004(tmp_path, mode, expected_lines, sinks):
+def test_mindspores_three_data_sink_modes(tmp_path, mode, expected_lines, sinks):
     stdout = run_example(tmp_path, "--mode", mode, "--epochs", "2")
     assert [(int(epoch), int(step)) for epoch, step, _ in LINE.findall(stdout)] == expected_lines
     assert f"trained 40 batches in {sinks} sinks (40 updates)" in stdout

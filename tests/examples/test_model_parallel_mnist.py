@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import clean_subprocess_env
+from tests.examples.output_checks import unexpected_warnings
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,6 +25,7 @@ def test_sharded_mnist_example_learns_and_its_layout_is_predicted(tmp_path, monk
                "--checkpoint", str(tmp_path / "mp.ckpt")]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert unexpected_warnings(done.stdout + done.stderr) == []  # e.g. FSDP2's warning about modules returning views
     assert re.search(r"mesh 2 x 2; 16 updates of 256 samples", done.stdout)
     accuracy = float(re.search(r"final test accuracy: ([0-9.]+)", done.stdout).group(1))
     assert accuracy > 0.6  # 10 classes: chance is 0.1

@@ -1,4 +1,4 @@
-"""Seed 002's example run as a user runs it (8 gloo processes, then 4), on a small setting.
+"""The model-transformation example run as a user runs it (8 gloo processes, then 4), on a small setting.
 
 Checked: the fine-tuning starts at stage 1's global step and loss and then lowers it; the inference accuracy
 printed by the 4-process ``Trainer.test`` equals a plain PyTorch evaluation of the resharded weights (the full
@@ -62,7 +62,7 @@ def full_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def plain_accuracy(full: dict[str, torch.Tensor]) -> float:
-    """Test accuracy of the seed's MLP with these full tensors, evaluated by plain PyTorch on the CI test set."""
+    """Test accuracy of the example's MLP with these full tensors, evaluated by plain PyTorch on the CI test set."""
     model = nn.Sequential(nn.Flatten(), nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
                           nn.Linear(512, 10))
     model.load_state_dict({name.removeprefix("state_dict.net."): value for name, value in full.items()

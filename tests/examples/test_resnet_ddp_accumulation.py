@@ -1,4 +1,4 @@
-"""Example 3 (seed 000, parallel mode): ResNet-50 on 2 gloo processes, run as a user runs it."""
+"""Example 3 (MindSpore's accumulation tutorial, parallel mode): ResNet-50 on 2 gloo processes, run as a user runs it."""
 
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ import os
 import signal
 import sys
 
-from lightning_sink.reshard import transform_checkpoints
 from lightning_sink.reshard import transform as transform_module
+from lightning_sink.reshard import transform_checkpoints
 
 
 def die() -> None:

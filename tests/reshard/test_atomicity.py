@@ -68,7 +68,7 @@ def test_killed_conversion_leaves_old_or_nothing_and_rerun_completes(source_3: P
 
 
 def test_kill_at_a_random_moment(source_3: Path, layouts, tmp_path: Path):
-    two, five = layouts
+    _two, five = layouts
     dst = tmp_path / "out"
     rng = random.Random(0)
     env = clean_subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")

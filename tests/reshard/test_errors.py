@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lightning_sink.layout import MeshLayout, layout_on_mesh, load_layout, save_layout
-from lightning_sink.reshard import load_resharded_checkpoint, transform_checkpoints, verify_checkpoint
 from lightning_sink.layout.dcp_metadata import read_dcp_metadata
+from lightning_sink.reshard import load_resharded_checkpoint, transform_checkpoints, verify_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -3,8 +3,6 @@ metadata) resharded to 1 and 3 ranks, checked against DCP's own full load (``dcp
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_sink.layout import MeshLayout, layout_from_dcp_metadata, layout_on_mesh
 from lightning_sink.reshard import load_resharded_checkpoint, transform_checkpoints, unpickle_carried
-from tests.conftest import clean_subprocess_env
+from tests.distributed import run_launched
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,10 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def lightning_checkpoint(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("lightning") / "model_parallel.ckpt"
-    env = clean_subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "reshard" / "lightning_mp_run.py"), str(out)],
-                          cwd=out.parent, env=env, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_launched(ROOT / "tests" / "reshard" / "lightning_mp_run.py", out, cwd=out.parent, timeout=400)
     return out
 
 

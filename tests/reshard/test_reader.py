@@ -24,7 +24,7 @@ def test_plain_rank_files_with_a_transposed_tensor_and_a_scalar(tmp_path: Path):
     assert not full["t"].is_contiguous()
     source = tmp_path / "seed"
     (source / "rank_0").mkdir(parents=True)
-    torch.save(full, source / "rank_0" / "checkpoint_0.pt")  # one rank holding everything (the seed's layout)
+    torch.save(full, source / "rank_0" / "checkpoint_0.pt")  # one rank holding everything (MindSpore's layout)
     tensors = {name: TensorLayout(role="parameter", global_shape=tuple(v.shape), dtype=str(v.dtype).removeprefix("torch."),
                                   placements=("Replicate()",), chunks=(Chunk(0, (0,) * v.dim(), tuple(v.shape)),))
                for name, v in full.items()}

@@ -142,7 +142,7 @@ def test_worker_processes_write_the_same_files(source_8: Path, tmp_path: Path):
 
 @pytest.mark.slow
 def test_rank_folder_sources_resharded_output_and_plain_seed_files(source_8: Path, tmp_path: Path):
-    """The seed's rank_x/checkpoint_x layout: this package's own output, and plain {fqn: local shard} files."""
+    """MindSpore's rank_x/checkpoint_x layout: this package's own output, and plain {fqn: local shard} files."""
     full = full_tensors(SPEC_4X2)
     three = target(source_8, MeshLayout.one_dimensional(3), rows_1d)
     transform_checkpoints(source_8, tmp_path / "three", "checkpoint_", None, three)

@@ -8,14 +8,14 @@ losses and final parameters.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
+
+from tests import distributed
 
 STEPS_BEFORE, STEPS_AFTER, GLOBAL_BATCH = 3, 3, 8
 
@@ -73,7 +73,7 @@ def _phase_train(rank: int, world_size: int, init_file: str, mesh_name: str, out
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    distributed.init_process_group(rank, world_size, init_file)
     try:
         mesh, model, optimizer = build(*MESHES[mesh_name])
         train_steps(model, optimizer, mesh, 0, STEPS_BEFORE)
@@ -89,7 +89,7 @@ def _phase_train(rank: int, world_size: int, init_file: str, mesh_name: str, out
 
 
 def _phase_resume(rank: int, world_size: int, init_file: str, mesh_name: str, source: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    distributed.init_process_group(rank, world_size, init_file)
     try:
         for mode in ("resharded", "dcp"):
             _resume(rank, mesh_name, source, mode, out)
@@ -102,7 +102,12 @@ def _resume(rank: int, mesh_name: str, source: str, mode: str, out: str) -> None
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from lightning_sink.layout import layout_from_state_dict, save_layout
-    from lightning_sink.reshard import load_into_state_dict, load_resharded_checkpoint, to_dtensors, transform_checkpoints
+    from lightning_sink.reshard import (
+        load_into_state_dict,
+        load_resharded_checkpoint,
+        to_dtensors,
+        transform_checkpoints,
+    )
 
     # A fresh model and optimizer per mode.
     mesh, model, optimizer = build(*MESHES[mesh_name])
@@ -132,8 +137,5 @@ def _resume(rank: int, mesh_name: str, source: str, mode: str, out: str) -> None
 
 
 def spawn(phase: str, world_size: int, *args: str) -> None:
-    init_file = f"{args[-1]}.init_{phase}"
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     target = _phase_train if phase == "train" else _phase_resume
-    mp.start_processes(target, args=(world_size, init_file, *args), nprocs=world_size, start_method="spawn")
-    Path(init_file).unlink(missing_ok=True)
+    distributed.spawn(target, world_size, f"{args[-1]}.init_{phase}", *args)

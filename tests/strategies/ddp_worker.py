@@ -12,54 +12,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
 
 from lightning_sink import SinkDDPStrategy
+from tests.distributed import CollectiveCounter
 from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
 
 MICRO_BATCH = 4
-
-
-class ReductionCounter(Callback):
-    """Counts all_reduce calls and DDP communication-hook calls inside each training batch."""
-
-    def __init__(self) -> None:
-        self.all_reduce_calls = 0
-        self.ddp_hook_calls = 0
-        self.per_batch: list[dict[str, int]] = []
-        self._real_all_reduce = dist.all_reduce
-
-    def setup(self, trainer, pl_module, stage):
-        def counting_all_reduce(*args, **kwargs):
-            self.all_reduce_calls += 1
-            return self._real_all_reduce(*args, **kwargs)
-
-        dist.all_reduce = counting_all_reduce  # delegates to the real collective; only counts
-
-    def on_train_start(self, trainer, pl_module):
-        def hook(state, bucket):
-            self.ddp_hook_calls += 1
-            fut = torch.futures.Future()
-            fut.set_result(bucket.buffer())
-            return fut
-
-        trainer.model.register_comm_hook(None, hook)
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._start = (self.all_reduce_calls, self.ddp_hook_calls, trainer.global_step)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        reduces, hooks, step = self._start
-        self.per_batch.append(
-            {
-                "all_reduce": self.all_reduce_calls - reduces,
-                "ddp_hook": self.ddp_hook_calls - hooks,
-                "updates": trainer.global_step - step,
-            }
-        )
-
-    def teardown(self, trainer, pl_module, stage):
-        dist.all_reduce = self._real_all_reduce
 
 
 def resume_scenario(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> None:
@@ -117,10 +75,32 @@ def sink_scenario(out_dir: Path, steps: int, partial_window: str, num_samples: i
                     "lrs": model.seen_lrs}, out_dir / "sink.pt")
 
 
+class LogsPerRank(TinyClassifier):
+    """Logs values that differ per rank and per update, synced across ranks or not."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        value = torch.tensor(float(self.global_rank + 10 * self.trainer.global_step))
+        self.log("synced_mean", value, sync_dist=True)
+        self.log("synced_max", value, sync_dist=True, reduce_fx="max")
+        self.log("local", value)
+        return loss
+
+
+def logging_scenario(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> None:
+    """Sinks of 4 micro-batches, windows of ``steps``: every update's self.log values reach rank 0's logger."""
+    from lightning.pytorch.loggers import CSVLogger
+
+    strategy = SinkDDPStrategy(accumulation_steps=steps, sink_size=4, process_group_backend="gloo")
+    logger = CSVLogger(out_dir, name="run", version=0)
+    trainer = quiet_trainer(strategy=strategy, devices=2, max_epochs=epochs, logger=logger, log_every_n_steps=1)
+    trainer.fit(LogsPerRank(), loader(make_dataset(num_samples=num_samples), MICRO_BATCH))
+
+
 def main(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> None:
     dataset = make_dataset(num_samples=num_samples)
     model = TinyClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.95)
-    counter = ReductionCounter()
+    counter = CollectiveCounter(["all_reduce"], ddp_comm_hook=True)
     strategy = SinkDDPStrategy(accumulation_steps=steps, partial_window=partial_window, process_group_backend="gloo")
     trainer = quiet_trainer(strategy=strategy, devices=2, max_epochs=epochs, callbacks=[counter])
     trainer.fit(model, loader(dataset, MICRO_BATCH))
@@ -136,7 +116,7 @@ def main(out_dir: Path, steps: int, partial_window: str, num_samples: int, epoch
 
 if __name__ == "__main__":
     scenario = {"exactness": main, "resume": resume_scenario, "overflow": overflow_scenario,
-                "sink": sink_scenario}[sys.argv[6]]
+                "sink": sink_scenario, "logging": logging_scenario}[sys.argv[6]]
     scenario(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     # Tear gloo down before the interpreter exits; a live process group can abort the process at exit.
     dist.barrier()

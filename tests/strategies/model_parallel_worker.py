@@ -15,43 +15,13 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_sink import DynamicLossScale, LossScalePrecision, SinkModelParallelStrategy
+from tests.distributed import CollectiveCounter
 from tests.helpers import loader, make_dataset, quiet_trainer
 from tests.strategies.mp_models import InjectingTPClassifier, TPClassifier, full_parameters
 
 DP, TP, MICRO_BATCH, STEPS, SAMPLES, EPOCHS = 2, 2, 4, 3, 48, 2
+# FSDP2 reduce-scatters gradients through dist.reduce_scatter_single.
 COUNTED = ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
-
-
-class CollectiveCounter(Callback):
-    """Counts calls of the torch.distributed gradient collectives inside each training batch (delegating to them).
-
-    FSDP2 reduce-scatters gradients through ``dist.reduce_scatter_single``; tensor parallelism's activation
-    collectives go through functional collectives and are not counted here.
-    """
-
-    def __init__(self) -> None:
-        self.calls = dict.fromkeys(COUNTED, 0)
-        self.per_batch: list[dict[str, int]] = []
-        self._real = {name: getattr(dist, name) for name in COUNTED}
-
-    def setup(self, trainer, pl_module, stage):
-        for name in COUNTED:
-            def counting(*args, _name=name, **kwargs):
-                self.calls[_name] += 1
-                return self._real[_name](*args, **kwargs)
-            setattr(dist, name, counting)
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self._start = (dict(self.calls), trainer.global_step)
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        calls, step = self._start
-        counts = {name: self.calls[name] - calls[name] for name in COUNTED}
-        self.per_batch.append({**counts, "updates": trainer.global_step - step})
-
-    def teardown(self, trainer, pl_module, stage):
-        for name, real in self._real.items():
-            setattr(dist, name, real)
 
 
 class SaveAfterBatch(Callback):
@@ -83,7 +53,7 @@ def save(out_dir: Path, name: str, payload: dict) -> None:
 
 def train_scenario(out_dir: Path) -> None:
     """Exactness and reduction counts; a checkpoint after the first window; a resume from it to the same end."""
-    counter, saver = CollectiveCounter(), SaveAfterBatch(out_dir / "ckpt", at_batch=STEPS - 1)
+    counter, saver = CollectiveCounter(COUNTED), SaveAfterBatch(out_dir / "ckpt", at_batch=STEPS - 1)
     inside_window = SaveAfterBatch(out_dir / "mid", at_batch=STEPS + 1)  # micro-step 2 of window 2
     every_two_updates = ModelCheckpoint(dirpath=out_dir / "model_checkpoint", every_n_train_steps=2, save_top_k=-1)
     model = TPClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.95)
@@ -105,7 +75,7 @@ def train_scenario(out_dir: Path) -> None:
 
 def loss_scale_scenario(out_dir: Path) -> None:
     """An inf loss in one micro-step of window 1 on rank 1 only: every rank skips that window, the scale halves."""
-    counter = CollectiveCounter()
+    counter = CollectiveCounter(COUNTED)
     model = InjectingTPClassifier(inf_at=(STEPS + 1,), inf_rank=1, optimizer="adamw", lr=0.01)
     plugin = LossScalePrecision("32-true", DynamicLossScale(init_scale=2.0**10))
     trainer = fit(model, callbacks=[counter], plugins=[plugin])

@@ -23,8 +23,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 
-from callbacks import ReshardCheckpoint
 from lightning_sink import SinkModelParallelStrategy
+from lightning_sink.callbacks import ReshardCheckpoint
 from tests.helpers import loader, make_dataset, quiet_trainer
 from tests.strategies.mp_models import TPClassifier, full_parameters
 

@@ -9,8 +9,6 @@ folder; the continuation is checked on the loss of the whole data set.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,20 +19,16 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from lightning_sink.layout import save_layout
 from lightning_sink.layout_inference import infer_layout
 from lightning_sink.reshard import load_resharded_checkpoint, transform_checkpoints, verify_checkpoint
-from tests.conftest import clean_subprocess_env
+from tests.distributed import run_launched
 from tests.strategies import resharded_load_worker as worker
 from tests.strategies.mp_models import TPClassifier
 
-REPO = Path(__file__).resolve().parents[2]
 INIT_ARGS = {"optimizer": "adamw", "lr": worker.LR}
 MESHES = {"resumed_dp1_tp2": (1, 2), "resumed_dp2_tp1": (2, 1)}
 
 
 def launch(out: Path, phase: str) -> None:
-    env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, "-m", "tests.strategies.resharded_load_worker", str(out), phase], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    run_launched("tests.strategies.resharded_load_worker", out, phase, timeout=400)
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +46,8 @@ def runs(tmp_path_factory) -> Path:
 
 def train_one_device_sink_mode(out: Path) -> None:
     """2 sinks of 4 batches (the pass has 12): the checkpoint lies in the middle of the first data pass."""
-    from callbacks import ReshardCheckpoint
     from lightning_sink import SinkStrategy
+    from lightning_sink.callbacks import ReshardCheckpoint
     from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
 
     trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=worker.STEPS, sink_size=4), devices=1, max_epochs=2,
@@ -65,8 +59,8 @@ def train_one_device_sink_mode(out: Path) -> None:
 def train_one_device(out: Path) -> None:
     """Stage 1 on one device (SinkStrategy, same data and windows), resharded to 1 x 2 by ReshardCheckpoint; the
     trained parameters and AdamW state, by name, are the reference for what the 2-rank run loads from it."""
-    from callbacks import ReshardCheckpoint
     from lightning_sink import SinkStrategy
+    from lightning_sink.callbacks import ReshardCheckpoint
     from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
 
     model = TinyClassifier(**INIT_ARGS)

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.device_mesh import init_device_mesh
 
-from callbacks import ReshardCheckpoint
 from lightning_sink import SinkModelParallelStrategy, SinkStrategy
+from lightning_sink.callbacks import ReshardCheckpoint
 from lightning_sink.layout import save_layout
 from lightning_sink.layout_inference import infer_layout
 from lightning_sink.reshard import load_resharded_checkpoint, transform_checkpoints, unpickle_carried

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import clean_subprocess_env
-
+from tests.distributed import run_launched
 from tests.helpers import (
     TinyClassifier,
     ddp_reference_windows,
@@ -23,20 +19,14 @@ from tests.helpers import (
     relative_error,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 MICRO_BATCH, WORLD = 4, 2
 
 
 def launch(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int, scenario: str,
            torchrun: bool = False) -> None:
     """Lightning's own launcher re-runs the command for rank 1; with ``torchrun`` both ranks come from torchrun."""
-    env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun \
-        else [sys.executable]
-    command = [*launcher, "-m", "tests.strategies.ddp_worker", str(out_dir), str(steps), partial_window,
-               str(num_samples), str(epochs), scenario]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_launched("tests.strategies.ddp_worker", out_dir, steps, partial_window, num_samples, epochs, scenario,
+                 torchrun=WORLD if torchrun else None, timeout=180)
 
 
 def run_workers(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int,
@@ -125,3 +115,18 @@ def test_ddp_sinks_equal_the_continuous_global_batch_reference(tmp_path):
     assert result["global_step"] == len(windows) == 6
     assert result["lrs"] == pytest.approx(lrs, rel=1e-12)
     assert relative_error(result["rank0"].double(), flat_params(model)) <= 1e-6
+
+
+@pytest.mark.slow
+def test_ddp_sinks_write_every_updates_values_synced_as_lightning_syncs_them(tmp_path):
+    """Each update u's last micro-step logs rank + 10 (u - 1) on each rank; sync_dist reduces them across ranks (mean
+    0.5 + 10 (u - 1), max 1 + 10 (u - 1)), as Lightning does for a step value; the rest is rank 0's own value."""
+    import csv
+
+    launch(tmp_path, 2, "scale", 64, 3, "logging")  # 3 sinks of 4 micro-batches, 2 updates each
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as file:
+        rows = [row for row in csv.DictReader(file) if row.get("local")]
+    assert [int(row["step"]) for row in rows] == list(range(6))
+    assert [float(row["synced_mean"]) for row in rows] == [0.5 + 10 * u for u in range(6)]
+    assert [float(row["synced_max"]) for row in rows] == [1.0 + 10 * u for u in range(6)]
+    assert [float(row["local"]) for row in rows] == [10.0 * u for u in range(6)]

@@ -4,27 +4,20 @@ plain PyTorch loop over the global batch, on the unsharded model."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.conftest import clean_subprocess_env
+from tests.distributed import run_launched
 from tests.helpers import ddp_reference_windows, make_dataset, make_optimizer, quiet_trainer, relative_error
 from tests.strategies import model_parallel_worker as worker
 from tests.strategies.mp_models import TPClassifier, flat
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def launch(out_dir: Path, *scenarios: str, expect_returncode: int = 0) -> None:
     """Lightning's own launcher re-runs the command for ranks 1..3."""
-    env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "tests.strategies.model_parallel_worker", str(out_dir), *scenarios]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == expect_returncode, done.stdout[-3000:] + done.stderr[-3000:]
+    run_launched("tests.strategies.model_parallel_worker", out_dir, *scenarios, expect_returncode=expect_returncode)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ import copy
 import csv
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -97,7 +96,8 @@ def test_max_steps_schedulers_and_logging(tmp_path):
     assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == 8
     assert relative_error(flat_params(model), flat_params(reference)) <= 1e-6
     # self.log in training_step reaches the logger once per optimizer update, at steps 0..7 as stock Lightning.
-    rows = list(csv.DictReader(open(Path(logger.log_dir) / "metrics.csv")))
+    with open(Path(logger.log_dir) / "metrics.csv") as handle:
+        rows = list(csv.DictReader(handle))
     logged_steps = [int(row["step"]) for row in rows if row.get("train_loss")]
     assert logged_steps == list(range(8))
 

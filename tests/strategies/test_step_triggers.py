@@ -54,7 +54,7 @@ def test_model_checkpoint_every_n_train_steps_fires_by_the_documented_rule(tmp_p
                                                                           expected_steps):
     checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=every_n, save_top_k=-1,
                                  save_on_train_epoch_end=False)
-    trainer, initial = fit_with([checkpoint], sink_size, steps, epochs=4, enable_checkpointing=True)
+    _trainer, initial = fit_with([checkpoint], sink_size, steps, epochs=4, enable_checkpointing=True)
     saved = saved_steps(tmp_path)
     assert sorted(saved) == expected_steps
     for updates, state in saved.items():  # each file holds the parameters after exactly that many updates

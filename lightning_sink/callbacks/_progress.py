@@ -1,8 +1,10 @@
-"""What one Lightning batch trained, in MindSpore's units: steps (batches through the network) and their losses.
+"""What one Lightning batch trained, in MindSpore's units: steps (batches through the network) and their losses;
+and where the callbacks' scalars go on the loggers' step axis.
 
 A *step* is one batch through the network, as MindSpore counts it: one micro-batch under gradient accumulation,
 one of the K batches of a sink. In sink mode (``SinkStrategy(sink_size=K)``) a Lightning batch is a whole sink: its
-``batch`` is a ``SinkToken`` and its ``outputs`` carry every step's loss in ``outputs["losses"]``.
+``batch`` is a ``SinkToken`` and its ``outputs`` carry every step's loss in ``outputs["losses"]``. The printed lines
+count steps; the scalars written to the loggers are on Lightning's axis, optimizer updates (``UpdateAxis``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from torch import Tensor
 
 from lightning_sink.sink_data import SinkToken
 
-__all__ = ["StepCounter", "is_sink", "batch_losses", "log_scalars"]
+__all__ = ["StepCounter", "UpdateAxis", "is_sink", "batch_losses", "log_scalars"]
 
 
 def is_sink(batch: Any) -> bool:
@@ -77,3 +79,28 @@ class StepCounter:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.total = int(state["total"])
+
+
+class UpdateAxis:
+    """Where a Lightning batch's scalars go on Lightning's step axis, the one ``self.log`` and ``LearningRateMonitor``
+    write on: a value that belongs to the u-th optimizer update is written at step u - 1.
+
+    A micro-batch belongs to the update its accumulation window makes: the update it completes, or, inside a window,
+    the next one (step ``global_step``). Call ``batch_start`` at each Lightning batch's start; ``position`` at its
+    end gives the step of the batch's last micro-batch, and whether that step is final: the window is closed, so no
+    later batch falls on the same step.
+    """
+
+    def __init__(self) -> None:
+        self._global_step_at_batch_start = 0
+
+    def batch_start(self, trainer: pl.Trainer) -> None:
+        self._global_step_at_batch_start = trainer.global_step
+
+    def position(self, trainer: pl.Trainer) -> tuple[int, bool]:
+        open_micro_steps = getattr(trainer.strategy, "micro_steps_in_window", None)  # the sink strategies' windows
+        if open_micro_steps is None:  # one micro-batch per Lightning batch: it closed a window if it updated
+            closed = trainer.global_step > self._global_step_at_batch_start
+        else:
+            closed = open_micro_steps == 0
+        return (trainer.global_step - 1 if closed else trainer.global_step), closed

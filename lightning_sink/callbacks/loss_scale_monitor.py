@@ -15,8 +15,8 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from callbacks._progress import StepCounter, log_scalars
 from lightning_sink import LossScalePrecision, SinkDDPStrategy, SinkStrategy
+from lightning_sink.callbacks._progress import StepCounter, log_scalars
 
 __all__ = ["LossScaleMonitor"]
 

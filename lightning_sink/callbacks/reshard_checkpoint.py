@@ -1,6 +1,6 @@
 """``ReshardCheckpoint``: at the end of fit, save the final distributed checkpoint and reshard it for another layout.
 
-MindSpore's multi-stage recipe (seed 002: train on 8 cards, transform, fine-tune or infer on 4) as one callback:
+MindSpore's multi-stage recipe (train on 8 cards, transform the checkpoint, fine-tune or infer on 4) as one callback:
 
 1. the final state is saved as a DCP folder with its layout file in ``src_dir``:
    - a model-parallel run (``SinkModelParallelStrategy``, or Lightning's ``ModelParallelStrategy`` with
@@ -26,18 +26,18 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
+from lightning_sink._fs import check_file_prefix
 from lightning_sink.layout import load_layout
 from lightning_sink.reshard import ReshardReport, transform_checkpoints, verify_checkpoint
 from lightning_sink.strategies.atomic_dcp import save_dcp_atomically
@@ -48,6 +48,8 @@ __all__ = ["ReshardCheckpoint"]
 def _path(name: str, value: object) -> Path:
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name}={value!r} must be a path (str or os.PathLike).")
+    if not os.fspath(value):
+        raise ValueError(f"{name}={value!r} is empty: pass a path.")
     return Path(value)
 
 
@@ -74,10 +76,14 @@ class ReshardCheckpoint(Callback):
     ) -> None:
         self.dst_strategy_file = _path("dst_strategy_file", dst_strategy_file)
         self.dst_dir = _path("dst_dir", dst_dir)
+        if self.dst_dir.resolve() == Path.cwd().resolve() or not self.dst_dir.resolve().name:
+            raise ValueError(f"dst_dir={str(self.dst_dir)!r} is the working folder (or the root): the conversion"
+                             " replaces dst_dir as a whole; name a folder of its own.")
         self.src_dir = _path("src_dir", src_dir) if src_dir is not None else self.dst_dir.with_name(
             f"{self.dst_dir.name}.source")
-        if not isinstance(ckpt_prefix, str) or not ckpt_prefix or any(c in ckpt_prefix for c in "/\\\x00"):
+        if not isinstance(ckpt_prefix, str) or not ckpt_prefix:
             raise ValueError(f"ckpt_prefix={ckpt_prefix!r} must be a non-empty file-name prefix without path separators.")
+        check_file_prefix(ckpt_prefix, "ckpt_prefix")
         if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers={workers!r} must be None (convert in rank 0's process) or an int >= 1.")
         if not isinstance(overwrite, bool):
@@ -117,7 +123,7 @@ class ReshardCheckpoint(Callback):
         strategy = trainer.strategy
         src = Path(strategy.broadcast(str(self.src_dir)))
         if isinstance(strategy, ModelParallelStrategy):
-            trainer.save_checkpoint(src)  # every rank writes its shards; committed atomically with its layout
+            trainer.save_checkpoint(src, weights_only=False)  # every rank writes its shards, committed atomically
         else:
             _save_one_rank_dcp(trainer, pl_module, src)
         error = None
@@ -169,6 +175,39 @@ class _ProgressBar:
         self._bar.close()
 
 
+class _CaptureCheckpoint(CheckpointIO):
+    """Keeps the dict ``Trainer.save_checkpoint`` hands to the strategy's CheckpointIO instead of writing it: the
+    full checkpoint as the strategy completes it, with no file written and read back (unpickled) in between."""
+
+    def __init__(self) -> None:
+        self.checkpoint: dict[str, Any] | None = None
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        self.checkpoint = checkpoint
+
+    @override
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
+        raise NotImplementedError("only captures a checkpoint being saved")
+
+    @override
+    def remove_checkpoint(self, path: Any) -> None:
+        pass
+
+
+def _checkpoint_dict(trainer: pl.Trainer, target: Path) -> dict[str, Any]:
+    strategy = trainer.strategy
+    capture, original = _CaptureCheckpoint(), strategy.checkpoint_io
+    strategy.checkpoint_io = capture
+    try:
+        trainer.save_checkpoint(target, weights_only=False)  # (the full state: optimizers, callbacks, loops)
+    finally:
+        strategy.checkpoint_io = original
+    if capture.checkpoint is None:
+        raise RuntimeError(f"{type(strategy).__name__} did not hand its checkpoint to its CheckpointIO")
+    return capture.checkpoint
+
+
 def _save_one_rank_dcp(trainer: pl.Trainer, pl_module: pl.LightningModule, target: Path) -> None:
     """A one-device run's full state as the one-rank DCP folder a model-parallel run would write (module docstring).
 
@@ -178,10 +217,7 @@ def _save_one_rank_dcp(trainer: pl.Trainer, pl_module: pl.LightningModule, targe
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.meta-") as scratch:
-        full = Path(scratch) / "full.ckpt"
-        trainer.save_checkpoint(full)
-        metadata = torch.load(full, map_location="cpu", weights_only=False)  # (the file this run just wrote)
+    metadata = _checkpoint_dict(trainer, target)
     metadata.pop("state_dict", None)
     metadata.pop("optimizer_states", None)
     state: dict[str, Any] = {"state_dict": get_model_state_dict(pl_module)}

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
-from callbacks._progress import StepCounter, is_sink, log_scalars
+from lightning_sink.callbacks._progress import StepCounter, UpdateAxis, is_sink, log_scalars
 from lightning_sink.sink_data import SinkLoader
 
 __all__ = ["TimeMonitor", "TIME_SCALARS"]
@@ -52,7 +52,8 @@ class TimeMonitor(Callback):
 
     Printed on global rank 0 (rank 0's times):
     ``epoch time: 1234.567 ms, per step time: 12.346 ms, throughput: 2592.000 samples/s``. Logged to every logger
-    as ``time/epoch_ms``, ``time/step_ms`` and ``time/samples_per_s`` at step = (steps trained so far) - 1.
+    as ``time/epoch_ms``, ``time/step_ms`` and ``time/samples_per_s`` on Lightning's step axis, at the step of the
+    epoch's last micro-batch (u - 1 when it belongs to the u-th optimizer update; see ``LossMonitor``).
     The run's step count survives a restart via ``state_dict``; a resumed epoch is timed from the resume.
     """
 
@@ -70,6 +71,8 @@ class TimeMonitor(Callback):
         self._samples_per_step: int | None = data_size
         self._in_epoch = False
         self._validation_start: float | None = None
+        self._axis = UpdateAxis()
+        self._last_batch_step = 0  # the step axis position of the epoch's last batch so far
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -80,6 +83,11 @@ class TimeMonitor(Callback):
         self._in_epoch = True
 
     @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._axis.batch_start(trainer)
+
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -87,6 +95,7 @@ class TimeMonitor(Callback):
         self._train_seconds += now - self._last_batch_end - self._validation_seconds
         self._last_batch_end, self._validation_seconds = now, 0.0
         self._epoch_steps += self.steps.advance(outputs, batch, batch_idx)
+        self._last_batch_step = self._axis.position(trainer)[0]
         if self._samples_per_step is None:
             self._samples_per_step = _samples_per_step(trainer, batch)
 
@@ -116,7 +125,7 @@ class TimeMonitor(Callback):
             line += f", throughput: {throughput:5.3f} samples/s"
         if trainer.is_global_zero:
             print(line, flush=True)
-        log_scalars(trainer, metrics, step=self.steps.total - 1)
+        log_scalars(trainer, metrics, step=self._last_batch_step)
 
     @override
     def state_dict(self) -> dict[str, Any]:

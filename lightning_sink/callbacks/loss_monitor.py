@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
-from callbacks._progress import StepCounter, batch_losses, is_sink, log_scalars
+from lightning_sink.callbacks._progress import StepCounter, UpdateAxis, batch_losses, is_sink, log_scalars
 
 __all__ = ["LossMonitor", "NonFiniteLossError", "format_loss", "ON_NONFINITE"]
 
@@ -31,8 +31,8 @@ class NonFiniteLossError(RuntimeError):
 
 
 def format_loss(value: float, dtype: torch.dtype) -> str:
-    """The loss as MindSpore prints it (seed 001): numpy's shortest round-trip form of a float32 value
-    (``0.5399815``); a float64 loss keeps its float64 digits (seed 004 prints that form)."""
+    """The loss as MindSpore prints it: numpy's shortest round-trip form of a float32 value (``0.5399815``); a
+    float64 loss keeps its float64 digits, as MindSpore prints a float64 loss."""
     return str(np.float64(value)) if dtype == torch.float64 else str(np.float32(value))
 
 
@@ -83,8 +83,13 @@ class LossMonitor(Callback):
 
     The line is ``epoch: E step: S, loss is L``: E is 1-based, S the step within the epoch, L the last step's loss.
     Only global rank 0 prints (its own loss); every rank checks its losses, and on several ranks they agree
-    (one boolean all-reduce per check) so all raise or stop together. The loss is logged as ``loss`` to every
-    logger of the Trainer at each printed line, at step = (steps trained so far) - 1.
+    (one boolean all-reduce per check) so all raise or stop together.
+
+    The printed loss is also logged as ``loss`` to every logger of the Trainer, on Lightning's step axis (where
+    ``self.log`` puts each update's values): a loss that belongs to the u-th optimizer update (its micro-batch is
+    in that update's accumulation window) is written at step u - 1. At most one point per step: when several
+    printed lines fall in one window, the last one's loss is written, once that window has closed (or at the
+    epoch's end).
     """
 
     def __init__(self, per_print_times: int = 1, on_nonfinite: Literal["raise", "stop", "warn"] = "raise") -> None:
@@ -100,6 +105,9 @@ class LossMonitor(Callback):
         self.steps = StepCounter()
         self.last_print_step = 0  # steps.total at the last printed line
         self._pending = _PendingLosses()
+        self._axis = UpdateAxis()
+        self._unlogged: tuple[int, float] | None = None  # (step, loss) of a printed line whose window is still open
+        self._last_logged_step = -1
 
     @property
     @override
@@ -109,6 +117,11 @@ class LossMonitor(Callback):
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.steps.start_epoch()
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._axis.batch_start(trainer)
 
     @override
     def on_train_batch_end(
@@ -132,11 +145,24 @@ class LossMonitor(Callback):
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._pending.chunks:  # steps after the epoch's last check (the same on every rank: no collective skew)
             self._act_on_nonfinite(trainer, self._pending.read()[0])
+        if self._unlogged is not None:
+            self._log(trainer, *self._unlogged)
 
     def _report(self, trainer: pl.Trainer, epoch: int, value: float, dtype: torch.dtype) -> None:
         if trainer.is_global_zero:
             print(f"epoch: {epoch} step: {self.steps.in_epoch}, loss is {format_loss(value, dtype)}", flush=True)
-        log_scalars(trainer, {"loss": value}, step=self.steps.total - 1)
+        step, window_closed = self._axis.position(trainer)
+        if self._unlogged is not None and self._unlogged[0] != step:
+            self._log(trainer, *self._unlogged)  # a later window: the earlier line was its window's last
+        self._unlogged = (step, value)
+        if window_closed:
+            self._log(trainer, step, value)
+
+    def _log(self, trainer: pl.Trainer, step: int, value: float) -> None:
+        self._unlogged = None
+        if step > self._last_logged_step:  # (a window carried across epochs is logged at the first epoch's end)
+            self._last_logged_step = step
+            log_scalars(trainer, {"loss": value}, step=step)
 
     def _act_on_nonfinite(self, trainer: pl.Trainer, found: tuple[int, int, float] | None) -> None:
         if trainer.world_size > 1:  # every rank reaches the same check points, so this collective lines up

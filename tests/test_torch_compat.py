@@ -1,0 +1,72 @@
+"""Fails loudly, naming the API, when a torch release moves or changes a private API ``_torch_compat`` relies on;
+and no module of the package imports a private torch module except ``_torch_compat``."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.tensor.placement_types import Shard
+
+import lightning_sink
+from lightning_sink import _torch_compat as compat
+from lightning_sink.layout.dcp_metadata import read_dcp_metadata
+
+PACKAGE = Path(lightning_sink.__file__).parent
+
+
+def test_private_names_still_exist_and_behave():
+    flat, mapping = compat.flatten_state_dict({"a": {"b": torch.zeros(1)}, "c": 1})
+    assert set(flat) == {"a.b", "c"} and mapping["a.b"] == ("a", "b")
+    nested: dict = {"a": {"b": None}}
+    compat.set_element(nested, ("a", "b"), 7)
+    assert nested == {"a": {"b": 7}}
+    sizes, offsets = compat.compute_local_shape_and_global_offset((5,), (2,), [1], [Shard(0)])
+    assert (tuple(sizes), tuple(offsets)) == ((2,), (3,))  # torch.chunk rows: 3 and 2
+    strided = compat.StridedShard(0, split_factor=2)
+    assert strided.dim == 0 and strided.split_factor == 2
+    assert compat.fake_store() is not None
+
+
+def test_dcp_reader_and_planner_hooks_are_the_ones_overridden():
+    """``read_metadata`` and ``load_bytes`` keep their signatures, and the planner still keeps the attributes the
+    weights-only ``load_bytes`` fills."""
+    assert list(inspect.signature(FileSystemReader.read_metadata).parameters) == ["self", "args", "kwargs"]
+    assert list(inspect.signature(DefaultLoadPlanner.load_bytes).parameters) == ["self", "read_item", "value"]
+    source = inspect.getsource(DefaultLoadPlanner.load_bytes)
+    assert "self.original_state_dict" in source and "self.mappings" in source and "self.flatten_state_dict" in source
+
+
+def test_the_checked_reader_and_weights_only_planner_load_a_real_folder(tmp_path: Path):
+    state = {"w": torch.arange(4.0), "note": {"lr": 0.5, "betas": (0.9, 0.99)}}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=tmp_path)
+        loaded = {"w": torch.zeros(4), "note": {"lr": 0.0, "betas": (0.0, 0.0)}}
+        dcp.load(loaded, storage_reader=compat.MetadataCheckedReader(tmp_path, read_dcp_metadata),
+                 planner=compat.WeightsOnlyLoadPlanner())
+    assert torch.equal(loaded["w"], state["w"]) and loaded["note"] == state["note"]
+    reader = compat.MetadataCheckedReader(tmp_path, read_dcp_metadata)
+    assert reader.read_metadata().storage_meta.load_id == reader.load_id
+
+
+def test_only_torch_compat_imports_private_torch_modules():
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "_torch_compat.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([node.module or ""] if isinstance(node, ast.ImportFrom) else
+                     [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            imported = [alias.name for alias in node.names] if isinstance(node, ast.ImportFrom) else []
+            for name in names:
+                if name.startswith("torch") and (any(part.startswith("_") for part in name.split("."))
+                                                 or any(n.startswith("_") for n in imported)):
+                    offenders.append(f"{path.relative_to(PACKAGE)}: {name} {imported}")
+    assert offenders == []
