@@ -70,3 +70,32 @@ def test_model_parallel_strategy_keeps_save_distributed_checkpoint_where_the_com
 
     assert compat.saves_distributed_checkpoint(ModelParallelStrategy(save_distributed_checkpoint=True)) is True
     assert compat.saves_distributed_checkpoint(ModelParallelStrategy(save_distributed_checkpoint=False)) is False
+
+
+def test_skip_training_batches_drops_the_start_of_the_pass_lightning_is_about_to_run():
+    dataset = make_dataset(num_samples=24)
+    seen, skipped = [], []
+
+    class SkipTwo(Callback):
+        def on_train_start(self, trainer, pl_module):
+            skipped.append(compat.skip_training_batches(trainer, 2))
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(batch[0])
+
+    trainer = quiet_trainer(max_epochs=1, callbacks=[SkipTwo()])
+    trainer.fit(TinyClassifier(), loader(dataset, 4))
+    assert skipped == [2]
+    expected = [dataset.tensors[0][i : i + 4] for i in range(8, 24, 4)]
+    assert len(seen) == len(expected) and all(a.equal(b) for a, b in zip(seen, expected))
+
+
+def test_shut_down_loader_workers_is_lightnings_end_of_fit_shutdown():
+    from torch.utils.data import DataLoader
+
+    data_loader = DataLoader(make_dataset(num_samples=8), batch_size=4, num_workers=1, persistent_workers=True)
+    list(data_loader)
+    assert data_loader._iterator is not None and data_loader._iterator._workers[0].is_alive()
+    workers = data_loader._iterator._workers
+    compat.shut_down_loader_workers(data_loader)
+    assert data_loader._iterator is None and not any(worker.is_alive() for worker in workers)

@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.accumulation import (PARTIAL_WINDOW_MODES, GradientAccumulator, MicroStep, SingleStepGradients,
                                          plan_micro_step)
-from lightning_sink.data import DataPosition, ResumableLoader
+from lightning_sink.data import DataPosition
 from lightning_sink.device_prefetch import CudaBatchCopier
 from lightning_sink.loss_scale import DynamicLossScale
 from lightning_sink.precision import LossScalePrecision
@@ -34,6 +34,7 @@ from lightning_sink.strategies.graph_modes import check_graph_mode_device, step_
 from lightning_sink.strategies.hooks import HookPlan
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
 from lightning_sink.strategies.step_triggers import ignore_one_batch_per_epoch_warning, warn_about_unaligned_step_triggers
+from lightning_sink.training_passes import TrainingPasses
 
 __all__ = ["StepProgramsMixin", "CHECKPOINT_KEY"]
 
@@ -116,6 +117,7 @@ class StepProgramsMixin:
         self.partial_window = partial_window
         self._accumulator: GradientAccumulator | None = None
         self._data_position = DataPosition()
+        self._passes = TrainingPasses(self._data_position)  # the loader outside sink mode (resume, "drop" length)
         self._pending_state: dict[str, Any] | None = None
         self._planned: tuple[int, bool] | None = None
         self._log_buffer: SinkLogBuffer | None = None
@@ -180,13 +182,8 @@ class StepProgramsMixin:
             self._sink_loader = SinkLoader(dataloader)
             return self._sink_loader
         whole = self.accumulation_steps if self.partial_window == "drop" else None
-        wrapped = ResumableLoader(dataloader, self._data_position, whole_windows_of=whole)
-        if whole and hasattr(dataloader, "__len__") and len(wrapped) == 0:
-            raise ValueError(
-                f"partial_window='drop' with accumulation_steps={whole} drops every batch: the training loader has"
-                f" only {len(dataloader)} batches per epoch. Use partial_window='scale' or 'carry', or fewer steps."
-            )
-        return wrapped
+        self._passes.take_loader(trainer, dataloader, whole_windows_of=whole)  # [data] generators, "drop" length
+        return dataloader
 
     # ------------------------------------------------------------------ lifecycle
     def on_train_start(self) -> None:
@@ -212,6 +209,8 @@ class StepProgramsMixin:
         if self._pending_state is not None:
             self._load_window_state(self._pending_state)
             self._pending_state = None
+        if self.sink_size is None:
+            self._passes.skip_trained_batches(self._trainer)  # [data] after a mid-pass resume
         if self._sink_loader is not None:
             warn_about_unaligned_step_triggers(self._trainer, self.sink_size, self.accumulation_steps)
             self._stream = MicroBatchStream(self._sink_loader.loader, self._data_position, self._prefetch_depth(),
@@ -251,6 +250,7 @@ class StepProgramsMixin:
 
     def teardown(self) -> None:
         self._close_stream()  # also when training raised and on_train_end never ran
+        self._passes.release()  # [data]
         super().teardown()  # type: ignore[misc]
 
     # ------------------------------------------------------------------ which program a batch runs
@@ -301,9 +301,7 @@ class StepProgramsMixin:
             output = self.accumulate_step(batch, batch_idx)
             if plan is MicroStep.ACCUMULATE_THEN_DROP:
                 self._accumulator.clear()
-        self._data_position.advance()
-        if compat.is_last_batch_of_epoch(self._trainer):  # (the sink loop keeps its own position)
-            self._data_position.end_pass()  # a resume after this point starts a fresh pass
+        self._passes.batch_trained(compat.is_last_batch_of_epoch(self._trainer))  # [data] (sinks count their own)
         return output
 
     def optimizer_step(
