@@ -30,6 +30,7 @@ __all__ = [
     "saves_distributed_checkpoint",
     "skip_training_batches",
     "shut_down_loader_workers",
+    "forget_saved_loader_states",
 ]
 
 # The file in which Lightning's ModelParallelStrategy keeps the non-tensor part (loops, callbacks, ...) of a DCP folder.
@@ -158,3 +159,9 @@ def skip_training_batches(trainer: pl.Trainer, count: int) -> int:
 def shut_down_loader_workers(loader: object) -> None:
     """What Lightning does to a training loader at the end of fit: stop its (persistent) workers, drop its iterator."""
     _shutdown_workers_and_reset_iterator(loader)
+
+
+def forget_saved_loader_states(trainer: pl.Trainer) -> None:
+    """Keep Lightning from loading the checkpoint's state into a stateful training loader (the strategy resumes the
+    loader itself); Lightning reads these states right after ``Strategy.process_dataloader``."""
+    trainer.fit_loop._combined_loader_states_to_load = []

@@ -12,7 +12,10 @@ workers down at the end of fit). This class adds, at the points where Lightning 
 - ``batch_trained``: counts the batch; after the last batch of a pass the generators' states are those the next
   pass starts from (nothing else draws from the loader's generators in between), so they are noted then.
 
-A loader that saves its own position (torchdata's ``StatefulDataLoader``) is resumed by Lightning itself.
+A loader that saves its own position (torchdata's ``StatefulDataLoader``) is resumed the same way. Lightning still
+saves its state in the checkpoint (a stock strategy can resume from it), but restoring that state resumes the
+interrupted pass only: torchdata 0.11 then draws the next pass's permutation from another generator state than the
+uninterrupted run did, while the recorded generator states keep every later pass identical too.
 """
 
 from __future__ import annotations
@@ -49,19 +52,18 @@ class TrainingPasses:
         self.position = position
         self.loader: Any = None
         self._trainer: pl.Trainer | None = None
-        self._stateful = False
         self._user_limit: int | float | None = None  # trainer.limit_train_batches as given, while "drop" sets it
 
     def take_loader(self, trainer: pl.Trainer, loader: Any, whole_windows_of: int | None) -> None:
         """The loader Lightning is about to iterate (``whole_windows_of=N``: ``partial_window="drop"``)."""
         self.loader, self._trainer = loader, trainer
-        self._stateful = is_stateful_loader(loader)
         if whole_windows_of:
             self._limit_to_whole_windows(trainer, loader, whole_windows_of)
-        if not self._stateful:
-            # Lightning sets the epoch only after creating the first iterator of a fit; workers read it at creation.
-            set_sampler_epoch(loader, trainer.current_epoch)
-            self.position.begin_pass(loader, self.position.pass_index)
+        if is_stateful_loader(loader):
+            compat.forget_saved_loader_states(trainer)
+        # Lightning sets the epoch only after creating the first iterator of a fit; workers read it at creation.
+        set_sampler_epoch(loader, trainer.current_epoch)
+        self.position.begin_pass(loader, self.position.pass_index)
 
     def _limit_to_whole_windows(self, trainer: pl.Trainer, loader: Any, steps: int) -> None:
         try:
@@ -82,7 +84,7 @@ class TrainingPasses:
     def skip_trained_batches(self, trainer: pl.Trainer) -> None:
         """After a mid-pass resume, before the first batch: drop the batches the checkpoint had trained."""
         skip = self.position.start_pass()
-        if skip == 0 or self._stateful:
+        if skip == 0:
             return
         _ignore_not_resumable_warning()
         available = compat.skip_training_batches(trainer, skip)
@@ -97,7 +99,7 @@ class TrainingPasses:
         if not last_of_pass:
             return
         self.position.end_pass()  # a resume after this point starts a fresh pass
-        if not self._stateful and self.loader is not None:
+        if self.loader is not None:
             self.position.record_pass_start(self.position.pass_index, capture_generator_states(self.loader))
 
     def release(self) -> None:

@@ -30,6 +30,8 @@ def test_private_lightning_attributes_still_exist():
     assert isinstance(loop._batches_that_stepped, int)
     assert trainer.fit_loop._skip_backward is False
     assert isinstance(trainer.fit_loop.total_batch_idx, int)
+    assert trainer.fit_loop._combined_loader_states_to_load == []  # forget_saved_loader_states empties it
+    assert trainer.fit_loop._data_fetcher is None  # skip_training_batches reads it once fit has created it
 
 
 def test_overrides_are_live_during_fit_and_removed_after():
