@@ -32,6 +32,7 @@ from lightning_sink.precision import LossScalePrecision
 from lightning_sink.sink_data import PASS_END, MicroBatchStream, SinkLoader
 from lightning_sink.strategies.graph_modes import check_graph_mode_device, step_function, validate_graph_mode
 from lightning_sink.strategies.hooks import HookPlan
+from lightning_sink.strategies.resume_check import check_resume_settings
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
 from lightning_sink.strategies.step_triggers import ignore_one_batch_per_epoch_warning, warn_about_unaligned_step_triggers
 from lightning_sink.training_passes import TrainingPasses
@@ -119,6 +120,7 @@ class StepProgramsMixin:
         self._data_position = DataPosition()
         self._passes = TrainingPasses(self._data_position)  # the loader outside sink mode (resume, "drop" length)
         self._pending_state: dict[str, Any] | None = None
+        self._pending_path: Any = None  # the checkpoint the pending state came from, for error messages
         self._planned: tuple[int, bool] | None = None
         self._log_buffer: SinkLogBuffer | None = None
         self._step_scheduler_configs: list[Any] = []
@@ -207,6 +209,7 @@ class StepProgramsMixin:
         if self._scaling is not None:
             self._scaling.to_device(self.root_device)  # type: ignore[attr-defined]
         if self._pending_state is not None:
+            check_resume_settings(self._pending_state, self._window_settings(), self._pending_path)  # [resume]
             self._load_window_state(self._pending_state)
             self._pending_state = None
         if self.sink_size is None:
@@ -503,11 +506,16 @@ class StepProgramsMixin:
         buffer = buffers[rank] if buffers is not None else None
         self._accumulator.load_state_dict({"micro_steps": window["micro_steps"], "buffer": buffer})
 
+    def _window_settings(self) -> dict[str, Any]:
+        """The arguments an open window was accumulated under (checked on resume: resume_check.py)."""
+        return {"accumulation_steps": self.accumulation_steps, "sink_size": self.sink_size,
+                "partial_window": self.partial_window}
+
     def sink_state_dict(self) -> dict[str, Any]:
         """Everything the strategy needs to resume exactly: window buffers, micro-step index, data position."""
         return {
             "version": _STATE_VERSION,
-            "accumulation_steps": self.accumulation_steps,
+            **self._window_settings(),
             "window": self._window_state(),
             "data": self._data_position.state_dict(),
         }
@@ -534,4 +542,4 @@ class StepProgramsMixin:
             # The data position must be known before Lightning first iterates the loader; the window buffers
             # are applied in on_train_start, once they exist.
             self._data_position.load_state_dict(state["data"])
-            self._pending_state = state
+            self._pending_state, self._pending_path = state, checkpoint_path
