@@ -10,6 +10,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from typing_extensions import override
 
+from lightning_sink.strategies.config import (SinkConfig, validate_device, validate_process_group_backend,
+                                             validate_timeout)
 from lightning_sink.strategies.step_programs import StepProgramsMixin
 
 __all__ = ["SinkDDPStrategy"]
@@ -43,8 +45,13 @@ class SinkDDPStrategy(StepProgramsMixin, DDPStrategy):
         graph_mode: str = "eager",
         **kwargs: Any,
     ) -> None:
+        config = SinkConfig(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
+        validate_process_group_backend(kwargs.get("process_group_backend"))
+        validate_timeout(kwargs.get("timeout"))
+        for device in kwargs.get("parallel_devices") or ():
+            validate_device("parallel_devices", device)
         super().__init__(**kwargs)
-        self._init_step_programs(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
+        self._init_step_programs(config)
 
     @override
     def setup_environment(self) -> None:

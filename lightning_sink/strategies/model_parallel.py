@@ -24,6 +24,7 @@ from lightning_sink.strategies.resharded_load import (
     is_resharded_checkpoint,
     load_resharded_into_strategy,
 )
+from lightning_sink.strategies.config import SinkConfig, validate_process_group_backend, validate_timeout
 from lightning_sink.strategies.step_programs import CHECKPOINT_KEY, StepProgramsMixin
 
 __all__ = ["SinkModelParallelStrategy"]
@@ -70,6 +71,9 @@ class SinkModelParallelStrategy(StepProgramsMixin, ModelParallelStrategy):
     ) -> None:
         _validate_size("data_parallel_size", data_parallel_size)
         _validate_size("tensor_parallel_size", tensor_parallel_size)
+        config = SinkConfig(accumulation_steps, partial_window, sink_size, prefetch_depth)
+        validate_process_group_backend(process_group_backend)
+        validate_timeout(timeout)
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -77,7 +81,7 @@ class SinkModelParallelStrategy(StepProgramsMixin, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._init_step_programs(accumulation_steps, partial_window, sink_size, prefetch_depth)
+        self._init_step_programs(config)
         self._in_update_step = False
 
     @override

@@ -23,14 +23,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_sink import _lightning_compat as compat
-from lightning_sink.accumulation import (PARTIAL_WINDOW_MODES, GradientAccumulator, MicroStep, SingleStepGradients,
-                                         plan_micro_step)
+from lightning_sink.accumulation import GradientAccumulator, MicroStep, SingleStepGradients, plan_micro_step
 from lightning_sink.data import DataPosition
 from lightning_sink.device_prefetch import CudaBatchCopier
 from lightning_sink.loss_scale import DynamicLossScale
 from lightning_sink.precision import LossScalePrecision
 from lightning_sink.sink_data import PASS_END, MicroBatchStream, SinkLoader
-from lightning_sink.strategies.graph_modes import check_graph_mode_device, step_function, validate_graph_mode
+from lightning_sink.strategies.config import SinkConfig
+from lightning_sink.strategies.graph_modes import check_graph_mode_device, step_function
 from lightning_sink.strategies.hooks import HookPlan
 from lightning_sink.strategies.resume_check import check_resume_settings
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
@@ -41,35 +41,6 @@ __all__ = ["StepProgramsMixin", "CHECKPOINT_KEY"]
 
 CHECKPOINT_KEY = "lightning_sink"
 _STATE_VERSION = 1
-
-
-def validate_accumulation_args(
-    accumulation_steps: int | None, partial_window: str, sink_size: int | None = None,
-    prefetch_depth: int | None = None,
-) -> None:
-    if accumulation_steps is not None and (
-        isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1
-    ):
-        raise ValueError(
-            f"accumulation_steps={accumulation_steps!r} is not valid: pass an int >= 1 (micro-batches per optimizer"
-            " update), or None to take Trainer(accumulate_grad_batches=...)."
-        )
-    if sink_size is not None and (isinstance(sink_size, bool) or not isinstance(sink_size, int)
-                                  or sink_size == 0 or sink_size < -1):
-        raise ValueError(
-            f"sink_size={sink_size!r} is not valid: pass an int >= 1 (micro-batches per sink), -1 (one data pass per"
-            " sink), or None (no sinking: one Lightning batch per micro-batch)."
-        )
-    if prefetch_depth is not None and (isinstance(prefetch_depth, bool) or not isinstance(prefetch_depth, int)
-                                       or prefetch_depth < 0):
-        raise ValueError(
-            f"prefetch_depth={prefetch_depth!r} is not valid: pass an int >= 1 (batches a background thread reads"
-            " ahead), 0 (read in the training thread) or None (2 on CUDA, 0 on CPU)."
-        )
-    if partial_window not in PARTIAL_WINDOW_MODES:
-        raise ValueError(
-            f"partial_window={partial_window!r} is not valid: choose one of {', '.join(map(repr, PARTIAL_WINDOW_MODES))}."
-        )
 
 
 def _loss_of(output: STEP_OUTPUT) -> Tensor:
@@ -99,17 +70,11 @@ class StepProgramsMixin:
     optimizers: list[Optimizer]
     world_size: int
 
-    def _init_step_programs(
-        self,
-        accumulation_steps: int | None,
-        partial_window: str,
-        sink_size: int | None = None,
-        prefetch_depth: int | None = None,
-        graph_mode: str = "eager",
-    ) -> None:
-        validate_accumulation_args(accumulation_steps, partial_window, sink_size, prefetch_depth)
-        validate_graph_mode(graph_mode)
-        self.sink_size, self.prefetch_depth, self.graph_mode = sink_size, prefetch_depth, graph_mode
+    def _init_step_programs(self, config: SinkConfig) -> None:
+        """``config`` is the strategy's validated arguments (``config.py``)."""
+        self.sink_config = config
+        accumulation_steps, partial_window = config.accumulation_steps, config.partial_window
+        self.sink_size, self.prefetch_depth, self.graph_mode = config.sink_size, config.prefetch_depth, config.graph_mode
         self._step_function: Callable[..., STEP_OUTPUT] | None = None
         self._sink_loader: SinkLoader | None = None
         self._stream: MicroBatchStream | None = None
