@@ -37,6 +37,8 @@ def test_private_lightning_attributes_still_exist():
     assert isinstance(loop._batches_that_stepped, int)
     assert trainer.fit_loop._skip_backward is False
     assert isinstance(trainer.fit_loop.total_batch_idx, int)
+    assert trainer.fit_loop._combined_loader_states_to_load == []  # forget_saved_loader_states empties it
+    assert trainer.fit_loop._data_fetcher is None  # skip_training_batches reads it once fit has created it
 
 
 def test_process_group_backend_is_read_from_the_parent_strategy():
@@ -164,3 +166,32 @@ def test_logging_step_set_to_is_the_step_lightnings_log_every_n_steps_and_lr_mon
     trainer = quiet_trainer(logger=Recording(), log_every_n_steps=7, max_steps=1, callbacks=[monitor, Probe()])
     trainer.fit(TinyClassifier(), loader(make_dataset(num_samples=16), 4))
     assert seen == {40: False, 41: True, "points": [(41, ["lr-SGD"])], "restored": True}
+
+
+def test_skip_training_batches_drops_the_start_of_the_pass_lightning_is_about_to_run():
+    dataset = make_dataset(num_samples=24)
+    seen, skipped = [], []
+
+    class SkipTwo(Callback):
+        def on_train_start(self, trainer, pl_module):
+            skipped.append(compat.skip_training_batches(trainer, 2))
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(batch[0])
+
+    trainer = quiet_trainer(max_epochs=1, callbacks=[SkipTwo()])
+    trainer.fit(TinyClassifier(), loader(dataset, 4))
+    assert skipped == [2]
+    expected = [dataset.tensors[0][i : i + 4] for i in range(8, 24, 4)]
+    assert len(seen) == len(expected) and all(a.equal(b) for a, b in zip(seen, expected))
+
+
+def test_shut_down_loader_workers_is_lightnings_end_of_fit_shutdown():
+    from torch.utils.data import DataLoader
+
+    data_loader = DataLoader(make_dataset(num_samples=8), batch_size=4, num_workers=1, persistent_workers=True)
+    list(data_loader)
+    assert data_loader._iterator is not None and data_loader._iterator._workers[0].is_alive()
+    workers = data_loader._iterator._workers
+    compat.shut_down_loader_workers(data_loader)
+    assert data_loader._iterator is None and not any(worker.is_alive() for worker in workers)

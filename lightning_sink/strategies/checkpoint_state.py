@@ -25,6 +25,7 @@ class WindowCheckpointMixin:
     _pending_state: dict[str, Any] | None
     accumulation_steps: int
     sink_size: int | None
+    partial_window: str
     world_size: int
 
     def _window_state(self) -> dict[str, Any] | None:
@@ -61,11 +62,16 @@ class WindowCheckpointMixin:
         if self.sink_size is not None:
             self._sink_window_batches = int(window["micro_steps"])
 
+    def _window_settings(self) -> dict[str, Any]:
+        """The arguments an open window was accumulated under (checked on resume: ``resume_check.py``)."""
+        return {"accumulation_steps": self.accumulation_steps, "sink_size": self.sink_size,
+                "partial_window": self.partial_window}
+
     def sink_state_dict(self) -> dict[str, Any]:
         """Everything the strategy needs to resume exactly: window buffers, micro-step index, data position."""
         return {
             "version": _STATE_VERSION,
-            "accumulation_steps": self.accumulation_steps,
+            **self._window_settings(),
             "window": self._window_state(),
             "data": self._data_position.state_dict(),
         }
@@ -92,4 +98,4 @@ class WindowCheckpointMixin:
             # The data position must be known before Lightning first iterates the loader; the window buffers
             # are applied in on_train_start, once they exist.
             self._data_position.load_state_dict(state["data"])
-            self._pending_state = state
+            self._pending_state, self._pending_path = state, checkpoint_path

@@ -10,6 +10,12 @@ from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
+from lightning_sink.strategies.config import (
+    SinkConfig,
+    validate_device,
+    validate_process_group_backend,
+    validate_timeout,
+)
 from lightning_sink.strategies.engine import StepEngineMixin
 from lightning_sink.window import FlatAllReduce, NoReduction, Reducer
 
@@ -44,8 +50,13 @@ class SinkDDPStrategy(StepEngineMixin, DDPStrategy):
         graph_mode: str = "eager",
         **kwargs: Any,
     ) -> None:
+        config = SinkConfig(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
+        validate_process_group_backend(kwargs.get("process_group_backend"))
+        validate_timeout(kwargs.get("timeout"))
+        for device in kwargs.get("parallel_devices") or ():
+            validate_device("parallel_devices", device)
         super().__init__(**kwargs)
-        self._init_engine(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
+        self._init_engine(config)
 
     @override
     def setup_environment(self) -> None:

@@ -44,7 +44,7 @@ from lightning_sink.accumulation import (
     plan_micro_step,
     unique_trainable,
 )
-from lightning_sink.data import DataPosition, ResumableLoader
+from lightning_sink.data import DataPosition
 from lightning_sink.device_prefetch import CudaBatchCopier
 from lightning_sink.loss_scale import DynamicLossScale
 from lightning_sink.precision import LossScalePrecision
@@ -53,18 +53,16 @@ from lightning_sink.strategies.checkpoint_state import (
     CHECKPOINT_KEY,
     WindowCheckpointMixin,
 )
-from lightning_sink.strategies.graph_modes import (
-    check_graph_mode_device,
-    step_function,
-    validate_graph_mode,
-)
+from lightning_sink.strategies.config import SinkConfig
+from lightning_sink.strategies.graph_modes import check_graph_mode_device, step_function
 from lightning_sink.strategies.hooks import HookPlan
+from lightning_sink.strategies.resume_check import check_resume_settings
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
 from lightning_sink.strategies.step_triggers import (
     ignore_one_batch_per_epoch_warning,
     warn_about_unaligned_step_triggers,
 )
-from lightning_sink.strategies.window_args import validate_accumulation_args
+from lightning_sink.training_passes import TrainingPasses
 from lightning_sink.window import (
     GradientStore,
     NoGradients,
@@ -73,7 +71,7 @@ from lightning_sink.window import (
     finish_window,
 )
 
-__all__ = ["StepEngineMixin", "CHECKPOINT_KEY", "validate_accumulation_args"]
+__all__ = ["StepEngineMixin", "CHECKPOINT_KEY"]
 
 
 def _loss_of(output: STEP_OUTPUT) -> Tensor | None:
@@ -110,27 +108,22 @@ class StepEngineMixin(WindowCheckpointMixin):
     optimizers: list[Optimizer]
     world_size: int
 
-    def _init_engine(
-        self,
-        accumulation_steps: int | None,
-        partial_window: str,
-        sink_size: int | None = None,
-        prefetch_depth: int | None = None,
-        graph_mode: str = "eager",
-    ) -> None:
-        validate_accumulation_args(accumulation_steps, partial_window, sink_size, prefetch_depth)
-        validate_graph_mode(graph_mode)
-        self.sink_size, self.prefetch_depth, self.graph_mode = sink_size, prefetch_depth, graph_mode
-        self._requested_accumulation_steps = accumulation_steps
-        self.accumulation_steps = accumulation_steps or 1
-        self.partial_window = partial_window
+    def _init_engine(self, config: SinkConfig) -> None:
+        """``config`` holds the strategy's own arguments, validated at construction (``config.py``)."""
+        self.sink_config = config
+        self.sink_size, self.prefetch_depth, self.graph_mode = config.sink_size, config.prefetch_depth, config.graph_mode
+        self._requested_accumulation_steps = config.accumulation_steps
+        self.accumulation_steps = config.accumulation_steps or 1
+        self.partial_window = config.partial_window
         self._step_function: Callable[..., STEP_OUTPUT] | None = None
         self._sink_loader: SinkLoader | None = None
         self._stream: MicroBatchStream | None = None
         self._accumulator: GradientStore | None = None
         self._reducer: Reducer = NoReduction()
         self._data_position = DataPosition()
+        self._passes = TrainingPasses(self._data_position)  # the loader outside sink mode (resume, "drop" length)
         self._pending_state: dict[str, Any] | None = None
+        self._pending_path: Any = None  # the checkpoint the pending state came from, for error messages
         self._log_buffer: SinkLogBuffer | None = None
         self._step_scheduler_configs: list[Any] = []
         self._needs_step_context = True
@@ -219,13 +212,8 @@ class StepEngineMixin(WindowCheckpointMixin):
             self._sink_loader = SinkLoader(dataloader)
             return self._sink_loader
         whole = self.accumulation_steps if self.partial_window == "drop" else None
-        wrapped = ResumableLoader(dataloader, self._data_position, whole_windows_of=whole)
-        if whole and hasattr(dataloader, "__len__") and len(wrapped) == 0:
-            raise ValueError(
-                f"partial_window='drop' with accumulation_steps={whole} drops every batch: the training loader has"
-                f" only {len(dataloader)} batches per epoch. Use partial_window='scale' or 'carry', or fewer steps."
-            )
-        return wrapped
+        self._passes.take_loader(trainer, dataloader, whole_windows_of=whole)  # generators, "drop" epoch length
+        return dataloader
 
     # ------------------------------------------------------------------ collaborators (chosen by the strategy)
     def _make_store(self, params: list[torch.nn.Parameter]) -> GradientStore:
@@ -269,8 +257,11 @@ class StepEngineMixin(WindowCheckpointMixin):
         if self._scaling is not None:
             self._scaling.to_device(self.root_device)  # type: ignore[attr-defined]
         if self._pending_state is not None:
+            check_resume_settings(self._pending_state, self._window_settings(), self._pending_path)
             self._load_window_state(self._pending_state)
             self._pending_state = None
+        if self.sink_size is None:
+            self._passes.skip_trained_batches(trainer)  # after a mid-pass resume
         self._install_loop_rules(trainer)
 
     def _check_fit_start(self, trainer: pl.Trainer, optimizer: Optimizer) -> None:
@@ -347,6 +338,7 @@ class StepEngineMixin(WindowCheckpointMixin):
 
     def teardown(self) -> None:
         self._close_stream()  # also when training raised and on_train_end never ran
+        self._passes.release()
         super().teardown()  # type: ignore[misc]
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -385,9 +377,7 @@ class StepEngineMixin(WindowCheckpointMixin):
         else:
             output = self.accumulate_step(*args, **kwargs)
         _loss_of(output)  # a clear error for an output without a loss, before Lightning's closure reads it
-        self._data_position.advance()
-        if compat.is_last_batch_of_epoch(self._trainer):  # (the sink loop keeps its own position)
-            self._data_position.end_pass()  # a resume after this point starts a fresh pass
+        self._passes.batch_trained(compat.is_last_batch_of_epoch(self._trainer))  # (sinks count their own)
         return output
 
     def accumulate_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

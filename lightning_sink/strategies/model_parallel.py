@@ -17,14 +17,15 @@ from typing_extensions import override
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.layout.dcp_metadata import DCP_METADATA_FILE
 from lightning_sink.strategies.atomic_dcp import check_checkpoint_dir, save_dcp_atomically
+from lightning_sink.strategies.config import SinkConfig, validate_process_group_backend, validate_timeout
 from lightning_sink.strategies.dcp_load import load_dcp_folder
+from lightning_sink.strategies.engine import CHECKPOINT_KEY, StepEngineMixin
 from lightning_sink.strategies.fsdp_window import FSDPWindow
 from lightning_sink.strategies.resharded_load import (
     adapt_sink_state,
     is_resharded_checkpoint,
     load_resharded_into_strategy,
 )
-from lightning_sink.strategies.engine import CHECKPOINT_KEY, StepEngineMixin
 from lightning_sink.window import OverflowFlagAllReduce, Reducer
 
 __all__ = ["SinkModelParallelStrategy"]
@@ -72,6 +73,9 @@ class SinkModelParallelStrategy(StepEngineMixin, ModelParallelStrategy):
     ) -> None:
         _validate_size("data_parallel_size", data_parallel_size)
         _validate_size("tensor_parallel_size", tensor_parallel_size)
+        config = SinkConfig(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
+        validate_process_group_backend(process_group_backend)
+        validate_timeout(timeout)
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -79,7 +83,7 @@ class SinkModelParallelStrategy(StepEngineMixin, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._init_engine(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
+        self._init_engine(config)
 
     @override
     def setup_environment(self) -> None:
