@@ -1,8 +1,8 @@
 """Every use of a private Lightning attribute, in one place.
 
-Lightning's fit loop assumes that one Lightning batch is one optimizer step (or one micro-batch of its own
-accumulation). The sink strategies decide themselves when an update happens, so they tell the loop through the
-functions below. ``tests/test_lightning_compat.py`` fails loudly when a Lightning release moves any of these.
+Lightning's automatic optimization drives the strategies' windows (zero-grad, the ``optimizer_step`` hook, the
+closure, the counters). Where no extension point exists (sinks, windows across epochs, LR schedulers held on a
+skipped update) the functions below reach into the loop. ``tests/test_lightning_compat.py`` fails loudly when a Lightning release moves any of these.
 """
 
 from __future__ import annotations
@@ -13,14 +13,22 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
 from lightning.pytorch.trainer import call
+from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
 
 __all__ = [
-    "install_loop_overrides",
+    "decide_window_ends",
+    "hold_step_schedulers",
+    "skip_lightning_backward",
     "remove_loop_overrides",
     "is_last_batch_of_epoch",
     "record_optimizer_update",
-    "finish_lightning_batch",
+    "set_logging_step",
+    "run_zero_grad",
+    "count_zero_grad",
+    "lightning_optimizer",
+    "process_group_backend",
     "logging_step_set_to",
     "run_before_optimizer_step",
     "call_lightning_module_hook",
@@ -28,6 +36,9 @@ __all__ = [
     "DCP_METADATA_FILE_NAME",
     "set_module_device_mesh",
     "saves_distributed_checkpoint",
+    "skip_training_batches",
+    "shut_down_loader_workers",
+    "forget_saved_loader_states",
 ]
 
 # The file in which Lightning's ModelParallelStrategy keeps the non-tensor part (loops, callbacks, ...) of a DCP folder.
@@ -41,29 +52,39 @@ def _epoch_loop(trainer: pl.Trainer) -> Any:
     return trainer.fit_loop.epoch_loop
 
 
-def install_loop_overrides(trainer: pl.Trainer, batch_has_no_update: Callable[[], bool]) -> None:
-    """Hand the decisions 'is this an optimizer step' and 'step the LR schedulers' to the strategy.
+def _automatic(trainer: pl.Trainer) -> Any:
+    return _epoch_loop(trainer).automatic_optimization
 
-    ``batch_has_no_update`` answers, for the Lightning batch in flight, whether it performs no optimizer update.
-    Lightning asks ``_should_accumulate()`` before and after the optimizer hook, before logging and before
-    zeroing gradients for validation; answering from the strategy keeps all of those consistent. Step-interval
-    LR schedulers are stepped by the strategy after each real update, so the loop's own call is dropped.
+
+def decide_window_ends(trainer: pl.Trainer, batch_has_no_update: Callable[[], bool]) -> None:
+    """Let the strategy answer Lightning's 'does this batch accumulate?' (``_should_accumulate``).
+
+    Needed only where windows do not follow Lightning's ``batch_idx % accumulate_grad_batches`` rule: windows that
+    run across epochs (``partial_window="carry"``), a last partial window that is dropped, and sinks (a Lightning
+    batch holds many updates, which the strategy counts itself). Lightning asks before and after the optimizer
+    hook, for LR schedulers, logging and validation zero-grad; one answer keeps them consistent.
     """
+    _epoch_loop(trainer)._should_accumulate = batch_has_no_update
+
+
+def hold_step_schedulers(trainer: pl.Trainer, hold: Callable[[], bool]) -> None:
+    """Skip Lightning's step-interval LR scheduler step when ``hold()`` says so (an update skipped on overflow, or
+    in sink mode, where the strategy steps them once per update itself). Plateau schedulers are left alone."""
     loop = _epoch_loop(trainer)
     original_update = type(loop).update_lr_schedulers.__get__(loop)
 
     def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
-        if interval == "step" and not update_plateau_schedulers:
-            return  # stepped by the strategy, once per real optimizer update
-        if interval == "step" and batch_has_no_update():
+        if interval == "step" and not update_plateau_schedulers and hold():
             return
         original_update(interval, update_plateau_schedulers)
 
-    loop._should_accumulate = batch_has_no_update
     loop.update_lr_schedulers = update_lr_schedulers
-    # The strategy runs backward itself inside its step programs; Lightning's closure must not zero the
-    # gradients or run a second backward.
-    trainer.fit_loop._skip_backward = True
+
+
+def skip_lightning_backward(trainer: pl.Trainer, skip: bool) -> None:
+    """In sink mode the strategy runs zero-grad and backward per micro-step; Lightning's closure around a whole
+    sink must do neither."""
+    trainer.fit_loop._skip_backward = skip
 
 
 def remove_loop_overrides(trainer: pl.Trainer) -> None:
@@ -79,31 +100,49 @@ def is_last_batch_of_epoch(trainer: pl.Trainer) -> bool:
 
 
 def _step_progress(trainer: pl.Trainer) -> Any:
-    return _epoch_loop(trainer).automatic_optimization.optim_progress.optimizer.step
+    return _automatic(trainer).optim_progress.optimizer.step
 
 
-def record_optimizer_update(trainer: pl.Trainer) -> None:
-    """Count one optimizer update now, so that ``trainer.global_step`` is true inside a Lightning batch."""
+def record_optimizer_update(trainer: pl.Trainer, stage: str) -> None:
+    """Count an update in sink mode as Lightning counts its own: ``"ready"`` before the ``optimizer_step`` hook,
+    ``"completed"`` after it (``trainer.global_step`` reads the completed count)."""
     progress = _step_progress(trainer)
     for tracker in (progress.total, progress.current):
-        tracker.ready += 1
-        tracker.completed += 1
+        setattr(tracker, stage, getattr(tracker, stage) + 1)
 
 
-def finish_lightning_batch(trainer: pl.Trainer, lightning_counts_one: bool) -> None:
-    """Make Lightning's counters agree with the updates recorded one by one during this Lightning batch.
+def set_logging_step(trainer: pl.Trainer, updated: bool) -> None:
+    """The step the loggers write this sink's values at: as stock Lightning, the ``global_step`` before the batch's
+    own increment (which Lightning makes after logging, only for a batch that updated)."""
+    completed = _step_progress(trainer).total.completed
+    _epoch_loop(trainer)._batches_that_stepped = completed - 1 if updated else completed
 
-    If Lightning was told the batch updates (``lightning_counts_one``), it counted ``ready`` before the optimizer
-    hook and will count ``completed`` right after it: take that one back, since every update was recorded. The
-    logging step is set so that, after Lightning's own increment at the end of the batch (made only when it
-    counts one), it equals ``global_step``, as in stock Lightning without accumulation.
-    """
-    progress = _step_progress(trainer)
-    if lightning_counts_one:
-        for tracker in (progress.total, progress.current):
-            tracker.ready -= 1
-            tracker.completed -= 1
-    _epoch_loop(trainer)._batches_that_stepped = progress.total.completed
+
+def run_zero_grad(trainer: pl.Trainer, batch_idx: int, optimizer: Any) -> None:
+    """Lightning's own zero-grad step: ``on_before_zero_grad`` (callbacks, module), then the module's
+    ``optimizer_zero_grad``, with the optimizer's zero-grad progress counters."""
+    automatic = _automatic(trainer)
+    automatic._on_before_zero_grad(optimizer)
+    automatic._optimizer_zero_grad(batch_idx, optimizer)
+
+
+def count_zero_grad(trainer: pl.Trainer) -> None:
+    """The zero-grad progress counters alone, for a zero-grad whose hooks nobody overrides."""
+    tracker = _automatic(trainer).optim_progress.optimizer.zero_grad
+    tracker.increment_ready()
+    tracker.increment_started()
+    tracker.increment_completed()
+
+
+def lightning_optimizer(strategy: Any) -> Any:
+    """The ``LightningOptimizer`` wrapping the strategy's single optimizer, as Lightning passes it to
+    ``LightningModule.optimizer_step``."""
+    return strategy._lightning_optimizers[0]
+
+
+def process_group_backend(strategy: Any) -> str | None:
+    """``DDPStrategy``/``ModelParallelStrategy(process_group_backend=...)`` as given (``None``: chosen by device)."""
+    return strategy._process_group_backend
 
 
 @contextmanager
@@ -141,3 +180,36 @@ def set_module_device_mesh(module: pl.LightningModule, mesh: Any) -> None:
 def saves_distributed_checkpoint(strategy: Any) -> bool:
     """``ModelParallelStrategy(save_distributed_checkpoint=...)``'s value (a DCP folder, not one full file)."""
     return bool(strategy._save_distributed_checkpoint)
+
+
+def skip_training_batches(trainer: pl.Trainer, count: int) -> int:
+    """Fetch and discard the first ``count`` batches of the training pass Lightning is about to start; returns how
+    many there were (fewer when the pass is shorter).
+
+    For a mid-epoch resume: Lightning restores its batch counters (so the epoch ends where it would have) but
+    restarts a plain loader's iterator from its first batch. Skipping goes through Lightning's fetcher, so a batch it
+    prefetched is dropped too, and its fetch count is put back: Lightning adds the restored batches to it itself.
+    """
+    fetcher = trainer.fit_loop._data_fetcher
+    assert fetcher is not None, "the training loader's iterator is created before on_train_start"
+    fetch = fetcher.__next__ if isinstance(fetcher, _PrefetchDataFetcher) else lambda: _DataFetcher.__next__(fetcher)
+    fetched, skipped = fetcher.fetched, 0
+    try:
+        for _ in range(count):
+            fetch()
+            skipped += 1
+    except StopIteration:
+        pass
+    fetcher.fetched = fetched
+    return skipped
+
+
+def shut_down_loader_workers(loader: object) -> None:
+    """What Lightning does to a training loader at the end of fit: stop its (persistent) workers, drop its iterator."""
+    _shutdown_workers_and_reset_iterator(loader)
+
+
+def forget_saved_loader_states(trainer: pl.Trainer) -> None:
+    """Keep Lightning from loading the checkpoint's state into a stateful training loader (the strategy resumes the
+    loader itself); Lightning reads these states right after ``Strategy.process_dataloader``."""
+    trainer.fit_loop._combined_loader_states_to_load = []

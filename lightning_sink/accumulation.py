@@ -63,7 +63,7 @@ def unique_trainable(params: Iterable[Parameter]) -> list[Parameter]:
 class GradientAccumulator:
     """The fp32 gradient sum of one window, for the parameters of one optimizer."""
 
-    def __init__(self, params: Iterable[Parameter]) -> None:
+    def __init__(self, params: Iterable[Parameter], follows_zero_grad: bool = True) -> None:
         self.params = unique_trainable(params)
         if not self.params:
             raise ValueError("GradientAccumulator(params=...) got no trainable parameters; the optimizer is empty.")
@@ -76,10 +76,50 @@ class GradientAccumulator:
             self.views.append(self.flat[offset : offset + param.numel()].view_as(param))
             offset += param.numel()
         self._aliased = [p.dtype == torch.float32 and p.device == device for p in self.params]
+        self.follows_zero_grad = follows_zero_grad
         self.micro_steps = 0
 
-    def begin_micro_step(self) -> None:
-        """Point fp32 gradients at their buffer slice (Lightning hooks may have set them to ``None``)."""
+    def begin_micro_step(self, window_ends: bool = False) -> None:
+        """Prepare ``.grad`` for a backward that adds into the window's fp32 sum.
+
+        The sum follows ``zero_grad`` as a plain ``.grad`` would: a gradient set to ``None`` since the last backward
+        (``optimizer.zero_grad()``) starts again from zero, a view zeroed in place (``set_to_none=False``) is zero
+        already, and a gradient left alone keeps accumulating. Without ``follows_zero_grad`` (windows that run
+        across Lightning's own zero-grad points) only ``clear`` resets the sum.
+        """
+        for param, view, aliased in zip(self.params, self.views, self._aliased):
+            grad = param.grad
+            if aliased:
+                if grad is view:
+                    continue
+                if grad is not None:
+                    view.copy_(grad)  # a gradient assigned by hand joins the window
+                elif self.follows_zero_grad:
+                    view.zero_()
+                param.grad = view
+            else:
+                if grad is None and self.follows_zero_grad:
+                    view.zero_()
+                param.grad = None  # a fresh low-precision gradient, added in fp32 by end_micro_step
+
+    def end_micro_step(self) -> None:
+        """Add this micro-step's low-precision gradients into the fp32 buffers.
+
+        Their ``.grad`` keeps a low-precision tensor afterwards (never ``None``), so that ``begin_micro_step`` can
+        tell a ``zero_grad(set_to_none=True)`` from a window that goes on.
+        """
+        for param, view, aliased in zip(self.params, self.views, self._aliased):
+            if aliased:
+                continue
+            if param.grad is not None:
+                view.add_(param.grad)
+            else:
+                param.grad = torch.zeros_like(param)  # unused this micro-step: still inside the window
+        self.micro_steps += 1
+
+    def zero_grad(self) -> None:
+        """What ``optimizer.zero_grad()`` followed by ``begin_micro_step`` amounts to, in one kernel."""
+        self.flat.zero_()
         for param, view, aliased in zip(self.params, self.views, self._aliased):
             if aliased:
                 if param.grad is not view:
@@ -87,13 +127,13 @@ class GradientAccumulator:
             else:
                 param.grad = None
 
-    def end_micro_step(self) -> None:
-        """Add this micro-step's low-precision gradients into the fp32 buffers."""
-        for param, view, aliased in zip(self.params, self.views, self._aliased):
-            if not aliased and param.grad is not None:
-                view.add_(param.grad)
-                param.grad = None
-        self.micro_steps += 1
+    def unscale(self, scaling: Any, divisor: float) -> Tensor | None:
+        """Divide the window's sum by ``divisor`` (and the loss scale); the device overflow flag, if scaled."""
+        if scaling is None:
+            if divisor != 1:
+                self.flat.div_(divisor)
+            return None
+        return scaling.unscale_window(self.flat, divisor)
 
     def reduce(self, group: Any = None) -> None:
         """Sum the window's gradients over all ranks: one collective for the whole model."""
@@ -110,6 +150,12 @@ class GradientAccumulator:
                 param.grad = view.to(param.dtype)
             elif param.grad is not view:  # (assigning .grad re-validates it: skip when it is already the view)
                 param.grad = view
+
+    def end_window(self) -> None:
+        """The update is done; the sum stays in ``.grad`` until the next ``zero_grad`` (or ``clear``)."""
+        self.micro_steps = 0
+        if not self.follows_zero_grad:
+            self.clear()
 
     def clear(self) -> None:
         self.flat.zero_()
@@ -133,6 +179,9 @@ class GradientAccumulator:
                 )
             self.flat.copy_(buffer)
         self.micro_steps = int(state["micro_steps"])
+        for param, view, aliased in zip(self.params, self.views, self._aliased):
+            # the restored sum is the open window's: attached, so that the next backward adds to it
+            param.grad = view if aliased else torch.zeros_like(param)
 
 
 class SingleStepGradients:
@@ -152,9 +201,19 @@ class SingleStepGradients:
             raise ValueError("SingleStepGradients(params=...) got no trainable parameters; the optimizer is empty.")
         self.micro_steps = 0
 
-    def begin_micro_step(self) -> None:
+    follows_zero_grad = True
+
+    def begin_micro_step(self, window_ends: bool = False) -> None:
         for param in self.params:
             param.grad = None
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+    def unscale(self, scaling: Any, divisor: float) -> Tensor | None:
+        """Nothing to divide: one micro-step on one process without a loss scale."""
+        return None
 
     def end_micro_step(self) -> None:
         self.micro_steps += 1
@@ -163,6 +222,9 @@ class SingleStepGradients:
         """The gradients are already in ``param.grad``."""
 
     def clear(self) -> None:
+        self.micro_steps = 0
+
+    def end_window(self) -> None:
         self.micro_steps = 0
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,32 +1,109 @@
-"""The training loader wrapper that lets a run resume at the exact micro-batch it stopped at.
+"""Where the training data stands: the micro-batches trained in the current pass, and how that pass was shuffled.
 
-Lightning's own resume of a loader is tied to its prefetching and to ``fit_loop.restarting``, so
-the strategy counts the micro-batches it has *trained* in the current pass and saves that number in its own
-checkpoint state. On resume the wrapper skips that many batches of the pass before yielding.
+A resume must see the same batches in the same order as the uninterrupted run. Two things decide that for a loader
+that is not itself resumable (a plain ``DataLoader``):
+
+- how many batches of the current pass were already trained (the resumed run fetches and discards them), and
+- the state of the loader's random generators when the pass started: a ``RandomSampler`` draws its permutation, and
+  every ``DataLoader`` iterator its workers' base seed, from them when the pass starts. A ``DistributedSampler``
+  needs only its epoch, which is set before the pass starts.
+
+Both are recorded in ``DataPosition`` and ride in the strategy's checkpoint state. A loader that checkpoints itself
+(torchdata's ``StatefulDataLoader``) is left to Lightning outside sink mode, which saves and reloads its state.
+A sampler that shuffles without a generator (``DataLoader(shuffle=True)`` with no ``generator=``) draws from torch's
+global generator, which no checkpoint restores: pass a generator for an exact resume.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterator
+import threading
 from typing import Any
 
-__all__ = ["DataPosition", "ResumableLoader"]
+import torch
+from torch import Tensor
+
+__all__ = ["DataPosition", "loader_generators", "capture_generator_states", "restore_generator_states",
+           "set_sampler_epoch", "is_stateful_loader"]
+
+
+def loader_generators(loader: Any) -> list[torch.Generator]:
+    """The generators that decide a loader's order and worker seeds: the loader's, its sampler's, its batch sampler's
+    (and that one's sampler's), each once."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    owners = (loader, getattr(loader, "sampler", None), batch_sampler, getattr(batch_sampler, "sampler", None))
+    generators: list[torch.Generator] = []
+    for owner in owners:
+        generator = getattr(owner, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not seen for seen in generators):
+            generators.append(generator)
+    return generators
+
+
+def capture_generator_states(loader: Any) -> list[Tensor]:
+    return [generator.get_state() for generator in loader_generators(loader)]
+
+
+def restore_generator_states(loader: Any, states: list[Tensor]) -> None:
+    generators = loader_generators(loader)
+    if len(generators) != len(states):
+        raise ValueError(
+            f"Cannot resume the shuffling of the training loader: the checkpoint holds the state of {len(states)}"
+            f" random generator(s) of the loader and its sampler, but the loader now has {len(generators)}. Resume"
+            " with the same loader setup (shuffle, sampler, generator=...)."
+        )
+    for generator, state in zip(generators, states):
+        generator.set_state(state)
+
+
+def set_sampler_epoch(loader: Any, epoch: int) -> None:
+    """``set_epoch`` on the loader's (batch) sampler where it has one, as Lightning does at each epoch start."""
+    for owner in (loader, getattr(loader, "batch_sampler", None)):
+        sampler = getattr(owner, "sampler", None)
+        if callable(getattr(sampler, "set_epoch", None)):
+            sampler.set_epoch(epoch)
+
+
+def is_stateful_loader(loader: Any) -> bool:
+    """Whether the loader saves and restores its own position (``state_dict``/``load_state_dict``), as Lightning
+    tells a resumable loader."""
+    return callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
 
 
 class DataPosition:
-    """Micro-batches trained in the current pass over the loader, and a pending skip after a resume."""
+    """Micro-batches trained in the current pass, the generator states each pass started from, and what a resume
+    still has to apply (a skip, the generator states of the interrupted pass).
+
+    ``pass_index`` counts completed data passes in sink mode (there it is the sampler epoch of the pass being
+    trained); outside sink mode Lightning's epoch is the pass and it stays 0. Pass starts may be recorded ahead of
+    training by sink mode's prefetch thread, hence the lock.
+    """
 
     def __init__(self) -> None:
-        self.pass_index = 0  # data passes completed (sink mode: the sampler epoch of the current pass)
+        self.pass_index = 0
         self.trained_in_pass = 0
         self._pending_skip = 0
+        self._pending_generator_states: list[Tensor] | None = None
+        self._start_states: dict[int, list[Tensor]] = {}
+        self._lock = threading.Lock()
 
+    # ------------------------------------------------------------------ a pass
     def start_pass(self) -> int:
         """A new pass starts; returns how many batches of it were already trained before a resume."""
         skip, self._pending_skip = self._pending_skip, 0
         self.trained_in_pass = skip
         return skip
+
+    def begin_pass(self, loader: Any, pass_index: int) -> None:
+        """Before the pass ``pass_index`` is iterated: restore the generators of an interrupted pass, or note theirs."""
+        pending = self._pending_generator_states if pass_index == self.pass_index else None
+        if pending is not None:
+            restore_generator_states(loader, pending)
+            self._pending_generator_states = None
+        self.record_pass_start(pass_index, capture_generator_states(loader))
+
+    def record_pass_start(self, pass_index: int, states: list[Tensor]) -> None:
+        with self._lock:
+            self._start_states[pass_index] = states
 
     def advance(self, batches: int = 1) -> None:
         self.trained_in_pass += batches
@@ -37,64 +114,21 @@ class DataPosition:
     def next_pass(self) -> None:
         self.pass_index += 1
         self.trained_in_pass = 0
+        with self._lock:
+            for index in [index for index in self._start_states if index < self.pass_index]:
+                del self._start_states[index]
 
-    def state_dict(self) -> dict[str, int]:
-        return {"pass_index": self.pass_index, "trained_in_pass": self.trained_in_pass}
+    # ------------------------------------------------------------------ checkpoint state
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"pass_index": self.pass_index, "trained_in_pass": self.trained_in_pass}
+        with self._lock:
+            states = self._start_states.get(self.pass_index)
+        if states:  # absent for loaders without generators, so their state stays two counters
+            state["pass_start_generators"] = [generator_state.clone() for generator_state in states]
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pass_index = int(state.get("pass_index", 0))
         self._pending_skip = int(state["trained_in_pass"])
         self.trained_in_pass = self._pending_skip
-
-
-class ResumableLoader:
-    """Wraps a training loader; forwards what Lightning inspects (length, samplers), skips on resume."""
-
-    def __init__(self, loader: Any, position: DataPosition, whole_windows_of: int | None = None) -> None:
-        """``whole_windows_of=N`` ends each pass after the last whole window of N batches (``"drop"``)."""
-        self.loader = loader
-        self.position = position
-        self.whole_windows_of = whole_windows_of
-
-    def __len__(self) -> int:
-        length = len(self.loader)
-        if self.whole_windows_of:
-            length -= length % self.whole_windows_of
-        return length
-
-    @property
-    def sampler(self) -> Any:
-        # Lightning calls ``set_epoch`` on the sampler it finds here, so shuffling changes every epoch.
-        return getattr(self.loader, "sampler", None)
-
-    @property
-    def batch_sampler(self) -> Any:
-        return getattr(self.loader, "batch_sampler", None)
-
-    @property
-    def dataset(self) -> Any:
-        return getattr(self.loader, "dataset", None)
-
-    def __iter__(self) -> Iterator[Any]:
-        skip = self.position.start_pass()
-        iterator = iter(self.loader)
-        for index in range(skip):
-            try:
-                next(iterator)
-            except StopIteration:
-                raise ValueError(
-                    f"Cannot resume: the checkpoint was saved after {skip} batches of the current pass, but the"
-                    f" training loader now yields only {index}. Resume with the same data and batch size."
-                ) from None
-        if self.whole_windows_of and hasattr(self.loader, "__len__"):
-            yield from itertools.islice(iterator, len(self) - skip)
-        else:
-            yield from iterator
-
-    # Lightning treats loaders with these two methods as resumable and then skips its "not resumable" warning.
-    # The position itself travels in the strategy's checkpoint state (see the module docstring).
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        pass
+        self._pending_generator_states = state.get("pass_start_generators")

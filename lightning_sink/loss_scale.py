@@ -17,9 +17,27 @@ from torch import Tensor
 __all__ = ["DynamicLossScale", "FixedLossScale", "LossScaler"]
 
 
+_SCALE_DTYPE = torch.float32  # of the device-resident scale (LossScaler.scale)
+_LARGEST_SCALE = torch.finfo(_SCALE_DTYPE).max
+
+
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def _require_scale(owner: str, name: str, value: object) -> None:
+    """A real number that the scale's dtype holds as a finite value."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{owner}({name}={value!r}) is not valid: pass a number (int or float).")
+    _require(abs(value) <= _LARGEST_SCALE,
+             f"{owner}({name}={value!r}) does not fit the loss scale's dtype {_SCALE_DTYPE} (largest finite value"
+             f" {_LARGEST_SCALE:.4g}): pass a smaller value.")
+
+
+def _require_bool(owner: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{owner}({name}={value!r}) is not valid: pass True or False.")
 
 
 @dataclass(frozen=True)
@@ -50,9 +68,12 @@ class DynamicLossScale:
     hysteresis: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("init_scale", "scale_factor", "min_scale", "max_scale"):
+            _require_scale("DynamicLossScale", name, getattr(self, name))
         _require(self.init_scale > 0, f"DynamicLossScale(init_scale={self.init_scale!r}) must be > 0.")
         _require(self.scale_factor > 1, f"DynamicLossScale(scale_factor={self.scale_factor!r}) must be > 1.")
-        _require(isinstance(self.scale_window, int) and self.scale_window >= 1,
+        _require(isinstance(self.scale_window, int) and not isinstance(self.scale_window, bool)
+                 and self.scale_window >= 1,
                  f"DynamicLossScale(scale_window={self.scale_window!r}) must be an int >= 1.")
         _require(0 < self.min_scale <= self.max_scale,
                  f"DynamicLossScale(min_scale={self.min_scale!r}, max_scale={self.max_scale!r}) needs"
@@ -60,7 +81,7 @@ class DynamicLossScale:
         _require(self.min_scale <= self.init_scale <= self.max_scale,
                  f"DynamicLossScale(init_scale={self.init_scale!r}) must lie in [min_scale, max_scale] ="
                  f" [{self.min_scale!r}, {self.max_scale!r}].")
-        _require(isinstance(self.hysteresis, int) and self.hysteresis >= 1,
+        _require(isinstance(self.hysteresis, int) and not isinstance(self.hysteresis, bool) and self.hysteresis >= 1,
                  f"DynamicLossScale(hysteresis={self.hysteresis!r}) must be an int >= 1.")
 
 
@@ -78,6 +99,8 @@ class FixedLossScale:
     drop_overflow_update: bool = True
 
     def __post_init__(self) -> None:
+        _require_scale("FixedLossScale", "loss_scale", self.loss_scale)
+        _require_bool("FixedLossScale", "drop_overflow_update", self.drop_overflow_update)
         _require(self.loss_scale > 0, f"FixedLossScale(loss_scale={self.loss_scale!r}) must be > 0.")
 
 

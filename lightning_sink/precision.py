@@ -78,9 +78,11 @@ class LossScalePrecision(Precision):
                 f"loss_scale={loss_scale!r} is not valid: pass DynamicLossScale(...), FixedLossScale(...), None or"
                 " 'auto'."
             )
+        if not isinstance(skip_window_on_overflow, bool):
+            raise TypeError(f"skip_window_on_overflow={skip_window_on_overflow!r} is not valid: pass True or False.")
         self.precision = precision  # type: ignore[assignment]
         self.loss_scale = loss_scale
-        self.skip_window_on_overflow = bool(skip_window_on_overflow)
+        self.skip_window_on_overflow = skip_window_on_overflow
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self._inner = _inner_plugin(precision, self.device)
         self.scaler = LossScaler(loss_scale) if loss_scale is not None else None

@@ -4,6 +4,8 @@ MindSpore's ``dataset_sink_mode`` traverses the dataset continuously: with ``sin
 trains batches e*K .. e*K+K-1 of an endless pass. ``SinkLoader`` is what Lightning iterates: one placeholder
 ``SinkToken`` per epoch (so a Lightning epoch is one Lightning batch); the strategy pulls the sink's micro-batches
 from ``MicroBatchStream``, whose iterator survives epochs and whose sampler epoch advances at each new data pass.
+``SinkLoader`` is therefore what ``trainer.train_dataloader`` returns in sink mode; it forwards the user loader's
+attributes (``batch_size``, ``dataset``, ``num_workers``, ...) and the loader itself is its ``loader`` attribute.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from lightning_sink.data import DataPosition
+from lightning_sink import _lightning_compat as compat
+from lightning_sink.data import DataPosition, set_sampler_epoch
 from lightning_sink.device_prefetch import CopiedBatch, CudaBatchCopier
 
 __all__ = ["SinkToken", "SinkLoader", "MicroBatchStream", "PASS_END"]
@@ -34,8 +37,20 @@ class SinkToken:
         return f"SinkToken({self.sink_index})"
 
 
+# Not forwarded by SinkLoader. With a ``sampler`` Lightning would set the sampler's epoch to the sink index at each
+# sink, racing the stream, which sets it per data pass. With ``state_dict``/``load_state_dict`` Lightning would save
+# the position of a stateful loader, which the stream reads ahead of training; the strategy saves its own.
+_NOT_FORWARDED = frozenset({"sampler", "batch_sampler", "state_dict", "load_state_dict"})
+_OWN_ATTRIBUTES = frozenset({"loader", "_sinks"})
+
+
 class SinkLoader:
-    """One ``SinkToken`` per Lightning epoch. It exposes no sampler: the stream sets sampler epochs per data pass."""
+    """One ``SinkToken`` per Lightning epoch, standing in for the user's loader (its ``loader``) towards Lightning.
+
+    Public attributes other than the sampler and state methods (see ``_NOT_FORWARDED``) are read from and written
+    to the user's loader, so ``trainer.train_dataloader.batch_size`` is the loader's batch size and a
+    ``worker_init_fn`` Lightning installs reaches the loader that starts the workers.
+    """
 
     def __init__(self, loader: Any) -> None:
         # Not ``iter(loader) is loader``: starting a DataLoader iterator draws its base seed from the loader's
@@ -48,19 +63,23 @@ class SinkLoader:
         self.loader = loader
         self._sinks = 0
 
+    def __getattr__(self, name: str) -> Any:  # only called for names not found on the SinkLoader itself
+        if name.startswith("_") or name in _NOT_FORWARDED:
+            raise AttributeError(f"{type(self).__name__} does not forward {name!r} of the training loader")
+        return getattr(self.loader, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _OWN_ATTRIBUTES:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self.loader, name, value)
+
     def __len__(self) -> int:
         return 1
 
     def __iter__(self) -> Iterator[SinkToken]:
         self._sinks += 1
         yield SinkToken(self._sinks - 1)
-
-
-def _set_pass(loader: Any, pass_index: int) -> None:
-    for owner in (loader, getattr(loader, "batch_sampler", None)):
-        sampler = getattr(owner, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(pass_index)
 
 
 class MicroBatchStream:
@@ -88,7 +107,8 @@ class MicroBatchStream:
     def _items(self, pass_index: int, skip: int) -> Iterator[Any]:
         """Batches of consecutive passes, with ``PASS_END`` between passes."""
         while True:
-            _set_pass(self.loader, pass_index)
+            set_sampler_epoch(self.loader, pass_index)
+            self.position.begin_pass(self.loader, pass_index)  # after a resume: the interrupted pass's generators
             produced = 0
             for index, batch in enumerate(self.loader):
                 if index < skip:
@@ -129,6 +149,11 @@ class MicroBatchStream:
         return item
 
     def close(self) -> None:
+        """Stop reading; then shut the loader's workers down, as Lightning does with a training loader at fit end."""
         self._stop.set()
+        self._inline = None
         if self._thread is not None:
             self._thread.join(timeout=5)
+            if self._thread.is_alive():
+                return  # still inside the loader (a slow batch): its daemon thread ends with the process
+        compat.shut_down_loader_workers(self.loader)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import inspect
 
 import lightning.pytorch as pl
+import pytest
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer import call
@@ -20,33 +22,90 @@ def test_private_lightning_attributes_still_exist():
     assert list(inspect.signature(_TrainingEpochLoop.update_lr_schedulers).parameters) == [
         "self", "interval", "update_plateau_schedulers"]
     assert callable(_TrainingEpochLoop._num_ready_batches_reached)
+    assert list(inspect.signature(_AutomaticOptimization._on_before_zero_grad).parameters) == ["self", "optimizer"]
+    assert list(inspect.signature(_AutomaticOptimization._optimizer_zero_grad).parameters) == [
+        "self", "batch_idx", "optimizer"]
     assert callable(Precision._after_closure)
     assert callable(call._call_lightning_module_hook)
     trainer = pl.Trainer(logger=False)
     loop = trainer.fit_loop.epoch_loop
-    step = loop.automatic_optimization.optim_progress.optimizer.step
-    for tracker in (step.total, step.current):
+    progress = loop.automatic_optimization.optim_progress.optimizer
+    for tracker in (progress.step.total, progress.step.current):
         assert isinstance(tracker.ready, int) and isinstance(tracker.completed, int)
+    for name in ("increment_ready", "increment_started", "increment_completed"):
+        assert callable(getattr(progress.zero_grad, name))
     assert isinstance(loop._batches_that_stepped, int)
     assert trainer.fit_loop._skip_backward is False
     assert isinstance(trainer.fit_loop.total_batch_idx, int)
+    assert trainer.fit_loop._combined_loader_states_to_load == []  # forget_saved_loader_states empties it
+    assert trainer.fit_loop._data_fetcher is None  # skip_training_batches reads it once fit has created it
 
 
-def test_overrides_are_live_during_fit_and_removed_after():
-    seen = {}
+def test_process_group_backend_is_read_from_the_parent_strategy():
+    from lightning.pytorch.strategies import DDPStrategy
 
-    class Probe(Callback):
-        def on_train_batch_end(self, trainer, *args):
-            loop = trainer.fit_loop.epoch_loop
-            seen["shadowed"] = all(name in loop.__dict__ for name in compat._SHADOWED)
-            seen["skip_backward"] = trainer.fit_loop._skip_backward
+    assert compat.process_group_backend(DDPStrategy(process_group_backend="gloo")) == "gloo"
+    assert compat.process_group_backend(DDPStrategy()) is None
 
-    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=2), max_epochs=1, callbacks=[Probe()])
+
+class _Probe(Callback):
+    """Records, inside a fit, which loop overrides are live and what the compat functions see."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def on_train_batch_end(self, trainer, *args):
+        loop = trainer.fit_loop.epoch_loop
+        self.seen.setdefault("shadowed", {name for name in compat._SHADOWED if name in loop.__dict__})
+        self.seen.setdefault("skip_backward", trainer.fit_loop._skip_backward)
+        self.seen["optimizer_is_lightnings"] = compat.lightning_optimizer(trainer.strategy) is (
+            trainer.strategy._lightning_optimizers[0])
+
+
+@pytest.mark.parametrize("strategy, shadowed, skip_backward", [
+    (lambda: SinkStrategy(accumulation_steps=2), set(), False),  # Lightning's own loop decides everything
+    (lambda: SinkStrategy(accumulation_steps=2, partial_window="carry"), {"_should_accumulate"}, False),
+    (lambda: SinkStrategy(accumulation_steps=2, sink_size=4), {"_should_accumulate", "update_lr_schedulers"}, True),
+])
+def test_loop_overrides_only_where_needed_and_removed_after(strategy, shadowed, skip_backward):
+    probe = _Probe()
+    trainer = quiet_trainer(strategy=strategy(), max_epochs=2, callbacks=[probe])
     trainer.fit(TinyClassifier(), loader(make_dataset(num_samples=16), 4))
-    assert seen == {"shadowed": True, "skip_backward": True}
+    assert probe.seen == {"shadowed": shadowed, "skip_backward": skip_backward, "optimizer_is_lightnings": True}
     loop = trainer.fit_loop.epoch_loop
     assert not any(name in loop.__dict__ for name in compat._SHADOWED)
     assert trainer.fit_loop._skip_backward is False
+
+
+def test_zero_grad_and_step_counters_move_as_lightnings_own():
+    """The counters the compat layer moves are the ones stock Lightning moves (and saves in the loop state)."""
+    trainer = quiet_trainer(max_epochs=1, limit_train_batches=3)
+    trainer.fit(TinyClassifier(), loader(make_dataset(num_samples=16), 4))
+    progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer
+    before = (progress.zero_grad.total.completed, progress.step.total.completed, trainer.global_step)
+    compat.count_zero_grad(trainer)
+    compat.record_optimizer_update(trainer, "ready")
+    compat.record_optimizer_update(trainer, "completed")
+    assert (progress.zero_grad.total.completed, progress.step.total.completed, trainer.global_step) == (
+        before[0] + 1, before[1] + 1, before[2] + 1)
+    assert progress.zero_grad.total.ready == progress.zero_grad.total.started == progress.zero_grad.total.completed
+    compat.set_logging_step(trainer, updated=True)
+    assert trainer.fit_loop.epoch_loop._batches_that_stepped == trainer.global_step - 1
+    calls = []
+
+    class Recording(TinyClassifier):
+        def on_before_zero_grad(self, optimizer):
+            calls.append("module.on_before_zero_grad")
+
+        def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+            calls.append(("optimizer_zero_grad", batch_idx))
+
+    module = Recording()
+    trainer = quiet_trainer(max_epochs=1, limit_train_batches=1)
+    trainer.fit(module, loader(make_dataset(num_samples=16), 4))
+    calls.clear()
+    compat.run_zero_grad(trainer, 5, trainer.optimizers[0])
+    assert calls == ["module.on_before_zero_grad", ("optimizer_zero_grad", 5)]
 
 
 def test_model_checkpoint_keeps_every_n_train_steps_where_the_compat_layer_reads_it():
@@ -107,3 +166,32 @@ def test_logging_step_set_to_is_the_step_lightnings_log_every_n_steps_and_lr_mon
     trainer = quiet_trainer(logger=Recording(), log_every_n_steps=7, max_steps=1, callbacks=[monitor, Probe()])
     trainer.fit(TinyClassifier(), loader(make_dataset(num_samples=16), 4))
     assert seen == {40: False, 41: True, "points": [(41, ["lr-SGD"])], "restored": True}
+
+
+def test_skip_training_batches_drops_the_start_of_the_pass_lightning_is_about_to_run():
+    dataset = make_dataset(num_samples=24)
+    seen, skipped = [], []
+
+    class SkipTwo(Callback):
+        def on_train_start(self, trainer, pl_module):
+            skipped.append(compat.skip_training_batches(trainer, 2))
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(batch[0])
+
+    trainer = quiet_trainer(max_epochs=1, callbacks=[SkipTwo()])
+    trainer.fit(TinyClassifier(), loader(dataset, 4))
+    assert skipped == [2]
+    expected = [dataset.tensors[0][i : i + 4] for i in range(8, 24, 4)]
+    assert len(seen) == len(expected) and all(a.equal(b) for a, b in zip(seen, expected))
+
+
+def test_shut_down_loader_workers_is_lightnings_end_of_fit_shutdown():
+    from torch.utils.data import DataLoader
+
+    data_loader = DataLoader(make_dataset(num_samples=8), batch_size=4, num_workers=1, persistent_workers=True)
+    list(data_loader)
+    assert data_loader._iterator is not None and data_loader._iterator._workers[0].is_alive()
+    workers = data_loader._iterator._workers
+    compat.shut_down_loader_workers(data_loader)
+    assert data_loader._iterator is None and not any(worker.is_alive() for worker in workers)

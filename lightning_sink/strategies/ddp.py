@@ -5,22 +5,29 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from typing_extensions import override
 
-from lightning_sink.strategies.step_programs import StepProgramsMixin
+from lightning_sink import _lightning_compat as compat
+from lightning_sink.strategies.config import (
+    SinkConfig,
+    validate_device,
+    validate_process_group_backend,
+    validate_timeout,
+)
+from lightning_sink.strategies.engine import StepEngineMixin
+from lightning_sink.window import FlatAllReduce, NoReduction, Reducer
 
 __all__ = ["SinkDDPStrategy"]
 
 
-class SinkDDPStrategy(StepProgramsMixin, DDPStrategy):
-    """Gradient accumulation with two step programs on ``DistributedDataParallel``.
+class SinkDDPStrategy(StepEngineMixin, DDPStrategy):
+    """Gradient accumulation on ``DistributedDataParallel``, one gradient reduction per window.
 
     The model is still wrapped in DDP (rank 0's initial weights are broadcast, ``trainer.model`` is DDP as
-    usual), but the step programs call the LightningModule directly, so DDP's reducer never fires: accumulate
-    steps communicate nothing, and the update step sums the fp32 window buffers of all ranks with a single
+    usual), but the strategy calls the LightningModule directly, so DDP's reducer never fires: micro-steps
+    communicate nothing, and the window's update sums the fp32 window buffers of all ranks with a single
     ``all_reduce``. Module buffers (e.g. BatchNorm statistics) are broadcast from rank 0 once per window, where
     DDP would do it before every forward.
 
@@ -43,12 +50,17 @@ class SinkDDPStrategy(StepProgramsMixin, DDPStrategy):
         graph_mode: str = "eager",
         **kwargs: Any,
     ) -> None:
+        config = SinkConfig(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
+        validate_process_group_backend(kwargs.get("process_group_backend"))
+        validate_timeout(kwargs.get("timeout"))
+        for device in kwargs.get("parallel_devices") or ():
+            validate_device("parallel_devices", device)
         super().__init__(**kwargs)
-        self._init_step_programs(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
+        self._init_engine(config)
 
     @override
     def setup_environment(self) -> None:
-        backend = self._process_group_backend
+        backend = compat.process_group_backend(self)
         if backend == "nccl" and self.root_device.type != "cuda":
             raise ValueError(
                 f"SinkDDPStrategy(process_group_backend='nccl') needs CUDA devices, but this run is on"
@@ -61,11 +73,11 @@ class SinkDDPStrategy(StepProgramsMixin, DDPStrategy):
         self._configure_for_trainer(trainer)
         super().setup(trainer)
 
-    def _sync_module_buffers(self) -> None:
-        module = self.lightning_module
-        assert module is not None
-        for buffer in module.buffers():
-            dist.broadcast(buffer, src=0)
+    @override
+    def _make_reducer(self) -> Reducer:
+        if self.world_size == 1:
+            return NoReduction()
+        return FlatAllReduce(lambda: self.lightning_module.buffers())
 
     @classmethod
     @override

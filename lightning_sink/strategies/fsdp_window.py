@@ -79,9 +79,8 @@ def _restore_partial_sum(fsdp_param: Any, local: Tensor | None) -> None:
 class FSDPWindow:
     """Window position and gradient-sync switch for the FSDP2 modules of one model.
 
-    Offers the part of ``GradientAccumulator``'s interface that the step programs use (``micro_steps``,
-    ``begin_micro_step``/``end_micro_step``, ``clear``, ``state_dict``); the update arithmetic lives in
-    ``SinkModelParallelStrategy._apply_window_update``.
+    A ``GradientStore`` (``lightning_sink.window``): FSDP2 itself holds the window's sum, reduce-scattered by the
+    window's last backward (``begin_micro_step(window_ends=True)`` turns gradient sync on for it).
     """
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter], data_parallel_size: int) -> None:
@@ -108,8 +107,35 @@ class FSDPWindow:
             module.set_requires_gradient_sync(enabled, recurse=False)
         self._sync = enabled
 
-    def begin_micro_step(self) -> None:
-        """Nothing to point anywhere: FSDP2 (or autograd, without FSDP) owns the window's gradient sum."""
+    def begin_micro_step(self, window_ends: bool = False) -> None:
+        """FSDP2 (or autograd, without FSDP) owns the sum; only the last backward of a window reduces it."""
+        self.restore_pending()  # after a resume inside a window: its partial sums, once
+        self.set_gradient_sync(window_ends)
+
+    def zero_grad(self) -> None:
+        for param in self.params:
+            param.grad = None
+
+    @torch.no_grad()
+    def unscale(self, scaling: Any, divisor: float) -> Tensor | None:
+        """Divide this rank's reduced shards by ``divisor`` (and the loss scale); its local overflow flag."""
+        if scaling is None:
+            self.divide_(divisor)
+            return None
+        grads = self.local_gradients()
+        flat = torch.cat([grad.reshape(-1).float() for grad in grads])
+        found_inf = scaling.unscale_window(flat, divisor)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+        return found_inf
+
+    def write_gradients(self) -> None:
+        """The reduce-scatter wrote them into the sharded ``param.grad`` already."""
+
+    def end_window(self) -> None:
+        self.clear()
 
     def end_micro_step(self) -> None:
         self.micro_steps += 1

@@ -35,16 +35,20 @@ class HookPlan:
     direct_backward: bool  # no backward hooks, no custom LightningModule.backward, a plain precision plugin
     direct_before_step: bool  # no on_before_optimizer_step hook, no custom configure_gradient_clipping
     direct_transfer: bool  # no batch-transfer hooks
+    direct_sink_step: bool  # sink micro-steps may skip the zero-grad, backward and optimizer-step hook dispatch
 
     @classmethod
     def for_run(cls, trainer: pl.Trainer) -> HookPlan:
         plugin = trainer.strategy.precision_plugin
         plain_precision = type(plugin) in _PLAIN_PRECISION or type(plugin) is LossScalePrecision
+        direct_backward = plain_precision and not any(
+            _used(trainer, name) for name in ("on_before_backward", "on_after_backward")
+        ) and not _used(trainer, "backward", module_only=True)
         return cls(
-            direct_backward=plain_precision and not any(
-                _used(trainer, name) for name in ("on_before_backward", "on_after_backward")
-            ) and not _used(trainer, "backward", module_only=True),
+            direct_backward=direct_backward,
             direct_before_step=not _used(trainer, "on_before_optimizer_step")
             and not _used(trainer, "configure_gradient_clipping", module_only=True),
             direct_transfer=not any(_used(trainer, name, module_only=True) for name in _TRANSFER_HOOKS),
+            direct_sink_step=direct_backward and not _used(trainer, "on_before_zero_grad") and not any(
+                _used(trainer, name, module_only=True) for name in ("optimizer_zero_grad", "optimizer_step")),
         )

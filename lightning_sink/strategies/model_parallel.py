@@ -12,20 +12,21 @@ import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.strategy import _StrategyRegistry
-from lightning.pytorch.utilities.types import STEP_OUTPUT
 from typing_extensions import override
 
-from lightning_sink.accumulation import MicroStep
+from lightning_sink import _lightning_compat as compat
 from lightning_sink.layout.dcp_metadata import DCP_METADATA_FILE
 from lightning_sink.strategies.atomic_dcp import check_checkpoint_dir, save_dcp_atomically
+from lightning_sink.strategies.config import SinkConfig, validate_process_group_backend, validate_timeout
 from lightning_sink.strategies.dcp_load import load_dcp_folder
+from lightning_sink.strategies.engine import CHECKPOINT_KEY, StepEngineMixin
 from lightning_sink.strategies.fsdp_window import FSDPWindow
 from lightning_sink.strategies.resharded_load import (
     adapt_sink_state,
     is_resharded_checkpoint,
     load_resharded_into_strategy,
 )
-from lightning_sink.strategies.step_programs import CHECKPOINT_KEY, StepProgramsMixin
+from lightning_sink.window import OverflowFlagAllReduce, Reducer
 
 __all__ = ["SinkModelParallelStrategy"]
 
@@ -35,8 +36,8 @@ def _validate_size(name: str, value: object) -> None:
         raise ValueError(f"{name}={value!r} is not valid: pass an int >= 1 or 'auto'.")
 
 
-class SinkModelParallelStrategy(StepProgramsMixin, ModelParallelStrategy):
-    """Gradient accumulation with two step programs on Lightning's ``ModelParallelStrategy`` (FSDP2 + TP).
+class SinkModelParallelStrategy(StepEngineMixin, ModelParallelStrategy):
+    """Gradient accumulation on Lightning's ``ModelParallelStrategy`` (FSDP2 + TP).
 
     The LightningModule shards itself in ``configure_model`` with ``parallelize_module`` on
     ``self.device_mesh["tensor_parallel"]`` and ``fully_shard`` on ``self.device_mesh["data_parallel"]``, as with
@@ -51,7 +52,7 @@ class SinkModelParallelStrategy(StepProgramsMixin, ModelParallelStrategy):
     Args:
         data_parallel_size, tensor_parallel_size: the device mesh, ``(data_parallel, tensor_parallel)``; see
             ``lightning.pytorch.strategies.ModelParallelStrategy``.
-        accumulation_steps, partial_window, sink_size, prefetch_depth: see ``SinkStrategy``.
+        accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode: see ``SinkStrategy``.
         process_group_backend: ``"gloo"`` on CPU, ``"nccl"`` on CUDA; ``None`` picks by device.
         timeout: the process-group timeout.
     """
@@ -66,11 +67,15 @@ class SinkModelParallelStrategy(StepProgramsMixin, ModelParallelStrategy):
         partial_window: str = "scale",
         sink_size: int | None = None,
         prefetch_depth: int | None = None,
+        graph_mode: str = "eager",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         _validate_size("data_parallel_size", data_parallel_size)
         _validate_size("tensor_parallel_size", tensor_parallel_size)
+        config = SinkConfig(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
+        validate_process_group_backend(process_group_backend)
+        validate_timeout(timeout)
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -78,12 +83,11 @@ class SinkModelParallelStrategy(StepProgramsMixin, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._init_step_programs(accumulation_steps, partial_window, sink_size, prefetch_depth)
-        self._in_update_step = False
+        self._init_engine(config)
 
     @override
     def setup_environment(self) -> None:
-        if self._process_group_backend == "nccl" and self.root_device.type != "cuda":
+        if compat.process_group_backend(self) == "nccl" and self.root_device.type != "cuda":
             raise ValueError(
                 f"SinkModelParallelStrategy(process_group_backend='nccl') needs CUDA devices, but this run is on"
                 f" {self.root_device.type!r}: use process_group_backend='gloo' (or None) on CPU."
@@ -104,56 +108,17 @@ class SinkModelParallelStrategy(StepProgramsMixin, ModelParallelStrategy):
 
     # ------------------------------------------------------------------ the window
     @override
-    def _make_accumulator(self, params: list[torch.nn.Parameter]) -> FSDPWindow:
+    def _make_store(self, params: list[torch.nn.Parameter]) -> FSDPWindow:
         assert self.model is not None
         return FSDPWindow(self.model, params, self.device_mesh["data_parallel"].size())
 
-    def _window_ends_here(self) -> bool:
-        """Whether this backward must reduce: the update step's, or the last one of a window being dropped."""
-        if self._in_update_step:
-            return True
-        return self._stream is None and self._plan_micro_step() is MicroStep.ACCUMULATE_THEN_DROP
+    @override
+    def _make_reducer(self) -> Reducer:
+        return OverflowFlagAllReduce(self.world_size)
 
     @override
-    def accumulate_step(self, batch: Any, batch_idx: int) -> STEP_OUTPUT:
-        self._accumulator.restore_pending()  # after a resume inside a window: its partial sums, once
-        self._accumulator.set_gradient_sync(self._window_ends_here())
-        return super().accumulate_step(batch, batch_idx)
-
-    @override
-    def update_step(self, batch: Any, batch_idx: int) -> STEP_OUTPUT:
-        self._in_update_step = True
-        try:
-            return super().update_step(batch, batch_idx)
-        finally:
-            self._in_update_step = False
-
-    @override
-    def _apply_window_update(self) -> None:
-        """After the update step's backward FSDP2 has reduce-scattered the window's sum, averaged over the
-        data-parallel ranks, into the sharded ``param.grad``: divide by the micro-steps, unscale, clip, step."""
-        window, optimizer = self._accumulator, self.optimizers[0]
-        scaling = self._loss_scaling
-        found_inf = None
-        if scaling is None:
-            window.divide_(window.micro_steps)
-        else:
-            found_inf = self._unscale_window(scaling, window)
-        self._finish_window(optimizer, scaling, found_inf)
-
-    @torch.no_grad()
-    def _unscale_window(self, scaling: Any, window: FSDPWindow) -> torch.Tensor | None:
-        grads = window.local_gradients()
-        flat = torch.cat([grad.reshape(-1).float() for grad in grads])
-        found_inf = scaling.unscale_window(flat, window.micro_steps)
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
-        if found_inf is not None and self.world_size > 1:
-            # Each rank checked only its shards; one all-reduce of the flag makes every rank skip together.
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
-        return found_inf
+    def _ranks_in_sum(self) -> int:
+        return 1  # the window-ending backward's reduce-scatter already averaged over the data-parallel ranks
 
     # ------------------------------------------------------------------ checkpoints
     @override

@@ -11,13 +11,14 @@ from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from typing_extensions import override
 
-from lightning_sink.strategies.step_programs import StepProgramsMixin
+from lightning_sink.strategies.config import SinkConfig, validate_device
+from lightning_sink.strategies.engine import StepEngineMixin
 
 __all__ = ["SinkStrategy"]
 
 
-class SinkStrategy(StepProgramsMixin, SingleDeviceStrategy):
-    """Gradient accumulation with two step programs on a single device.
+class SinkStrategy(StepEngineMixin, SingleDeviceStrategy):
+    """Gradient accumulation in fp32 window buffers on a single device.
 
     Args:
         accumulation_steps: micro-batches per optimizer update (N). ``None`` takes
@@ -52,11 +53,13 @@ class SinkStrategy(StepProgramsMixin, SingleDeviceStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
+        config = SinkConfig(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
+        validate_device("device", device)
         super().__init__(
             device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
         )
         self._explicit_device = device is not None
-        self._init_step_programs(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
+        self._init_engine(config)
 
     # The accelerator connector reads this (refusing a device that contradicts ``Trainer(accelerator=...)``) and
     # fills it in when ``device=None``, so that the strategy follows ``Trainer(accelerator=..., devices=...)``.

@@ -1,0 +1,109 @@
+"""Outside sink mode: the user's training loader, iterated by Lightning one pass per epoch, and resumed exactly.
+
+Lightning iterates the loader the user gave (``trainer.train_dataloader`` is that loader, and Lightning shuts its
+workers down at the end of fit). This class adds, at the points where Lightning hands the loader over:
+
+- ``take_loader`` (from ``Strategy.process_dataloader``, before Lightning starts the pass's iterator): the generator
+  states of an interrupted pass are restored (or the pass's are noted), a ``DistributedSampler`` gets the pass's
+  epoch, and under ``partial_window="drop"`` the epoch is shortened to whole windows through Lightning's own
+  epoch length (``trainer.limit_train_batches``, so ``trainer.num_training_batches`` is the shortened length).
+- ``skip_trained_batches`` (from ``on_train_start``, once the iterator exists): the batches of the interrupted pass
+  that were already trained are fetched and discarded.
+- ``batch_trained``: counts the batch; after the last batch of a pass the generators' states are those the next
+  pass starts from (nothing else draws from the loader's generators in between), so they are noted then.
+
+A loader that saves its own position (torchdata's ``StatefulDataLoader``) is resumed the same way. Lightning still
+saves its state in the checkpoint (a stock strategy can resume from it), but restoring that state resumes the
+interrupted pass only: torchdata 0.11 then draws the next pass's permutation from another generator state than the
+uninterrupted run did, while the recorded generator states keep every later pass identical too.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
+
+from lightning_sink import _lightning_compat as compat
+from lightning_sink.data import DataPosition, capture_generator_states, is_stateful_loader, set_sampler_epoch
+
+__all__ = ["TrainingPasses", "batches_per_epoch"]
+
+
+def batches_per_epoch(length: int, limit: int | float) -> int:
+    """Lightning's rule for ``limit_train_batches``: an int caps the batches, a float is a fraction of them."""
+    if isinstance(limit, int):
+        return min(length, limit)
+    return int(length * limit)
+
+
+def _ignore_not_resumable_warning() -> None:
+    # Lightning warns that a plain loader cannot resume mid-epoch; the strategy resumes it (skip_trained_batches).
+    warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended",
+                            category=PossibleUserWarning)
+
+
+class TrainingPasses:
+    """The training loader's passes outside sink mode, for one strategy."""
+
+    def __init__(self, position: DataPosition) -> None:
+        self.position = position
+        self.loader: Any = None
+        self._trainer: pl.Trainer | None = None
+        self._user_limit: int | float | None = None  # trainer.limit_train_batches as given, while "drop" sets it
+
+    def take_loader(self, trainer: pl.Trainer, loader: Any, whole_windows_of: int | None) -> None:
+        """The loader Lightning is about to iterate (``whole_windows_of=N``: ``partial_window="drop"``)."""
+        self.loader, self._trainer = loader, trainer
+        if whole_windows_of:
+            self._limit_to_whole_windows(trainer, loader, whole_windows_of)
+        if is_stateful_loader(loader):
+            compat.forget_saved_loader_states(trainer)
+        # Lightning sets the epoch only after creating the first iterator of a fit; workers read it at creation.
+        set_sampler_epoch(loader, trainer.current_epoch)
+        self.position.begin_pass(loader, self.position.pass_index)
+
+    def _limit_to_whole_windows(self, trainer: pl.Trainer, loader: Any, steps: int) -> None:
+        try:
+            length = len(loader)
+        except TypeError:
+            return  # unsized: the last window of the epoch is dropped when it ends (plan_micro_step)
+        if self._user_limit is None:
+            self._user_limit = trainer.limit_train_batches
+        per_epoch = batches_per_epoch(length, self._user_limit)
+        whole = per_epoch - per_epoch % steps
+        if whole == 0:
+            raise ValueError(
+                f"partial_window='drop' with accumulation_steps={steps} drops every batch: the training loader has"
+                f" only {per_epoch} batches per epoch. Use partial_window='scale' or 'carry', or fewer steps."
+            )
+        trainer.limit_train_batches = whole
+
+    def skip_trained_batches(self, trainer: pl.Trainer) -> None:
+        """After a mid-pass resume, before the first batch: drop the batches the checkpoint had trained."""
+        skip = self.position.start_pass()
+        if skip == 0:
+            return
+        _ignore_not_resumable_warning()
+        available = compat.skip_training_batches(trainer, skip)
+        if available < skip:
+            raise ValueError(
+                f"Cannot resume: the checkpoint was saved after {skip} batches of the current pass, but the training"
+                f" loader now yields only {available}. Resume with the same data and batch size."
+            )
+
+    def batch_trained(self, last_of_pass: bool) -> None:
+        self.position.advance()
+        if not last_of_pass:
+            return
+        self.position.end_pass()  # a resume after this point starts a fresh pass
+        if self.loader is not None:
+            self.position.record_pass_start(self.position.pass_index, capture_generator_states(self.loader))
+
+    def release(self) -> None:
+        """At the end of fit: give ``trainer.limit_train_batches`` back its own value."""
+        if self._user_limit is not None and self._trainer is not None:
+            self._trainer.limit_train_batches = self._user_limit
+        self._user_limit, self._trainer, self.loader = None, None, None
