@@ -35,8 +35,16 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from common import NetClassifier, quiet_trainer  # noqa: E402
 
-DISTRIBUTED_ENV = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
-                   "MASTER_PORT")
+DISTRIBUTED_ENV = (
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 
 MEMORY_MODES = ("sink_micro_batches", "stock_large_batch", "stock_accumulate")
 DDP_MODES = ("sink_ddp", "stock_ddp_accumulate", "plain_ddp_no_no_sync")
@@ -47,8 +55,15 @@ DDP_MICRO, DDP_STEPS = 32, 4
 def conv_net() -> nn.Module:
     """Activations (batch x 32 x 64 x 64 per layer) dwarf the ~20k parameters."""
     return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(32, 10),
     )
 
 
@@ -69,9 +84,14 @@ def memory_child(mode: str, out: Path) -> None:
 
     torch.manual_seed(0)
     updates = 3
-    data = TensorDataset(torch.randn(MICRO * STEPS * updates, 3, 64, 64), torch.randint(0, 10, (MICRO * STEPS * updates,)))
+    data = TensorDataset(
+        torch.randn(MICRO * STEPS * updates, 3, 64, 64), torch.randint(0, 10, (MICRO * STEPS * updates,))
+    )
     if mode == "sink_micro_batches":
-        trainer, batch = quiet_trainer(strategy=lightning_sink.SinkStrategy(accumulation_steps=STEPS), max_epochs=1), MICRO
+        trainer, batch = (
+            quiet_trainer(strategy=lightning_sink.SinkStrategy(accumulation_steps=STEPS), max_epochs=1),
+            MICRO,
+        )
     elif mode == "stock_large_batch":
         trainer, batch = quiet_trainer(max_epochs=1), MICRO * STEPS
     else:
@@ -117,7 +137,9 @@ def _ddp_data(windows: int):
 
     samples = DDP_MICRO * DDP_STEPS * windows * 2  # two ranks
     generator = torch.Generator().manual_seed(0)
-    return TensorDataset(torch.randn(samples, 784, generator=generator), torch.randint(0, 10, (samples,), generator=generator))
+    return TensorDataset(
+        torch.randn(samples, 784, generator=generator), torch.randint(0, 10, (samples,), generator=generator)
+    )
 
 
 def lightning_ddp_child(mode: str, out: Path, windows: int, warmup: int) -> None:
@@ -153,8 +175,15 @@ def lightning_ddp_child(mode: str, out: Path, windows: int, warmup: int) -> None
     if trainer.global_rank == 0:
         measured = windows
         seconds, reduces, buckets = (e - s for e, s in zip(timer.end, timer.start))
-        out.write_text(json.dumps({"ms_per_window": 1000 * seconds / measured, "all_reduce_per_window": reduces / measured,
-                                   "ddp_bucket_reductions_per_window": buckets / measured}))
+        out.write_text(
+            json.dumps(
+                {
+                    "ms_per_window": 1000 * seconds / measured,
+                    "all_reduce_per_window": reduces / measured,
+                    "ddp_bucket_reductions_per_window": buckets / measured,
+                }
+            )
+        )
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()  # a live gloo group can abort the process at exit
 
@@ -184,8 +213,15 @@ def _plain_ddp_worker(rank: int, out: str, windows: int, warmup: int, port: int)
         optimizer.zero_grad()
     if rank == 0:
         seconds, buckets = time.perf_counter() - start[0], counters.ddp_buckets - start[1]
-        Path(out).write_text(json.dumps({"ms_per_window": 1000 * seconds / windows, "all_reduce_per_window": 0.0,
-                                         "ddp_bucket_reductions_per_window": buckets / windows}))
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "ms_per_window": 1000 * seconds / windows,
+                    "all_reduce_per_window": 0.0,
+                    "ddp_bucket_reductions_per_window": buckets / windows,
+                }
+            )
+        )
     dist.destroy_process_group()
 
 
@@ -204,8 +240,13 @@ def plain_ddp_child(out: Path, windows: int, warmup: int) -> None:
 def _run_child(args: list[str], out: Path) -> dict:
     env = {key: value for key, value in os.environ.items() if key not in DISTRIBUTED_ENV}
     env["PYTHONPATH"] = str(REPO)
-    done = subprocess.run([sys.executable, str(Path(__file__).resolve()), *args, "--out", str(out)], env=env,
-                          capture_output=True, text=True, timeout=900)
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), *args, "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"child {args} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
     return json.loads(out.read_text())
@@ -214,7 +255,7 @@ def _run_child(args: list[str], out: Path) -> dict:
 def _alternating(modes: tuple[str, ...], repeats: int, run) -> dict[str, list[dict]]:
     results: dict[str, list[dict]] = {mode: [] for mode in modes}
     for repeat in range(repeats):
-        order = modes[repeat % len(modes):] + modes[: repeat % len(modes)]  # rotate who goes first
+        order = modes[repeat % len(modes) :] + modes[: repeat % len(modes)]  # rotate who goes first
         for mode in order:
             results[mode].append(run(mode))
     return results
@@ -243,10 +284,16 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         counter = iter(range(10**6))
-        memory = _alternating(MEMORY_MODES, args.repeats,
-                              lambda mode: _run_child(["--child", "memory", mode], Path(tmp) / f"m{next(counter)}.json"))
-        ddp = _alternating(DDP_MODES, args.repeats, lambda mode: _run_child(
-            ["--child", "ddp", mode, str(args.windows)], Path(tmp) / f"d{next(counter)}.json"))
+        memory = _alternating(
+            MEMORY_MODES,
+            args.repeats,
+            lambda mode: _run_child(["--child", "memory", mode], Path(tmp) / f"m{next(counter)}.json"),
+        )
+        ddp = _alternating(
+            DDP_MODES,
+            args.repeats,
+            lambda mode: _run_child(["--child", "ddp", mode, str(args.windows)], Path(tmp) / f"d{next(counter)}.json"),
+        )
 
     result = {
         "benchmark": "accumulation",
@@ -254,21 +301,31 @@ def main() -> None:
         "repeats": args.repeats,
         "memory": {
             "conv_net": f"3x(conv 32ch 3x3) on 3x64x64, micro-batch {MICRO}, N={STEPS} vs batch {MICRO * STEPS}",
-            **{mode: {"peak_rss_mib": _median(runs, "peak_rss_mib"),
-                      "training_rss_mib": round(statistics.median(r["peak_rss_mib"] - r["baseline_rss_mib"] for r in runs), 1)}
-               for mode, runs in memory.items()},
+            **{
+                mode: {
+                    "peak_rss_mib": _median(runs, "peak_rss_mib"),
+                    "training_rss_mib": round(
+                        statistics.median(r["peak_rss_mib"] - r["baseline_rss_mib"] for r in runs), 1
+                    ),
+                }
+                for mode, runs in memory.items()
+            },
         },
         "ddp_2_gloo_processes": {
             "model": f"MLP 784-1024-1024-10, micro-batch {DDP_MICRO} per rank, N={DDP_STEPS}",
             **{mode: {key: _median(runs, key) for key in runs[0]} for mode, runs in ddp.items()},
         },
     }
-    memory_ratio = (result["memory"]["sink_micro_batches"]["training_rss_mib"]
-                    / result["memory"]["stock_large_batch"]["training_rss_mib"])
+    memory_ratio = (
+        result["memory"]["sink_micro_batches"]["training_rss_mib"]
+        / result["memory"]["stock_large_batch"]["training_rss_mib"]
+    )
     result["memory"]["sink_vs_large_batch_training_rss"] = round(memory_ratio, 3)
     ddp_result = result["ddp_2_gloo_processes"]
     for mode in DDP_MODES[1:]:
-        ddp_result[f"sink_speedup_vs_{mode}"] = round(ddp_result[mode]["ms_per_window"] / ddp_result["sink_ddp"]["ms_per_window"], 3)
+        ddp_result[f"sink_speedup_vs_{mode}"] = round(
+            ddp_result[mode]["ms_per_window"] / ddp_result["sink_ddp"]["ms_per_window"], 3
+        )
     print(json.dumps(result))
 
 

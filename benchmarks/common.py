@@ -34,8 +34,9 @@ def make_loader(name: str, batch_size: int = 32, batches: int = 512) -> DataLoad
     shape = (64,) if name == "tiny_mlp" else (1, 32, 32)
     samples = batch_size * batches
     generator = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(samples, *shape, generator=generator),
-                         torch.randint(0, 10, (samples,), generator=generator))
+    data = TensorDataset(
+        torch.randn(samples, *shape, generator=generator), torch.randint(0, 10, (samples,), generator=generator)
+    )
     return DataLoader(data, batch_size=batch_size, shuffle=True, drop_last=True)
 
 
@@ -59,15 +60,30 @@ class NetClassifier(pl.LightningModule):
 
 def quiet_trainer(**kwargs: Any) -> pl.Trainer:
     """A Trainer without logger, checkpoints, progress bar or summary, so only training is measured."""
-    return pl.Trainer(**{"accelerator": "cpu", "logger": False, "enable_checkpointing": False,
-                         "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0,
-                         **kwargs})
+    return pl.Trainer(
+        **{
+            "accelerator": "cpu",
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "num_sanity_val_steps": 0,
+            **kwargs,
+        }
+    )
 
 
 def default_trainer(root_dir: str, **kwargs: Any) -> pl.Trainer:
     """A Trainer as a user gets it by default (TensorBoard logger, progress bar), minus checkpoint files."""
-    return pl.Trainer(**{"default_root_dir": root_dir, "enable_checkpointing": False, "enable_model_summary": False,
-                         "num_sanity_val_steps": 0, **kwargs})
+    return pl.Trainer(
+        **{
+            "default_root_dir": root_dir,
+            "enable_checkpointing": False,
+            "enable_model_summary": False,
+            "num_sanity_val_steps": 0,
+            **kwargs,
+        }
+    )
 
 
 class StepTimer(pl.Callback):

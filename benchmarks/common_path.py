@@ -102,8 +102,9 @@ def _silenced() -> Iterator[None]:
         yield
 
 
-def lightning(config: str, model_name: str, warmup: int, steps: int, sink_size: int,
-              timer: StepTimer | None = None) -> float:
+def lightning(
+    config: str, model_name: str, warmup: int, steps: int, sink_size: int, timer: StepTimer | None = None
+) -> float:
     """Seconds per micro-batch of one Lightning configuration (timed from the first window after ``warmup``;
     with sinking, from the second sink)."""
     kind, defaults = LIGHTNING_CONFIGS[config]
@@ -114,8 +115,14 @@ def lightning(config: str, model_name: str, warmup: int, steps: int, sink_size: 
         sinking = {"sink_size": sink_size} if kind == "sinking" else {}
         strategy, accumulate = SinkStrategy(accumulation_steps=ACCUMULATION, **sinking), 1
     timer = timer or StepTimer(warmup_steps=warmup // ACCUMULATION)
-    settings = {"strategy": strategy, "accumulate_grad_batches": accumulate, "devices": 1, "callbacks": [timer],
-                "max_steps": (warmup + steps) // ACCUMULATION, "max_epochs": -1}
+    settings = {
+        "strategy": strategy,
+        "accumulate_grad_batches": accumulate,
+        "devices": 1,
+        "callbacks": [timer],
+        "max_steps": (warmup + steps) // ACCUMULATION,
+        "max_epochs": -1,
+    }
     with tempfile.TemporaryDirectory() as root, _silenced():
         trainer = default_trainer(root, accelerator="cpu", **settings) if defaults else quiet_trainer(**settings)
         trainer.fit(NetClassifier(make_model(model_name), log_loss=defaults), make_loader(model_name, BATCH))
@@ -132,8 +139,12 @@ def run(config: str, model_name: str, warmup: int, steps: int, sink_size: int) -
 def spread(values: list[float]) -> dict[str, Any]:
     """Median, min, max and interquartile range of per-repeat ratios, rounded for the report."""
     quartiles = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else [values[0]] * 3
-    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3),
-            "max": round(max(values), 3), "iqr": [round(quartiles[0], 3), round(quartiles[2], 3)]}
+    return {
+        "median": round(statistics.median(values), 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+        "iqr": [round(quartiles[0], 3), round(quartiles[2], 3)],
+    }
 
 
 def rotations(names: tuple[str, ...], repeats: int) -> Iterator[tuple[str, ...]]:
@@ -146,6 +157,7 @@ def rotations(names: tuple[str, ...], repeats: int) -> Iterator[tuple[str, ...]]
 
 def sizes(args: argparse.Namespace) -> tuple[int, int, int]:
     """(timed micro-batches, warm-up, sink size) in whole windows; warm-up and sink at most the timed part."""
+
     def windows(count: int) -> int:
         return max(ACCUMULATION, count - count % ACCUMULATION)
 
@@ -161,9 +173,15 @@ def machine(threads: int) -> str:
 def micro_batches(args: argparse.Namespace) -> dict[str, Any]:
     steps, warmup, sink = sizes(args)
     result: dict[str, Any] = {
-        "benchmark": "common_path", "machine": machine(args.threads), "load_average_at_start": os.getloadavg(),
-        "batch": BATCH, "accumulation_steps": ACCUMULATION, "sink_size": sink, "warmup_micro_batches": warmup,
-        "timed_micro_batches": steps, "repeats": args.repeats,
+        "benchmark": "common_path",
+        "machine": machine(args.threads),
+        "load_average_at_start": os.getloadavg(),
+        "batch": BATCH,
+        "accumulation_steps": ACCUMULATION,
+        "sink_size": sink,
+        "warmup_micro_batches": warmup,
+        "timed_micro_batches": steps,
+        "repeats": args.repeats,
     }
     seconds = {model: {config: [] for config in CONFIGS} for model in MODELS}
     for repeat, order in enumerate(rotations(CONFIGS, args.repeats), 1):
@@ -175,8 +193,10 @@ def micro_batches(args: argparse.Namespace) -> dict[str, Any]:
         times = seconds[model]
         result[model] = {
             "ms_per_micro_batch": {config: round(1000 * statistics.median(times[config]), 4) for config in CONFIGS},
-            "ratios": {name: spread([b / c for c, b in zip(times[config], times[baseline])])
-                       for name, (config, baseline) in RATIOS.items()},
+            "ratios": {
+                name: spread([b / c for c, b in zip(times[config], times[baseline])])
+                for name, (config, baseline) in RATIOS.items()
+            },
         }
     result["load_average_at_end"] = os.getloadavg()
     return result
@@ -193,8 +213,13 @@ def mnist(args: argparse.Namespace) -> dict[str, Any]:
     argv += ["--data-dir", args.data_dir] if args.data_dir else []
     argv += ["--max-train-samples", str(args.max_train_samples)] if args.max_train_samples else []
     recipe_args = recipe.parse_args(argv)
-    data = DigitsDataModule(recipe_args.data_dir, batch_size=recipe_args.batch_size, seed=recipe_args.seed,
-                            max_train_samples=recipe_args.max_train_samples, source="mnist")
+    data = DigitsDataModule(
+        recipe_args.data_dir,
+        batch_size=recipe_args.batch_size,
+        seed=recipe_args.seed,
+        max_train_samples=recipe_args.max_train_samples,
+        source="mnist",
+    )
     data.setup()
     load_at_start = os.getloadavg()
 
@@ -217,14 +242,19 @@ def mnist(args: argparse.Namespace) -> dict[str, Any]:
     if updates["stock_lightning"] != updates["lightning_sink"]:
         raise RuntimeError(f"the two trainers made different numbers of updates: {updates}")
     return {
-        "benchmark": "common_path_mnist", "machine": machine(args.threads), "load_average_at_start": load_at_start,
+        "benchmark": "common_path_mnist",
+        "machine": machine(args.threads),
+        "load_average_at_start": load_at_start,
         "load_average_at_end": os.getloadavg(),
         "recipe": f"examples/mnist_lenet_accumulation.py: LeNet-5, batch {recipe_args.batch_size}, N="
-                  f"{recipe_args.accumulation_steps}, {recipe_args.epochs} epochs, {len(data.train_set)} samples",
-        "updates": updates["stock_lightning"], "repeats": args.repeats,
+        f"{recipe_args.accumulation_steps}, {recipe_args.epochs} epochs, {len(data.train_set)} samples",
+        "updates": updates["stock_lightning"],
+        "repeats": args.repeats,
         "fit_seconds": {name: [round(value, 2) for value in values] for name, values in seconds.items()},
         "fit_seconds_median": {name: round(statistics.median(values), 2) for name, values in seconds.items()},
-        "sink_vs_stock_lightning": spread([s / k for s, k in zip(seconds["stock_lightning"], seconds["lightning_sink"])]),
+        "sink_vs_stock_lightning": spread(
+            [s / k for s, k in zip(seconds["stock_lightning"], seconds["lightning_sink"])]
+        ),
     }
 
 
@@ -259,24 +289,40 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     def where(key: tuple[str, int, str]) -> str:
         file, line, name = key
         parts = Path(file).parts
-        short = "/".join(parts[parts.index("site-packages") + 1:]) if "site-packages" in parts else "/".join(parts[-2:])
+        short = (
+            "/".join(parts[parts.index("site-packages") + 1 :]) if "site-packages" in parts else "/".join(parts[-2:])
+        )
         return f"{short}:{line}({name})"
 
     def top(column: int) -> list[dict[str, Any]]:
         ranked = sorted(stats.items(), key=lambda item: item[1][column], reverse=True)[: args.top]
-        return [{"function": where(key), "calls_per_micro_batch": round(calls / micro, 2),
-                 "tottime_us": round(1e6 * tottime / micro, 1), "cumtime_us": round(1e6 * cumtime / micro, 1)}
-                for key, (_, calls, tottime, cumtime, _) in ranked]
+        return [
+            {
+                "function": where(key),
+                "calls_per_micro_batch": round(calls / micro, 2),
+                "tottime_us": round(1e6 * tottime / micro, 1),
+                "cumtime_us": round(1e6 * cumtime / micro, 1),
+            }
+            for key, (_, calls, tottime, cumtime, _) in ranked
+        ]
 
     by_own, by_total = top(2), top(3)
     for title, rows in (("own time (tottime)", by_own), ("cumulative time (cumtime)", by_total)):
         print(f"--- {args.profile}, {args.model}: top {args.top} by {title}, us per micro-batch ---")
         for row in rows:
-            print(f"{row['tottime_us']:9.1f} {row['cumtime_us']:9.1f} {row['calls_per_micro_batch']:7.2f}  "
-                  f"{row['function']}")
-    return {"benchmark": "common_path_profile", "config": args.profile, "model": args.model,
-            "profiled_us_per_micro_batch": round(1e6 * per_micro, 1), "micro_batches": micro,
-            "top_tottime": by_own, "top_cumtime": by_total}
+            print(
+                f"{row['tottime_us']:9.1f} {row['cumtime_us']:9.1f} {row['calls_per_micro_batch']:7.2f}  "
+                f"{row['function']}"
+            )
+    return {
+        "benchmark": "common_path_profile",
+        "config": args.profile,
+        "model": args.model,
+        "profiled_us_per_micro_batch": round(1e6 * per_micro, 1),
+        "micro_batches": micro,
+        "top_tottime": by_own,
+        "top_cumtime": by_total,
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -285,15 +331,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=1000, help="timed micro-batches per run")
     parser.add_argument("--warmup", type=int, default=100, help="untimed micro-batches first (not sinking)")
     parser.add_argument("--sink-size", type=int, default=500, help="K for (d); its first sink is untimed")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch intra-op threads (1: the overhead measured is single-threaded Python, and one"
-                             " thread is steadier on a shared machine)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (1: the overhead measured is single-threaded Python, and one"
+        " thread is steadier on a shared machine)",
+    )
     parser.add_argument("--mnist", action="store_true", help="the end-to-end MNIST recipe instead")
     parser.add_argument("--epochs", type=int, default=10, help="--mnist: epochs (the recipe: 10)")
     parser.add_argument("--max-train-samples", type=int, default=None, help="--mnist: train on a prefix")
     parser.add_argument("--data-dir", default=None, help="--mnist: folder holding MNIST/raw (see examples/digits.py)")
-    parser.add_argument("--profile", choices=tuple(LIGHTNING_CONFIGS), default=None,
-                        help="profile one Lightning configuration instead")
+    parser.add_argument(
+        "--profile", choices=tuple(LIGHTNING_CONFIGS), default=None, help="profile one Lightning configuration instead"
+    )
     parser.add_argument("--model", choices=MODELS, default="tiny_mlp", help="--profile: the model")
     parser.add_argument("--top", type=int, default=30, help="--profile: functions listed")
     args = parser.parse_args(argv)
@@ -310,7 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # "max_steps reached", tips
     mode: Callable[[argparse.Namespace], dict[str, Any]] = (
-        profile if args.profile else mnist if args.mnist else micro_batches)
+        profile if args.profile else mnist if args.mnist else micro_batches
+    )
     print(json.dumps(mode(args)))
 
 

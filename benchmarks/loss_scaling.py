@@ -68,9 +68,11 @@ class WindowTimer(pl.Callback):
         if self.count_syncs:
             self.originals = {name: getattr(torch.Tensor, name) for name in SYNC_METHODS}
             for name, original in self.originals.items():
+
                 def counting(tensor, *args, _original=original, **kwargs):
                     self.syncs += self.in_batch
                     return _original(tensor, *args, **kwargs)
+
                 setattr(torch.Tensor, name, counting)
 
     def on_train_end(self, trainer, module):
@@ -91,11 +93,19 @@ class WindowTimer(pl.Callback):
 def run(config: str, windows: int, count_syncs: bool) -> dict[str, float]:
     samples = MICRO * STEPS * (windows + WARMUP)
     generator = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(samples, 1, 32, 32, generator=generator),
-                         torch.randint(0, 10, (samples,), generator=generator))
+    data = TensorDataset(
+        torch.randn(samples, 1, 32, 32, generator=generator), torch.randint(0, 10, (samples,), generator=generator)
+    )
     timer = WindowTimer(count_syncs)
-    common = dict(accelerator="cpu", max_epochs=1, logger=False, enable_checkpointing=False,
-                  enable_progress_bar=False, enable_model_summary=False, callbacks=[timer])
+    common = dict(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+    )
     if config.startswith("sink"):
         # init_scale 2**16 like GradScaler's default, so both start from the same scale
         plugin = LossScalePrecision("16-mixed", DynamicLossScale(init_scale=2.0**16), device="cpu")
@@ -117,7 +127,7 @@ def main() -> None:
     syncs = {config: run(config, args.windows, count_syncs=True)["syncs_per_update"] for config in CONFIGS}
     times: dict[str, list[float]] = {config: [] for config in CONFIGS}
     for repeat in range(args.repeats):
-        order = CONFIGS[repeat % len(CONFIGS):] + CONFIGS[: repeat % len(CONFIGS)]
+        order = CONFIGS[repeat % len(CONFIGS) :] + CONFIGS[: repeat % len(CONFIGS)]
         for config in order:
             times[config].append(run(config, args.windows, count_syncs=False)["ms_per_update"])
 
@@ -126,12 +136,18 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, CPU fp16 autocast",
         "model": f"LeNet-5, micro-batch {MICRO}, {STEPS} micro-batches per update",
         "repeats": args.repeats,
-        **{config: {"syncs_per_update": round(syncs[config], 3),
-                    "ms_per_update": round(statistics.median(times[config]), 3)} for config in CONFIGS},
+        **{
+            config: {
+                "syncs_per_update": round(syncs[config], 3),
+                "ms_per_update": round(statistics.median(times[config]), 3),
+            }
+            for config in CONFIGS
+        },
     }
     for kind in ("fused", "sgd"):
-        result[f"sink_speedup_{kind}"] = round(result[f"stock_{kind}"]["ms_per_update"]
-                                               / result[f"sink_{kind}"]["ms_per_update"], 3)
+        result[f"sink_speedup_{kind}"] = round(
+            result[f"stock_{kind}"]["ms_per_update"] / result[f"sink_{kind}"]["ms_per_update"], 3
+        )
     print(json.dumps(result))
 
 

@@ -43,8 +43,9 @@ MODES = ("sink_model_parallel", "stock_model_parallel")
 class ShardedMLP(NetClassifier):
     def __init__(self) -> None:
         torch.manual_seed(0)
-        super().__init__(nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                                       nn.Linear(1024, 10)))
+        super().__init__(
+            nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10))
+        )
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -98,21 +99,25 @@ def run(mode: str, windows: int) -> dict[str, float]:
 
     samples = MICRO * STEPS * windows * DP
     generator = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(samples, 784, generator=generator), torch.randint(0, 10, (samples,),
-                                                                                      generator=generator))
+    data = TensorDataset(
+        torch.randn(samples, 784, generator=generator), torch.randint(0, 10, (samples,), generator=generator)
+    )
     timer = WindowTimer()
     if mode == "sink_model_parallel":
         strategy = SinkModelParallelStrategy(DP, TP, accumulation_steps=STEPS, process_group_backend="gloo")
         trainer = quiet_trainer(strategy=strategy, devices=DP * TP, max_epochs=1, callbacks=[timer])
     else:
         strategy = ModelParallelStrategy(DP, TP, process_group_backend="gloo")
-        trainer = quiet_trainer(strategy=strategy, devices=DP * TP, max_epochs=1, accumulate_grad_batches=STEPS,
-                                callbacks=[timer])
+        trainer = quiet_trainer(
+            strategy=strategy, devices=DP * TP, max_epochs=1, accumulate_grad_batches=STEPS, callbacks=[timer]
+        )
     with ReduceScatterCounter() as counter:
         trainer.fit(ShardedMLP(), DataLoader(data, batch_size=MICRO))
     assert trainer.global_step == windows, (mode, trainer.global_step)
-    return {"reduce_scatters_per_window": counter.calls / windows,
-            "seconds_per_window": (timer.end - timer.start) / (windows - 1)}
+    return {
+        "reduce_scatters_per_window": counter.calls / windows,
+        "seconds_per_window": (timer.end - timer.start) / (windows - 1),
+    }
 
 
 def main() -> None:
@@ -127,16 +132,31 @@ def main() -> None:
             results[mode].append(run(mode, args.windows))
     if dist.get_rank() != 0:
         return
-    summary = {mode: {key: statistics.median(run_[key] for run_ in runs) for key in runs[0]}
-               for mode, runs in results.items()}
+    summary = {
+        mode: {key: statistics.median(run_[key] for run_ in runs) for key in runs[0]} for mode, runs in results.items()
+    }
     for mode, figures in summary.items():
-        print(f"{mode:>22}: {figures['reduce_scatters_per_window']:.0f} reduce-scatters/window,"
-              f" {1000 * figures['seconds_per_window']:.1f} ms/window")
+        print(
+            f"{mode:>22}: {figures['reduce_scatters_per_window']:.0f} reduce-scatters/window,"
+            f" {1000 * figures['seconds_per_window']:.1f} ms/window"
+        )
     ratio = summary["sink_model_parallel"]["seconds_per_window"] / summary["stock_model_parallel"]["seconds_per_window"]
-    print(json.dumps({"benchmark": "model_parallel_accumulation", "machine": platform.machine(),
-                      "torch": torch.__version__, "mesh": [DP, TP], "accumulation_steps": STEPS, "micro_batch": MICRO,
-                      "windows": args.windows, "repeats": args.repeats, **{mode: summary[mode] for mode in MODES},
-                      "time_ratio_sink_over_stock": ratio}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "model_parallel_accumulation",
+                "machine": platform.machine(),
+                "torch": torch.__version__,
+                "mesh": [DP, TP],
+                "accumulation_steps": STEPS,
+                "micro_batch": MICRO,
+                "windows": args.windows,
+                "repeats": args.repeats,
+                **{mode: summary[mode] for mode in MODES},
+                "time_ratio_sink_over_stock": ratio,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -61,6 +61,7 @@ class HookClock:
                         return _original(*args, **kwargs)
                     finally:
                         self.seconds += time.perf_counter() - started
+
                 setattr(callback, hook, timed)  # Lightning looks hooks up on the instance
 
 
@@ -70,8 +71,9 @@ def run(name: str, steps: int) -> tuple[float, float]:
     torch.manual_seed(0)
     model = NetClassifier(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)))
     generator = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(BATCH * 250, 64, generator=generator),
-                         torch.randint(0, 10, (BATCH * 250,), generator=generator))
+    data = TensorDataset(
+        torch.randn(BATCH * 250, 64, generator=generator), torch.randint(0, 10, (BATCH * 250,), generator=generator)
+    )
     loader = DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True)
     strategy = SinkStrategy(accumulation_steps=1, sink_size=sink_size, prefetch_depth=0)
     limits = {"max_epochs": steps // SINK} if sink_size else {"max_steps": steps}
@@ -102,16 +104,30 @@ def main() -> None:
             hook_times[name].append(hook_us)
     medians = {name: statistics.median(values) for name, values in times.items()}
     hook_medians = {name: statistics.median(values) for name, values in hook_times.items()}
-    ratios = {name: medians[name] / medians["sink_anchor" if name.startswith("sink") else "per_batch_anchor"]
-              for name in medians}
+    ratios = {
+        name: medians[name] / medians["sink_anchor" if name.startswith("sink") else "per_batch_anchor"]
+        for name in medians
+    }
     for name, value in medians.items():
-        print(f"{name:30s} {value:.4f} ms/step ({ratios[name]:.3f}x its anchor); in the callbacks' hooks"
-              f" {hook_medians[name]:.1f} us/step")
-    print(json.dumps({
-        "benchmark": "monitor_overhead", "ms_per_step": medians, "ratio_to_anchor": ratios,
-        "hook_us_per_step": hook_medians, "steps": args.steps, "repeats": args.repeats, "torch": torch.__version__,
-        "machine": platform.machine(), "cpus": os.cpu_count(),
-    }))
+        print(
+            f"{name:30s} {value:.4f} ms/step ({ratios[name]:.3f}x its anchor); in the callbacks' hooks"
+            f" {hook_medians[name]:.1f} us/step"
+        )
+    print(
+        json.dumps(
+            {
+                "benchmark": "monitor_overhead",
+                "ms_per_step": medians,
+                "ratio_to_anchor": ratios,
+                "hook_us_per_step": hook_medians,
+                "steps": args.steps,
+                "repeats": args.repeats,
+                "torch": torch.__version__,
+                "machine": platform.machine(),
+                "cpus": os.cpu_count(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,11 @@ def tensor_specs(size_gib: float) -> dict[str, tuple[tuple[int, ...], tuple[str,
     specs = {}
     for index in range(count):
         placements = ("Shard(0)", "Shard(1)") if index % 2 == 0 else ("_StridedShard(0,sf=2)", "Shard(0)")
-        for suffix, prefix in (("", "state_dict"), (".exp_avg", "optimizer_0.state"), (".exp_avg_sq", "optimizer_0.state")):
+        for suffix, prefix in (
+            ("", "state_dict"),
+            (".exp_avg", "optimizer_0.state"),
+            (".exp_avg_sq", "optimizer_0.state"),
+        ):
             specs[f"{prefix}.layer{index}.weight{suffix}"] = ((side, side), placements)
         specs[f"state_dict.layer{index}.bias"] = ((side,), ("Shard(0)", "Replicate()"))
     specs["optimizer_0.state.layer0.weight.step"] = ((), ("Replicate()", "Replicate()"))
@@ -70,8 +74,14 @@ def _save_worker(rank: int, world_size: int, init_file: str, specs, out: str) ->
         # Replicas must be equal: seed by tensor and chunk position, not by rank.
         generator = torch.Generator().manual_seed(index * 1_000_003 + hash(tuple(offsets)) % 1_000_003)
         local = torch.randn(local_shape, generator=generator)
-        state[name] = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
-                                         stride=torch.empty(shape, device="meta").stride())
+        state[name] = DTensor.from_local(
+            local,
+            mesh,
+            placements,
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=torch.empty(shape, device="meta").stride(),
+        )
     dcp.save(state, checkpoint_id=out)
     if rank == 0:
         save_layout(layout_from_state_dict(state), Path(out) / "layout.json")
@@ -81,8 +91,9 @@ def _save_worker(rank: int, world_size: int, init_file: str, specs, out: str) ->
 
 def make_source(workdir: Path, size_gib: float) -> Path:
     out = workdir / "source"
-    mp.start_processes(_save_worker, args=(8, str(workdir / ".init"), tensor_specs(size_gib), str(out)), nprocs=8,
-                       start_method="spawn")
+    mp.start_processes(
+        _save_worker, args=(8, str(workdir / ".init"), tensor_specs(size_gib), str(out)), nprocs=8, start_method="spawn"
+    )
     return out
 
 
@@ -127,19 +138,28 @@ def run_reshard(source: Path, out: Path, layout, workers: int | None) -> dict:
     report = transform_checkpoints(source, out, "ckpt_", None, layout, workers=workers)
     seconds = time.perf_counter() - started
     stats = report.stats
-    return {"seconds": seconds, "bytes_needed": stats.bytes_needed, "payload_bytes_read": stats.payload_bytes_read,
-            "header_bytes_read": stats.header_bytes_read, "verify_bytes_read": stats.verify_bytes_read,
-            "records_crc_checked": stats.records_crc_checked, "peak_rss_per_worker": [r.peak_rss_bytes for r in report.ranks]}
+    return {
+        "seconds": seconds,
+        "bytes_needed": stats.bytes_needed,
+        "payload_bytes_read": stats.payload_bytes_read,
+        "header_bytes_read": stats.header_bytes_read,
+        "verify_bytes_read": stats.verify_bytes_read,
+        "records_crc_checked": stats.records_crc_checked,
+        "peak_rss_per_worker": [r.peak_rss_bytes for r in report.ranks],
+    }
 
 
 def idle_worker_rss() -> int:
     """Peak RSS of a worker interpreter that imports what a worker imports and converts nothing."""
     from lightning_sink.reshard.workers import _BOOTSTRAP
 
-    probe = _BOOTSTRAP.replace("sys.exit(worker_main(json.loads(sys.stdin.read())))",
-                               "from lightning_sink.reshard.transform import peak_rss_bytes; print(peak_rss_bytes())")
-    done = subprocess.run([sys.executable, "-c", probe, str(REPO / "lightning_sink")], capture_output=True, text=True,
-                          check=True)
+    probe = _BOOTSTRAP.replace(
+        "sys.exit(worker_main(json.loads(sys.stdin.read())))",
+        "from lightning_sink.reshard.transform import peak_rss_bytes; print(peak_rss_bytes())",
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(REPO / "lightning_sink")], capture_output=True, text=True, check=True
+    )
     return int(done.stdout.strip().splitlines()[-1])
 
 
@@ -173,7 +193,11 @@ def main() -> None:
         results: dict = {}
         idle = idle_worker_rss()
         for ranks in (3, 1):
-            layout = layout_on_mesh(base, MeshLayout.one_dimensional(ranks), lambda f, t: ["Shard(0)"] if t.global_shape else ["Replicate()"])
+            layout = layout_on_mesh(
+                base,
+                MeshLayout.one_dimensional(ranks),
+                lambda f, t: ["Shard(0)"] if t.global_shape else ["Replicate()"],
+            )
             largest = max(sum(t.chunks_of_rank(r)[0].numel * 4 for t in layout.tensors.values()) for r in range(ranks))
             modes = {
                 "cp": lambda out: run_cp(source, out),
@@ -184,7 +208,7 @@ def main() -> None:
             samples: dict[str, list[dict]] = {mode: [] for mode in modes}
             equal = None
             for repeat in range(args.repeats):
-                order = list(modes)[repeat % len(modes):] + list(modes)[: repeat % len(modes)]
+                order = list(modes)[repeat % len(modes) :] + list(modes)[: repeat % len(modes)]
                 for mode in order:
                     out = workdir / f"{mode}_{ranks}"
                     samples[mode].append(modes[mode](out))
@@ -203,7 +227,9 @@ def main() -> None:
                 "bytes_needed": last["bytes_needed"],
                 "payload_bytes_read": last["payload_bytes_read"],
                 "header_bytes_read": last["header_bytes_read"],
-                "read_over_needed": round((last["payload_bytes_read"] + last["header_bytes_read"]) / last["bytes_needed"], 4),
+                "read_over_needed": round(
+                    (last["payload_bytes_read"] + last["header_bytes_read"]) / last["bytes_needed"], 4
+                ),
                 "payload_over_needed": round(last["payload_bytes_read"] / last["bytes_needed"], 4),
                 # integrity checks, apart from the payload: data descriptors, rests of records read in part
                 "verify_bytes_read": last["verify_bytes_read"],
@@ -213,11 +239,20 @@ def main() -> None:
                 "peak_rss_over_idle_worker_mib": [round((b - idle) / 2**20, 1) for b in last["peak_rss_per_worker"]],
                 "bit_exact_vs_anchor": equal,
             }
-        print(json.dumps({
-            "benchmark": "reshard", "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
-            "source_gib": round(source_bytes / 2**30, 3), "source_ranks": 8, "source_mesh": list(MESH),
-            "repeats": args.repeats, "idle_worker_rss_mib": round(idle / 2**20, 1), "results": results,
-        }))
+        print(
+            json.dumps(
+                {
+                    "benchmark": "reshard",
+                    "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}",
+                    "source_gib": round(source_bytes / 2**30, 3),
+                    "source_ranks": 8,
+                    "source_mesh": list(MESH),
+                    "repeats": args.repeats,
+                    "idle_worker_rss_mib": round(idle / 2**20, 1),
+                    "results": results,
+                }
+            )
+        )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 

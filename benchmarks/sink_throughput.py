@@ -37,8 +37,15 @@ from lightning_sink import SinkStrategy
 from common import NetClassifier, StepTimer, default_trainer, make_loader, make_model, quiet_trainer
 
 BATCH, SINK, WARMUP = 32, 500, 50
-CPU_CONFIGS = ("hand_written", "stock_lightning", "sink_eager", "sink_eager_prefetch_thread", "sink_compile",
-               "stock_lightning_defaults", "sink_eager_defaults")
+CPU_CONFIGS = (
+    "hand_written",
+    "stock_lightning",
+    "sink_eager",
+    "sink_eager_prefetch_thread",
+    "sink_compile",
+    "stock_lightning_defaults",
+    "sink_eager_defaults",
+)
 CUDA_CONFIGS = CPU_CONFIGS + ("sink_cuda_graph",)
 SINK_CONFIGS = {  # name: (SinkStrategy keyword arguments, Trainer defaults)
     "sink_eager": ({}, False),
@@ -72,10 +79,20 @@ def hand_written(model_name: str, steps: int, device: torch.device) -> float:
 def lightning(model_name: str, steps: int, device: torch.device, strategy, defaults: bool) -> float:
     sink = strategy is not None
     timer = StepTimer(warmup_steps=SINK if sink else WARMUP)  # sinks are timed from the second sink on
-    settings = dict(strategy=strategy or "auto", accelerator="gpu" if device.type == "cuda" else "cpu", devices=1,
-                    max_steps=steps + timer.warmup_steps, max_epochs=-1, callbacks=[timer])
-    with tempfile.TemporaryDirectory() as root, open(os.devnull, "w") as quiet, \
-            contextlib.redirect_stdout(quiet), contextlib.redirect_stderr(quiet):  # the progress bar's output
+    settings = dict(
+        strategy=strategy or "auto",
+        accelerator="gpu" if device.type == "cuda" else "cpu",
+        devices=1,
+        max_steps=steps + timer.warmup_steps,
+        max_epochs=-1,
+        callbacks=[timer],
+    )
+    with (
+        tempfile.TemporaryDirectory() as root,
+        open(os.devnull, "w") as quiet,
+        contextlib.redirect_stdout(quiet),
+        contextlib.redirect_stderr(quiet),
+    ):  # the progress bar's output
         trainer = default_trainer(root, **settings) if defaults else quiet_trainer(**settings)
         trainer.fit(NetClassifier(make_model(model_name), log_loss=defaults), make_loader(model_name))
     return timer.steps / timer.seconds
@@ -101,12 +118,17 @@ def main() -> None:
     configs = CUDA_CONFIGS if use_cuda else CPU_CONFIGS
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     machine = torch.cuda.get_device_name(0) if use_cuda else "CPU"
-    result = {"benchmark": "sink_throughput", "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch "
-              f"{torch.__version__}, {machine}", "batch": BATCH, "sink_size": SINK, "repeats": args.repeats}
+    result = {
+        "benchmark": "sink_throughput",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {machine}",
+        "batch": BATCH,
+        "sink_size": SINK,
+        "repeats": args.repeats,
+    }
     for model_name in ("tiny_mlp", "lenet5"):
         rates: dict[str, list[float]] = {config: [] for config in configs}
         for repeat in range(args.repeats):
-            order = configs[repeat % len(configs):] + configs[: repeat % len(configs)]
+            order = configs[repeat % len(configs) :] + configs[: repeat % len(configs)]
             for config in order:
                 rates[config].append(run(config, model_name, args.steps, device))
         medians = {config: statistics.median(values) for config, values in rates.items()}
@@ -114,10 +136,14 @@ def main() -> None:
         result[model_name] = {
             **{f"{config}_ms_per_step": round(1000 / medians[config], 3) for config in configs},
             **{f"{sink}_vs_hand_written": round(medians[sink] / medians["hand_written"], 3) for sink in sinks},
-            **{f"{sink}_vs_stock_lightning": round(medians[sink] / medians["stock_lightning"], 3)
-               for sink in sinks if not sink.endswith("defaults")},
+            **{
+                f"{sink}_vs_stock_lightning": round(medians[sink] / medians["stock_lightning"], 3)
+                for sink in sinks
+                if not sink.endswith("defaults")
+            },
             "sink_eager_defaults_vs_stock_lightning_defaults": round(
-                medians["sink_eager_defaults"] / medians["stock_lightning_defaults"], 3),
+                medians["sink_eager_defaults"] / medians["stock_lightning_defaults"], 3
+            ),
         }
     print(json.dumps(result))
 

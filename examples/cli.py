@@ -29,8 +29,9 @@ __all__ = ["main"]
 
 def main(args: list[str] | None = None) -> LightningCLI:
     # seed 0 unless the config says otherwise, so that a printed config reproduces the run it came from.
-    return LightningCLI(LeNet5Classifier, DigitsDataModule, seed_everything_default=0, args=args,
-                        save_config_kwargs={"overwrite": True})
+    return LightningCLI(
+        LeNet5Classifier, DigitsDataModule, seed_everything_default=0, args=args, save_config_kwargs={"overwrite": True}
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,10 @@ def exit_on_missing_data(main: Callable[[], Any]) -> None:
 
 def _has_mnist(root: Path) -> bool:
     raw = root / "MNIST" / "raw"
-    return all((raw / f"{name}-idx{dim}-ubyte").exists() for name, dim in
-               (("train-images", 3), ("train-labels", 1), ("t10k-images", 3), ("t10k-labels", 1)))
+    return all(
+        (raw / f"{name}-idx{dim}-ubyte").exists()
+        for name, dim in (("train-images", 3), ("train-labels", 1), ("t10k-images", 3), ("t10k-labels", 1))
+    )
 
 
 def find_mnist(data_dir: str | None) -> Path | None:
@@ -114,8 +116,15 @@ class DigitsDataModule(pl.LightningDataModule):
     """
 
     def __init__(
-        self, data_dir: str | None = None, batch_size: int = 32, max_train_samples: int | None = None,
-        drop_last: bool = True, shuffle: bool = True, seed: int = 0, source: str = "auto", download: bool = False,
+        self,
+        data_dir: str | None = None,
+        batch_size: int = 32,
+        max_train_samples: int | None = None,
+        drop_last: bool = True,
+        shuffle: bool = True,
+        seed: int = 0,
+        source: str = "auto",
+        download: bool = False,
         max_test_samples: int | None = None,
     ) -> None:
         super().__init__()
@@ -159,8 +168,13 @@ class DigitsDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=self.shuffle,
-                          drop_last=self.drop_last, generator=generator)
+        return DataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+            generator=generator,
+        )
 
     def test_dataloader(self) -> DataLoader:
         return DataLoader(self.test_set, batch_size=256)

@@ -50,9 +50,19 @@ def trainer_for(args: argparse.Namespace, stock: bool) -> pl.Trainer:
         strategy, accumulate = "auto", args.accumulation_steps
     else:
         strategy, accumulate = SinkStrategy(accumulation_steps=args.accumulation_steps), 1
-    return pl.Trainer(accelerator=args.accelerator, devices=1, strategy=strategy, accumulate_grad_batches=accumulate,
-                      max_epochs=args.epochs, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    return pl.Trainer(
+        accelerator=args.accelerator,
+        devices=1,
+        strategy=strategy,
+        accumulate_grad_batches=accumulate,
+        max_epochs=args.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
 
 
 def train(args: argparse.Namespace, data: DigitsDataModule, stock: bool) -> tuple[float, Path]:
@@ -66,15 +76,18 @@ def train(args: argparse.Namespace, data: DigitsDataModule, stock: bool) -> tupl
     accuracy = trainer.test(model, datamodule=data, verbose=False)[0]["test_accuracy"]
     checkpoint = Path(args.out) / ("lenet5_stock.ckpt" if stock else "lenet5.ckpt")
     trainer.save_checkpoint(checkpoint, weights_only=False)
-    print(f"{name}: {trainer.global_step} updates in {seconds:.1f} s, test accuracy {accuracy:.4f},"
-          f" checkpoint {checkpoint}")
+    print(
+        f"{name}: {trainer.global_step} updates in {seconds:.1f} s, test accuracy {accuracy:.4f},"
+        f" checkpoint {checkpoint}"
+    )
     return accuracy, checkpoint
 
 
 def evaluate(args: argparse.Namespace, data: DigitsDataModule) -> float:
     model = LeNet5Classifier.load_from_checkpoint(args.ckpt, map_location="cpu")
-    trainer = pl.Trainer(accelerator=args.accelerator, devices=1, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator=args.accelerator, devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+    )
     accuracy = trainer.test(model, datamodule=data, verbose=False)[0]["test_accuracy"]
     print(f"checkpoint {args.ckpt}: test accuracy {accuracy:.4f}")
     return accuracy
@@ -84,8 +97,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     if args.eval_only and (args.ckpt is None or not Path(args.ckpt).is_file()):
         raise SystemExit(f"--eval-only needs --ckpt PATH of an existing checkpoint; got {args.ckpt!r}.")
-    data = DigitsDataModule(args.data_dir, batch_size=args.batch_size, max_train_samples=args.max_train_samples,
-                            seed=args.seed, source="mnist", download=args.download)
+    data = DigitsDataModule(
+        args.data_dir,
+        batch_size=args.batch_size,
+        max_train_samples=args.max_train_samples,
+        seed=args.seed,
+        source="mnist",
+        download=args.download,
+    )
     data.setup()
     print(f"data: {data.source}; {len(data.train_set)} train / {len(data.test_set)} test samples")
     if args.eval_only:
@@ -95,7 +114,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         results["stock_lightning"] = train(args, data, stock=True)[0]
         gap = 100 * (results["lightning_sink"] - results["stock_lightning"])
         print(f"lightning-sink minus stock Lightning: {gap:+.2f} percentage points")
-    print(f"final test accuracy: {results['lightning_sink']:.4f} (MindSpore's tutorial reports {MINDSPORE_ACCURACY:.4f})")
+    print(
+        f"final test accuracy: {results['lightning_sink']:.4f} (MindSpore's tutorial reports {MINDSPORE_ACCURACY:.4f})"
+    )
     return results
 
 

@@ -68,28 +68,43 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     pl.seed_everything(args.seed, verbose=False)
     model = LeNet5Classifier(lr=0.01, momentum=0.9)
-    data = DigitsDataModule(args.data_dir, batch_size=32, max_train_samples=args.max_train_samples, seed=args.seed,
-                            source="mnist", download=args.download)
+    data = DigitsDataModule(
+        args.data_dir,
+        batch_size=32,
+        max_train_samples=args.max_train_samples,
+        seed=args.seed,
+        source="mnist",
+        download=args.download,
+    )
     data.setup()
     batches_per_pass = len(data.train_dataloader())
     sink_size, epochs = sink_plan(args.mode, args.epochs, args.sink_size, batches_per_pass)
-    print(f"data: {data.source}; {batches_per_pass} batches per pass; mode {args.mode}: {epochs} sinks of"
-          f" {sink_size if sink_size > 0 else batches_per_pass} batches")
+    print(
+        f"data: {data.source}; {batches_per_pass} batches per pass; mode {args.mode}: {epochs} sinks of"
+        f" {sink_size if sink_size > 0 else batches_per_pass} batches"
+    )
 
     counter = SinkCounter()
     trainer = pl.Trainer(
-        accelerator=args.accelerator, devices=1, max_epochs=epochs,
+        accelerator=args.accelerator,
+        devices=1,
+        max_epochs=epochs,
         strategy=SinkStrategy(sink_size=sink_size, graph_mode=args.graph_mode),
         callbacks=[LossMonitor(), TimeMonitor(), counter],
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
     )
     started = time.perf_counter()
     trainer.fit(model, datamodule=data)
     seconds = time.perf_counter() - started
     accuracy = trainer.test(model, datamodule=data, verbose=False)[0]["test_accuracy"]
-    print(f"trained {counter.batches} batches in {counter.sinks} sinks ({trainer.global_step} updates) in"
-          f" {seconds:.1f} s")
+    print(
+        f"trained {counter.batches} batches in {counter.sinks} sinks ({trainer.global_step} updates) in {seconds:.1f} s"
+    )
     print(f"final test accuracy: {accuracy:.4f}")
     return {"batches": counter.batches, "accuracy": accuracy}
 

@@ -81,11 +81,22 @@ def main(argv: list[str] | None = None) -> None:
 
     pl.seed_everything(0, verbose=False)
     data = DigitsDataModule(args.data_dir, batch_size=args.batch_size, max_train_samples=args.max_train_samples)
-    strategy = SinkModelParallelStrategy(args.data_parallel_size, args.tensor_parallel_size,
-                                         accumulation_steps=args.accumulation_steps, process_group_backend="gloo")
-    trainer = pl.Trainer(accelerator="cpu", devices=args.data_parallel_size * args.tensor_parallel_size,
-                         strategy=strategy, max_epochs=args.epochs, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
+    strategy = SinkModelParallelStrategy(
+        args.data_parallel_size,
+        args.tensor_parallel_size,
+        accumulation_steps=args.accumulation_steps,
+        process_group_backend="gloo",
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.data_parallel_size * args.tensor_parallel_size,
+        strategy=strategy,
+        max_epochs=args.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     model = ShardedMLP()
     started = time.perf_counter()
     data.setup()
@@ -96,9 +107,11 @@ def main(argv: list[str] | None = None) -> None:
     accuracy = trainer.test(model, datamodule=data, verbose=False)[0]["test_accuracy"]
     if trainer.is_global_zero:
         global_batch = args.batch_size * args.accumulation_steps * args.data_parallel_size
-        print(f"data: {data.source}; mesh {args.data_parallel_size} x {args.tensor_parallel_size};"
-              f" {trainer.global_step} updates of {global_batch} samples"
-              f" ({args.accumulation_steps} micro-batches of {args.batch_size} per data-parallel rank) in {seconds:.1f} s")
+        print(
+            f"data: {data.source}; mesh {args.data_parallel_size} x {args.tensor_parallel_size};"
+            f" {trainer.global_step} updates of {global_batch} samples"
+            f" ({args.accumulation_steps} micro-batches of {args.batch_size} per data-parallel rank) in {seconds:.1f} s"
+        )
         print(f"final test accuracy: {accuracy:.4f}" + (f"; checkpoint: {args.checkpoint}" if args.checkpoint else ""))
 
 

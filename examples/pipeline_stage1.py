@@ -46,8 +46,9 @@ class StageModel(nn.Module):
     def __init__(self, stage: int, in_features: int = 1024) -> None:
         super().__init__()
         self.stage = stage
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_features, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                                 nn.Linear(512, 10))
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(in_features, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+        )
         dropped = (5,) if stage == 0 else (1, 3)
         for index in dropped:
             self.net[index] = nn.Identity()
@@ -57,10 +58,13 @@ class StageModel(nn.Module):
 
     def shard(self, mesh) -> None:
         """TP on the stage's tensor-parallel dim, then FSDP2 over its data-parallel dim."""
-        plan = {"1": ColwiseParallel(output_layouts=Replicate())} if self.stage == 0 else \
-            {"5": RowwiseParallel(input_layouts=Replicate())}
+        plan = (
+            {"1": ColwiseParallel(output_layouts=Replicate())}
+            if self.stage == 0
+            else {"5": RowwiseParallel(input_layouts=Replicate())}
+        )
         parallelize_module(self.net, mesh["tensor_parallel"], plan)
-        for index in ((1, 3) if self.stage == 0 else (5,)):
+        for index in (1, 3) if self.stage == 0 else (5,):
             fully_shard(self.net[index], mesh=mesh["data_parallel"])
         fully_shard(self, mesh=mesh["data_parallel"])
 
@@ -72,8 +76,9 @@ class Pipeline:
         rank = dist.get_rank()
         self.stage = rank // (WORLD_SIZE // STAGES)
         self.peer = rank + WORLD_SIZE // STAGES if self.stage == 0 else rank - WORLD_SIZE // STAGES
-        world = init_device_mesh("cpu", (STAGES, *STAGE_MESH), mesh_dim_names=("pipeline", "data_parallel",
-                                                                               "tensor_parallel"))
+        world = init_device_mesh(
+            "cpu", (STAGES, *STAGE_MESH), mesh_dim_names=("pipeline", "data_parallel", "tensor_parallel")
+        )
         self.mesh = world["data_parallel", "tensor_parallel"]  # this stage's 2 x 2 mesh
         torch.manual_seed(0)  # both stages build the same initial network, then keep their own layers
         self.model = StageModel(self.stage)
@@ -107,16 +112,22 @@ class Pipeline:
 
     def save(self, out: Path) -> None:
         """Local shards into ``rank_{r}/checkpoint_{r}.pt``; the stage's layout from its first rank."""
-        state = {"state_dict": get_model_state_dict(self.model),
-                 "optimizer_0": get_optimizer_state_dict(self.model, self.optimizer)}
-        local = {fqn: value.to_local() if isinstance(value, DTensor) else value
-                 for fqn, value in flatten_like_dcp(state).items() if isinstance(value, torch.Tensor)}
+        state = {
+            "state_dict": get_model_state_dict(self.model),
+            "optimizer_0": get_optimizer_state_dict(self.model, self.optimizer),
+        }
+        local = {
+            fqn: value.to_local() if isinstance(value, DTensor) else value
+            for fqn, value in flatten_like_dcp(state).items()
+            if isinstance(value, torch.Tensor)
+        }
         rank = dist.get_rank()
         (out / "checkpoints" / f"rank_{rank}").mkdir(parents=True, exist_ok=True)
         torch.save(local, out / "checkpoints" / f"rank_{rank}" / f"checkpoint_{rank}.pt")
         if rank == self.mesh.mesh.flatten()[0].item():  # every rank of the stage would compute the same layout
-            layout = layout_from_state_dict(state, world_size=WORLD_SIZE, pipeline_stage=self.stage,
-                                            num_stages=STAGES, module=self.model)
+            layout = layout_from_state_dict(
+                state, world_size=WORLD_SIZE, pipeline_stage=self.stage, num_stages=STAGES, module=self.model
+            )
             save_layout(layout, out / "strategy" / f"stage_{self.stage}.json")
 
 
@@ -131,8 +142,12 @@ def train(rank: int, args: argparse.Namespace, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     try:
         pipeline = Pipeline(args.lr)
-        data = DigitsDataModule(args.data_dir, batch_size=args.batch_size, max_train_samples=args.train_samples,
-                                max_test_samples=args.test_samples)
+        data = DigitsDataModule(
+            args.data_dir,
+            batch_size=args.batch_size,
+            max_train_samples=args.train_samples,
+            max_test_samples=args.test_samples,
+        )
         data.setup("fit")
         data_rank = (rank % (WORLD_SIZE // STAGES)) // STAGE_MESH[1]  # peers and TP ranks read the same batches
         sampler = DistributedSampler(data.train_set, num_replicas=STAGE_MESH[0], rank=data_rank, shuffle=True, seed=0)

@@ -34,10 +34,18 @@ from lenet import LeNet5Classifier
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data-dir", default=None, help="folder holding MNIST/raw (torchvision layout)")
-    parser.add_argument("--data", choices=["auto", "mnist", "digits"], default="auto",
-                        help="auto: MNIST when found, else sklearn digits; mnist: require it; digits: force sklearn")
-    parser.add_argument("--epochs", type=int, default=None,
-                        help="default: 2 on MNIST (60k samples), 20 on sklearn digits (1.5k samples)")
+    parser.add_argument(
+        "--data",
+        choices=["auto", "mnist", "digits"],
+        default="auto",
+        help="auto: MNIST when found, else sklearn digits; mnist: require it; digits: force sklearn",
+    )
+    parser.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="default: 2 on MNIST (60k samples), 20 on sklearn digits (1.5k samples)",
+    )
     parser.add_argument("--batch-size", type=int, default=32, help="micro-batch size")
     parser.add_argument("--accumulation-steps", type=int, default=4, help="micro-batches per optimizer update")
     parser.add_argument("--lr", type=float, default=0.01)
@@ -51,16 +59,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> float:
     args = parse_args(argv)
     pl.seed_everything(args.seed, verbose=False)
-    data = DigitsDataModule(args.data_dir, batch_size=args.batch_size, max_train_samples=args.max_train_samples,
-                            seed=args.seed, source=args.data)
+    data = DigitsDataModule(
+        args.data_dir,
+        batch_size=args.batch_size,
+        max_train_samples=args.max_train_samples,
+        seed=args.seed,
+        source=args.data,
+    )
     data.setup()
     epochs = args.epochs or (2 if data.source.startswith("MNIST") else 20)
     print(f"data: {data.source}; {len(data.train_set)} train / {len(data.test_set)} test samples; {epochs} epochs")
 
     model = LeNet5Classifier(lr=args.lr)
     cuda = args.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
-    precision = LossScalePrecision("16-mixed" if cuda else "32-true", DynamicLossScale(init_scale=2.0**16),
-                                   device="cuda" if cuda else "cpu")
+    precision = LossScalePrecision(
+        "16-mixed" if cuda else "32-true", DynamicLossScale(init_scale=2.0**16), device="cuda" if cuda else "cpu"
+    )
     trainer = pl.Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=1,

@@ -74,8 +74,9 @@ class SeedMLP(pl.LightningModule):
         if plan not in PLANS:
             raise ValueError(f"plan={plan!r} is not valid: choose one of {sorted(PLANS)}.")
         self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Flatten(), nn.Linear(in_features, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                                 nn.Linear(512, 10))
+        self.net = nn.Sequential(
+            nn.Flatten(), nn.Linear(in_features, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+        )
         self.test_accuracy = MulticlassAccuracy(num_classes=10, average="micro")
 
     def configure_model(self) -> None:
@@ -149,8 +150,11 @@ class LoadResharded(Callback):
         state = {"state_dict": get_model_state_dict(pl_module)}
         if with_optimizer:
             state["optimizer_0"] = get_optimizer_state_dict(pl_module, trainer.optimizers[0])
-        missing = [fqn for fqn, value in flatten_like_dcp(state).items()
-                   if isinstance(value, torch.Tensor) and fqn not in checkpoint["tensors"]]
+        missing = [
+            fqn
+            for fqn, value in flatten_like_dcp(state).items()
+            if isinstance(value, torch.Tensor) and fqn not in checkpoint["tensors"]
+        ]
         if missing:
             raise ValueError(f"resharded file of rank {rank} lacks tensors {missing[:5]}")
         load_into_state_dict(state, checkpoint, strict=False)  # the optimizer's settings stay configure_optimizers'
@@ -161,15 +165,31 @@ class LoadResharded(Callback):
 
 def trainer_for(stage: str, args: argparse.Namespace, epochs: int, callbacks: list) -> pl.Trainer:
     dp, tp = MESHES[stage]
-    strategy = SinkModelParallelStrategy(dp, tp, accumulation_steps=args.accumulation_steps, process_group_backend="gloo")
-    return pl.Trainer(accelerator="cpu", devices=dp * tp, strategy=strategy, max_epochs=epochs, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      num_sanity_val_steps=0, limit_val_batches=0, callbacks=callbacks)
+    strategy = SinkModelParallelStrategy(
+        dp, tp, accumulation_steps=args.accumulation_steps, process_group_backend="gloo"
+    )
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=dp * tp,
+        strategy=strategy,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=callbacks,
+    )
 
 
 def data(args: argparse.Namespace) -> DigitsDataModule:
-    return DigitsDataModule(args.data_dir, batch_size=args.batch_size, max_train_samples=args.train_samples,
-                            max_test_samples=args.test_samples)
+    return DigitsDataModule(
+        args.data_dir,
+        batch_size=args.batch_size,
+        max_train_samples=args.train_samples,
+        max_test_samples=args.test_samples,
+    )
 
 
 def run_stage1(args: argparse.Namespace) -> None:
@@ -177,8 +197,15 @@ def run_stage1(args: argparse.Namespace) -> None:
     out = Path(args.out_dir)
     callbacks: list[Callback] = [ProbeLoss("stage 1", args.probe_samples)]
     if not args.per_rank_conversion:
-        callbacks.append(ReshardCheckpoint(out / "stage2_layout.json", out / "resharded", ckpt_prefix="checkpoint_",
-                                           src_dir=out / "stage1", overwrite=True))
+        callbacks.append(
+            ReshardCheckpoint(
+                out / "stage2_layout.json",
+                out / "resharded",
+                ckpt_prefix="checkpoint_",
+                src_dir=out / "stage1",
+                overwrite=True,
+            )
+        )
     trainer = trainer_for("stage1", args, args.stage1_epochs, callbacks)
     pl.seed_everything(0, verbose=False)
     started = time.perf_counter()
@@ -186,7 +213,9 @@ def run_stage1(args: argparse.Namespace) -> None:
     if args.per_rank_conversion:
         trainer.save_checkpoint(out / "stage1", weights_only=False)
     if trainer.is_global_zero:
-        print(f"stage 1: 8 processes, mesh 4 x 2, {trainer.global_step} updates in {time.perf_counter() - started:.1f} s")
+        print(
+            f"stage 1: 8 processes, mesh 4 x 2, {trainer.global_step} updates in {time.perf_counter() - started:.1f} s"
+        )
 
 
 def run_stage2(args: argparse.Namespace) -> None:
@@ -198,15 +227,20 @@ def run_stage2(args: argparse.Namespace) -> None:
     tester = trainer_for("stage2", args, 1, loading)
     accuracy = tester.test(SeedMLP("stage2"), datamodule=module, ckpt_path=ckpt_path, verbose=False)[0]["test_accuracy"]
     if tester.is_global_zero:
-        print(f"inference on the converted checkpoint (4 processes, mesh 2 x 2): test accuracy {accuracy:.4f}"
-              f" on {len(module.test_set)} samples", flush=True)
+        print(
+            f"inference on the converted checkpoint (4 processes, mesh 2 x 2): test accuracy {accuracy:.4f}"
+            f" on {len(module.test_set)} samples",
+            flush=True,
+        )
     epochs = args.stage2_epochs if args.pipeline else args.stage1_epochs + args.stage2_epochs
     trainer = trainer_for("stage2", args, epochs, [*loading, ProbeLoss("stage 2", args.probe_samples)])
     started = time.perf_counter()
     trainer.fit(SeedMLP("stage2", lr=args.lr), datamodule=module, ckpt_path=ckpt_path)
     if trainer.is_global_zero:
-        print(f"stage 2: 4 processes, mesh 2 x 2, global_step {trainer.global_step} after"
-              f" {time.perf_counter() - started:.1f} s")
+        print(
+            f"stage 2: 4 processes, mesh 2 x 2, global_step {trainer.global_step} after"
+            f" {time.perf_counter() - started:.1f} s"
+        )
 
 
 def convert_rank(args: argparse.Namespace) -> None:
@@ -217,14 +251,22 @@ def convert_rank(args: argparse.Namespace) -> None:
     if args.pipeline:  # the pipeline stages' rank files, described by the merged stage layouts
         source_layout = out / "stage1_pipeline" / "merged_layout.json"
         needed = rank_list_for_transform(rank, source_layout, out / "stage2_layout.json")
-        files = {source: out / "stage1_pipeline" / "checkpoints" / f"rank_{source}" / f"checkpoint_{source}.pt"
-                 for source in needed}
+        files = {
+            source: out / "stage1_pipeline" / "checkpoints" / f"rank_{source}" / f"checkpoint_{source}.pt"
+            for source in needed
+        }
     else:  # the DCP folder of stage 1, which holds its own layout
         source_layout = None
         needed = rank_list_for_transform(rank, out / "stage1", out / "stage2_layout.json")
         files = {source: out / "stage1" / f"__{source}_0.distcp" for source in needed}
-    result = transform_checkpoint_by_rank(rank, files, out / "resharded" / f"rank_{rank}" / f"checkpoint_{rank}.pt",
-                                          source_layout, out / "stage2_layout.json", overwrite=True)
+    result = transform_checkpoint_by_rank(
+        rank,
+        files,
+        out / "resharded" / f"rank_{rank}" / f"checkpoint_{rank}.pt",
+        source_layout,
+        out / "stage2_layout.json",
+        overwrite=True,
+    )
     print(f"target rank {rank}: read source ranks {needed}, wrote {result.bytes_written} bytes", flush=True)
 
 
@@ -241,16 +283,28 @@ def convert_pipeline_stages(args: argparse.Namespace) -> None:
     print(f"stage 1: 8 processes in 2 pipeline stages of 2 x 2 in {time.perf_counter() - started:.1f} s", flush=True)
     stage_files = out / "stage1_pipeline"
     merged = merge_pipeline_strategies(stage_files / "strategy", stage_files / "merged_layout.json")
-    print(f"merged {merged.pipeline.num_stages} stage layouts: {len(merged.tensors)} tensors on mesh"
-          f" {dict(zip(merged.mesh.dim_names, merged.mesh.shape))}", flush=True)
+    print(
+        f"merged {merged.pipeline.num_stages} stage layouts: {len(merged.tensors)} tensors on mesh"
+        f" {dict(zip(merged.mesh.dim_names, merged.mesh.shape))}",
+        flush=True,
+    )
     if not args.per_rank_conversion:
-        transform_checkpoints(stage_files / "checkpoints", out / "resharded", "checkpoint_",
-                              stage_files / "merged_layout.json", out / "stage2_layout.json", overwrite=True)
+        transform_checkpoints(
+            stage_files / "checkpoints",
+            out / "resharded",
+            "checkpoint_",
+            stage_files / "merged_layout.json",
+            out / "stage2_layout.json",
+            overwrite=True,
+        )
 
 
 def run(command: list[str]) -> None:
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key not in ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    }
     subprocess.run([sys.executable, __file__, *command], check=True, env=env)
 
 
@@ -262,8 +316,10 @@ def orchestrate(args: argparse.Namespace, argv: list[str]) -> None:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # Compile the target network, MindSpore-style: its layout, predicted without launching its 4 processes.
-    save_layout(infer_layout(SeedMLP, *MESHES["stage2"], init_args={"plan": "stage2", "lr": args.lr}),
-                out / "stage2_layout.json")
+    save_layout(
+        infer_layout(SeedMLP, *MESHES["stage2"], init_args={"plan": "stage2", "lr": args.lr}),
+        out / "stage2_layout.json",
+    )
     if args.pipeline:
         convert_pipeline_stages(args)
     else:
@@ -272,8 +328,10 @@ def orchestrate(args: argparse.Namespace, argv: list[str]) -> None:
         import shutil
 
         shutil.rmtree(out / "resharded", ignore_errors=True)
-        workers = [subprocess.Popen([sys.executable, __file__, *argv, "--convert-rank", str(rank)])
-                   for rank in range(MESHES["stage2"][0] * MESHES["stage2"][1])]
+        workers = [
+            subprocess.Popen([sys.executable, __file__, *argv, "--convert-rank", str(rank)])
+            for rank in range(MESHES["stage2"][0] * MESHES["stage2"][1])
+        ]
         if any(worker.wait() != 0 for worker in workers):
             raise SystemExit("a per-rank conversion failed (see its error above)")
     run([*argv, "--run", "stage2"])
@@ -292,10 +350,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--stage1-epochs", type=int, default=1)
     parser.add_argument("--stage2-epochs", type=int, default=1)
-    parser.add_argument("--per-rank-conversion", action="store_true",
-                        help="convert with transform_checkpoint_by_rank, one process per target rank")
-    parser.add_argument("--pipeline", action="store_true",
-                        help="stage 1 in 2 pipeline stages (plain PyTorch), merged with merge_pipeline_strategies")
+    parser.add_argument(
+        "--per-rank-conversion",
+        action="store_true",
+        help="convert with transform_checkpoint_by_rank, one process per target rank",
+    )
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="stage 1 in 2 pipeline stages (plain PyTorch), merged with merge_pipeline_strategies",
+    )
     parser.add_argument("--run", choices=("stage1", "stage2"), help=argparse.SUPPRESS)
     parser.add_argument("--convert-rank", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -87,27 +87,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     pl.seed_everything(args.seed, verbose=False)
-    data = DigitsDataModule(args.data_dir, batch_size=args.batch_size, max_train_samples=args.max_train_samples,
-                            seed=args.seed, source="mnist", download=args.download,
-                            max_test_samples=args.max_test_samples)
+    data = DigitsDataModule(
+        args.data_dir,
+        batch_size=args.batch_size,
+        max_train_samples=args.max_train_samples,
+        seed=args.seed,
+        source="mnist",
+        download=args.download,
+        max_test_samples=args.max_test_samples,
+    )
     cuda = args.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
-    strategy = SinkDDPStrategy(accumulation_steps=args.accumulation_steps, sink_size=-1,
-                               process_group_backend="nccl" if cuda else "gloo")
-    precision = LossScalePrecision(args.precision or ("16-mixed" if cuda else "32-true"),
-                                   DynamicLossScale(init_scale=args.init_scale), device="cuda" if cuda else "cpu")
-    trainer = pl.Trainer(accelerator="gpu" if cuda else "cpu", devices=args.devices, strategy=strategy,
-                         plugins=[precision], callbacks=[LossMonitor(), LossScaleMonitor()], max_epochs=args.epochs,
-                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0)
+    strategy = SinkDDPStrategy(
+        accumulation_steps=args.accumulation_steps, sink_size=-1, process_group_backend="nccl" if cuda else "gloo"
+    )
+    precision = LossScalePrecision(
+        args.precision or ("16-mixed" if cuda else "32-true"),
+        DynamicLossScale(init_scale=args.init_scale),
+        device="cuda" if cuda else "cpu",
+    )
+    trainer = pl.Trainer(
+        accelerator="gpu" if cuda else "cpu",
+        devices=args.devices,
+        strategy=strategy,
+        plugins=[precision],
+        callbacks=[LossMonitor(), LossScaleMonitor()],
+        max_epochs=args.epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
     model = ResNetClassifier()
     started = time.perf_counter()
     trainer.fit(model, datamodule=data)
     seconds = time.perf_counter() - started
     accuracy = trainer.test(model, datamodule=data, verbose=False)[0]["test_accuracy"]
     if trainer.is_global_zero:
-        print(f"trained {trainer.global_step} updates on {trainer.world_size} processes"
-              f" ({args.accumulation_steps} micro-batches of {args.batch_size} per process each) in {seconds:.1f} s;"
-              f" loss scale {precision.scale:g}, skipped updates {precision.skipped_updates}")
+        print(
+            f"trained {trainer.global_step} updates on {trainer.world_size} processes"
+            f" ({args.accumulation_steps} micro-batches of {args.batch_size} per process each) in {seconds:.1f} s;"
+            f" loss scale {precision.scale:g}, skipped updates {precision.skipped_updates}"
+        )
         print(f"final test accuracy: {accuracy:.4f}")
 
 

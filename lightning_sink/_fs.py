@@ -53,8 +53,10 @@ def check_relative_name(name: object, what: str) -> PurePosixPath:
 def check_file_prefix(prefix: object, what: str) -> str:
     """A plain file-name prefix (may be empty): no separators, NUL, and not ``.`` or ``..``."""
     if not isinstance(prefix, str) or any(c in prefix for c in "/\\\x00") or prefix in (".", ".."):
-        raise ValueError(f"{what}={prefix!r} must be a plain file-name prefix (no path separators, not '.' or '..')"
-                         " so that rank files stay inside their folder")
+        raise ValueError(
+            f"{what}={prefix!r} must be a plain file-name prefix (no path separators, not '.' or '..')"
+            " so that rank files stay inside their folder"
+        )
     return prefix
 
 
@@ -65,8 +67,9 @@ def inside(folder: Path, name: str, what: str) -> Path:
     for part in pure.parts:
         path = path / part
         if path.is_symlink():
-            raise ValueError(f"{what}: {str(path)!r} is a symbolic link; links inside a checkpoint folder are not"
-                             " followed")
+            raise ValueError(
+                f"{what}: {str(path)!r} is a symbolic link; links inside a checkpoint folder are not followed"
+            )
     return path
 
 
@@ -76,7 +79,9 @@ def open_nofollow(path: Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> in
         return os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
     except OSError as error:
         if error.errno == errno.ELOOP:
-            raise ValueError(f"{str(path)!r} is a symbolic link; links inside a checkpoint folder are not followed") from None
+            raise ValueError(
+                f"{str(path)!r} is a symbolic link; links inside a checkpoint folder are not followed"
+            ) from None
         raise
 
 
@@ -95,8 +100,10 @@ def open_inside(folder: Path, name: str, what: str, flags: int = os.O_RDONLY) ->
         raise FileNotFoundError(f"{what}: {str(Path(folder, *parts))!r} does not exist") from None
     except OSError as error:
         if error.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise ValueError(f"{what}: {str(Path(folder, *parts))!r} is a symbolic link or lies behind one (or"
-                             " behind a non-folder); links inside a checkpoint folder are not followed") from None
+            raise ValueError(
+                f"{what}: {str(Path(folder, *parts))!r} is a symbolic link or lies behind one (or"
+                " behind a non-folder); links inside a checkpoint folder are not followed"
+            ) from None
         raise
     finally:
         os.close(directory)
@@ -141,9 +148,11 @@ def check_room_for(folder: Path, total_bytes: int, largest_file_bytes: int, what
     stats = os.statvfs(folder)
     free = stats.f_bavail * stats.f_frsize
     if total_bytes > free:
-        raise DiskFullError(f"{what}: not enough free space in {str(folder)!r}: {total_bytes} bytes to write,"
-                            f" {free} free")
+        raise DiskFullError(
+            f"{what}: not enough free space in {str(folder)!r}: {total_bytes} bytes to write, {free} free"
+        )
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     if limit != resource.RLIM_INFINITY and largest_file_bytes > limit:
-        raise DiskFullError(f"{what}: a file of {largest_file_bytes} bytes exceeds this process's file-size limit"
-                            f" of {limit} bytes")
+        raise DiskFullError(
+            f"{what}: a file of {largest_file_bytes} bytes exceeds this process's file-size limit of {limit} bytes"
+        )

@@ -17,8 +17,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Parameter
 
-__all__ = ["PARTIAL_WINDOW_MODES", "MicroStep", "plan_micro_step", "GradientAccumulator", "SingleStepGradients",
-           "unique_trainable"]
+__all__ = [
+    "PARTIAL_WINDOW_MODES",
+    "MicroStep",
+    "plan_micro_step",
+    "GradientAccumulator",
+    "SingleStepGradients",
+    "unique_trainable",
+]
 
 PARTIAL_WINDOW_MODES = ("scale", "drop", "carry")
 

@@ -34,25 +34,45 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*", text, flags=re.IGNORECASE)
     if not match:
         raise argparse.ArgumentTypeError(f"invalid size {text!r} (examples: 512MiB, 4GiB, 1000000)")
-    units = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+    units = {
+        "b": 1,
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+    }
     return int(float(match.group(1)) * units[(match.group(2) or "b").lower()])
 
 
 def _configure_reshard(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--src-checkpoints-dir", required=True,
-                        help="source: a DCP folder, a folder of rank_<x>/ folders with one checkpoint file each, or a"
-                             " one-device checkpoint file (Lightning .ckpt or a torch.save state dict)")
+    parser.add_argument(
+        "--src-checkpoints-dir",
+        required=True,
+        help="source: a DCP folder, a folder of rank_<x>/ folders with one checkpoint file each, or a"
+        " one-device checkpoint file (Lightning .ckpt or a torch.save state dict)",
+    )
     parser.add_argument("--dst-checkpoints-dir", help="destination folder (whole conversion)")
-    parser.add_argument("--ckpt-prefix", default="checkpoint_", type=_file_prefix,
-                        help="target files: rank_<r>/<prefix><r>.pt")
-    parser.add_argument("--src-strategy-file", help="source layout (default: the folder's layout.json, else DCP metadata)")
+    parser.add_argument(
+        "--ckpt-prefix", default="checkpoint_", type=_file_prefix, help="target files: rank_<r>/<prefix><r>.pt"
+    )
+    parser.add_argument(
+        "--src-strategy-file", help="source layout (default: the folder's layout.json, else DCP metadata)"
+    )
     parser.add_argument("--dst-strategy-file", required=True, help="target layout file")
     parser.add_argument("--workers", type=_positive_int, help="parallel worker processes, one target rank each")
-    parser.add_argument("--memory-budget", type=parse_size, help="cap workers so that workers x largest shard fits, e.g. 8GiB")
+    parser.add_argument(
+        "--memory-budget", type=parse_size, help="cap workers so that workers x largest shard fits, e.g. 8GiB"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace a destination holding a different checkpoint")
     parser.add_argument("--rank-id", type=int, help="convert only this target rank (transform_checkpoint_by_rank)")
     parser.add_argument("--save-checkpoint-file-name", help="with --rank-id: the file to write")
-    parser.add_argument("--list-ranks", action="store_true", help="with --rank-id: print the source ranks it needs and exit")
+    parser.add_argument(
+        "--list-ranks", action="store_true", help="with --rank-id: print the source ranks it needs and exit"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -104,11 +124,21 @@ def _run_reshard(args: argparse.Namespace) -> int:
             print(json.dumps(needed))
             return 0
         source = Path(args.src_checkpoints_dir)
-        files = ({0: source} if source.is_file()
-                 else {rank: source / f"__{rank}_0.distcp" for rank in needed} if (source / ".metadata").is_file()
-                 else {rank: next((source / f"rank_{rank}").glob("*.pt"), source / f"rank_{rank}") for rank in needed})
-        result = transform_checkpoint_by_rank(args.rank_id, files, args.save_checkpoint_file_name,
-                                              args.src_strategy_file, args.dst_strategy_file, overwrite=args.overwrite)
+        files = (
+            {0: source}
+            if source.is_file()
+            else {rank: source / f"__{rank}_0.distcp" for rank in needed}
+            if (source / ".metadata").is_file()
+            else {rank: next((source / f"rank_{rank}").glob("*.pt"), source / f"rank_{rank}") for rank in needed}
+        )
+        result = transform_checkpoint_by_rank(
+            args.rank_id,
+            files,
+            args.save_checkpoint_file_name,
+            args.src_strategy_file,
+            args.dst_strategy_file,
+            overwrite=args.overwrite,
+        )
         print(f"wrote {result.relative_path}: {result.bytes_written} bytes, sha256 {result.sha256}")
         return 0
     bar = None
@@ -123,17 +153,34 @@ def _run_reshard(args: argparse.Namespace) -> int:
             bar.update(done - bar.n)
 
     try:
-        report = transform_checkpoints(args.src_checkpoints_dir, args.dst_checkpoints_dir, args.ckpt_prefix,
-                                       args.src_strategy_file, args.dst_strategy_file, workers=args.workers,
-                                       overwrite=args.overwrite, memory_budget_bytes=args.memory_budget, progress=progress)
+        report = transform_checkpoints(
+            args.src_checkpoints_dir,
+            args.dst_checkpoints_dir,
+            args.ckpt_prefix,
+            args.src_strategy_file,
+            args.dst_strategy_file,
+            workers=args.workers,
+            overwrite=args.overwrite,
+            memory_budget_bytes=args.memory_budget,
+            progress=progress,
+        )
     finally:
         if bar is not None:
             bar.close()
     stats = report.stats
-    print(json.dumps({"destination": str(report.destination), "ranks": len(report.ranks),
-                      "bytes_written": sum(r.bytes_written for r in report.ranks), "bytes_needed": stats.bytes_needed,
-                      "payload_bytes_read": stats.payload_bytes_read, "header_bytes_read": stats.header_bytes_read,
-                      "verify_bytes_read": stats.verify_bytes_read}))
+    print(
+        json.dumps(
+            {
+                "destination": str(report.destination),
+                "ranks": len(report.ranks),
+                "bytes_written": sum(r.bytes_written for r in report.ranks),
+                "bytes_needed": stats.bytes_needed,
+                "payload_bytes_read": stats.payload_bytes_read,
+                "header_bytes_read": stats.header_bytes_read,
+                "verify_bytes_read": stats.verify_bytes_read,
+            }
+        )
+    )
     return 0
 
 
@@ -146,7 +193,9 @@ def _run_verify(args: argparse.Namespace) -> int:
     from lightning_sink.reshard import verify_checkpoint
 
     report = verify_checkpoint(args.directory, deep=not args.shallow)
-    print(f"OK: {report.folder}: {report.world_size} ranks, {report.files_checked} files, {report.bytes_checked} bytes verified")
+    print(
+        f"OK: {report.folder}: {report.world_size} ranks, {report.files_checked} files, {report.bytes_checked} bytes verified"
+    )
     return 0
 
 
@@ -163,11 +212,22 @@ def _run_layout(args: argparse.Namespace) -> int:
 
 
 COMMANDS: list[Command] = [
-    Command("reshard", "convert a distributed checkpoint to another rank count / layout (offline)", _configure_reshard,
-            _run_reshard, _check_reshard_arguments),
-    Command("verify", "check a resharded checkpoint's integrity (SHA-256) and completeness", _configure_verify, _run_verify),
-    Command("layout", "predict the layout file of a SinkModelParallelStrategy run without launching it",
-            _configure_layout, _run_layout),
+    Command(
+        "reshard",
+        "convert a distributed checkpoint to another rank count / layout (offline)",
+        _configure_reshard,
+        _run_reshard,
+        _check_reshard_arguments,
+    ),
+    Command(
+        "verify", "check a resharded checkpoint's integrity (SHA-256) and completeness", _configure_verify, _run_verify
+    ),
+    Command(
+        "layout",
+        "predict the layout file of a SinkModelParallelStrategy run without launching it",
+        _configure_layout,
+        _run_layout,
+    ),
 ]
 
 

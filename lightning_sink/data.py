@@ -22,8 +22,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["DataPosition", "loader_generators", "capture_generator_states", "restore_generator_states",
-           "set_sampler_epoch", "is_stateful_loader"]
+__all__ = [
+    "DataPosition",
+    "loader_generators",
+    "capture_generator_states",
+    "restore_generator_states",
+    "set_sampler_epoch",
+    "is_stateful_loader",
+]
 
 
 def loader_generators(loader: Any) -> list[torch.Generator]:

@@ -116,7 +116,8 @@ def infer_layout(
     Runs in this process only; it must not already be part of a process group.
     """
     world_size = _validate_size("data_parallel_size", data_parallel_size) * _validate_size(
-        "tensor_parallel_size", tensor_parallel_size)
+        "tensor_parallel_size", tensor_parallel_size
+    )
     factory = _resolve(module)
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError("infer_layout runs its own fake process group; call it outside a distributed run.")
@@ -159,8 +160,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--init-args {args.init_args!r} is not JSON: {error}") from error
     if not isinstance(init_args, dict):
         raise ValueError(f"--init-args {args.init_args!r} must be a JSON object of keyword arguments")
-    layout = infer_layout(args.model, args.data_parallel_size, args.tensor_parallel_size, init_args=init_args,
-                          with_optimizer=not args.no_optimizer)
+    layout = infer_layout(
+        args.model,
+        args.data_parallel_size,
+        args.tensor_parallel_size,
+        init_args=init_args,
+        with_optimizer=not args.no_optimizer,
+    )
     save_layout(layout, args.output)
     print(f"wrote {args.output}: {len(layout.tensors)} tensors on a {'x'.join(map(str, layout.mesh.shape))} mesh")
     return 0

@@ -30,9 +30,11 @@ def _require_scale(owner: str, name: str, value: object) -> None:
     """A real number that the scale's dtype holds as a finite value."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{owner}({name}={value!r}) is not valid: pass a number (int or float).")
-    _require(abs(value) <= _LARGEST_SCALE,
-             f"{owner}({name}={value!r}) does not fit the loss scale's dtype {_SCALE_DTYPE} (largest finite value"
-             f" {_LARGEST_SCALE:.4g}): pass a smaller value.")
+    _require(
+        abs(value) <= _LARGEST_SCALE,
+        f"{owner}({name}={value!r}) does not fit the loss scale's dtype {_SCALE_DTYPE} (largest finite value"
+        f" {_LARGEST_SCALE:.4g}): pass a smaller value.",
+    )
 
 
 def _require_bool(owner: str, name: str, value: object) -> None:
@@ -72,17 +74,24 @@ class DynamicLossScale:
             _require_scale("DynamicLossScale", name, getattr(self, name))
         _require(self.init_scale > 0, f"DynamicLossScale(init_scale={self.init_scale!r}) must be > 0.")
         _require(self.scale_factor > 1, f"DynamicLossScale(scale_factor={self.scale_factor!r}) must be > 1.")
-        _require(isinstance(self.scale_window, int) and not isinstance(self.scale_window, bool)
-                 and self.scale_window >= 1,
-                 f"DynamicLossScale(scale_window={self.scale_window!r}) must be an int >= 1.")
-        _require(0 < self.min_scale <= self.max_scale,
-                 f"DynamicLossScale(min_scale={self.min_scale!r}, max_scale={self.max_scale!r}) needs"
-                 " 0 < min_scale <= max_scale.")
-        _require(self.min_scale <= self.init_scale <= self.max_scale,
-                 f"DynamicLossScale(init_scale={self.init_scale!r}) must lie in [min_scale, max_scale] ="
-                 f" [{self.min_scale!r}, {self.max_scale!r}].")
-        _require(isinstance(self.hysteresis, int) and not isinstance(self.hysteresis, bool) and self.hysteresis >= 1,
-                 f"DynamicLossScale(hysteresis={self.hysteresis!r}) must be an int >= 1.")
+        _require(
+            isinstance(self.scale_window, int) and not isinstance(self.scale_window, bool) and self.scale_window >= 1,
+            f"DynamicLossScale(scale_window={self.scale_window!r}) must be an int >= 1.",
+        )
+        _require(
+            0 < self.min_scale <= self.max_scale,
+            f"DynamicLossScale(min_scale={self.min_scale!r}, max_scale={self.max_scale!r}) needs"
+            " 0 < min_scale <= max_scale.",
+        )
+        _require(
+            self.min_scale <= self.init_scale <= self.max_scale,
+            f"DynamicLossScale(init_scale={self.init_scale!r}) must lie in [min_scale, max_scale] ="
+            f" [{self.min_scale!r}, {self.max_scale!r}].",
+        )
+        _require(
+            isinstance(self.hysteresis, int) and not isinstance(self.hysteresis, bool) and self.hysteresis >= 1,
+            f"DynamicLossScale(hysteresis={self.hysteresis!r}) must be an int >= 1.",
+        )
 
 
 @dataclass(frozen=True)
@@ -153,8 +162,10 @@ class LossScaler:
         self.scale.copy_(scale)
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: getattr(self, name).detach().cpu().clone()
-                for name in ("scale", "growth_tracker", "hysteresis_left", "skipped", "found_inf")}
+        return {
+            name: getattr(self, name).detach().cpu().clone()
+            for name in ("scale", "growth_tracker", "hysteresis_left", "skipped", "found_inf")
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, value in state.items():

@@ -202,4 +202,3 @@ class LossScalePrecision(Precision):
 
     def __repr__(self) -> str:
         return f"LossScalePrecision(precision={self.precision!r}, loss_scale={self.loss_scale!r})"
-

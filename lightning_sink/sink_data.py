@@ -89,8 +89,9 @@ class MicroBatchStream:
     what a checkpoint saves (batches read ahead but not trained are read again after a resume).
     """
 
-    def __init__(self, loader: Any, position: DataPosition, depth: int = 2,
-                 copier: CudaBatchCopier | None = None) -> None:
+    def __init__(
+        self, loader: Any, position: DataPosition, depth: int = 2, copier: CudaBatchCopier | None = None
+    ) -> None:
         """``depth=0`` reads in the training thread instead (no thread, no queue). A ``copier`` moves each batch to
         the GPU in the reading thread (then ``next()`` returns batches already on the device)."""
         self.loader, self.position, self.copier = loader, position, copier
@@ -100,8 +101,9 @@ class MicroBatchStream:
         self._inline = self._items(first_pass, skip) if depth == 0 else None
         self._thread = None
         if depth > 0:
-            self._thread = threading.Thread(target=self._produce, args=(first_pass, skip), daemon=True,
-                                            name="lightning-sink-prefetch")
+            self._thread = threading.Thread(
+                target=self._produce, args=(first_pass, skip), daemon=True, name="lightning-sink-prefetch"
+            )
             self._thread.start()
 
     def _items(self, pass_index: int, skip: int) -> Iterator[Any]:

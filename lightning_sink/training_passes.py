@@ -41,8 +41,11 @@ def batches_per_epoch(length: int, limit: int | float) -> int:
 
 def _ignore_not_resumable_warning() -> None:
     # Lightning warns that a plain loader cannot resume mid-epoch; the strategy resumes it (skip_trained_batches).
-    warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended",
-                            category=PossibleUserWarning)
+    warnings.filterwarnings(
+        "ignore",
+        message=r"You're resuming from a checkpoint that ended before the epoch ended",
+        category=PossibleUserWarning,
+    )
 
 
 class TrainingPasses:

@@ -9,8 +9,18 @@ import torch.distributed as dist
 
 # Variables Lightning and torch.distributed set in the launching process; a child that inherits them believes it
 # was already launched as one rank and waits for peers that never come.
-DISTRIBUTED_ENV = ("LOCAL_RANK", "NODE_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                   "MASTER_ADDR", "MASTER_PORT", "PL_GLOBAL_SEED", "PL_TRAINER_GPUS")
+DISTRIBUTED_ENV = (
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "PL_GLOBAL_SEED",
+    "PL_TRAINER_GPUS",
+)
 
 
 def clean_subprocess_env(**extra: str) -> dict[str, str]:

@@ -56,8 +56,9 @@ def _parse_placement(text: str):
     return Shard(int(re.match(r"^Shard\((\d+)\)$", text).group(1)))
 
 
-def _worker(rank: int, world_size: int, init_file: str, mesh_shape, dim_names, spec, seed, out_dir, plain_names,
-            thread_count):
+def _worker(
+    rank: int, world_size: int, init_file: str, mesh_shape, dim_names, spec, seed, out_dir, plain_names, thread_count
+):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
@@ -103,8 +104,18 @@ def save_dcp_checkpoint(
         world_size *= size
     dim_names = dim_names or tuple(f"d{index}" for index in range(len(mesh_shape)))
     out_dir.mkdir(parents=True, exist_ok=True)
-    spawn(_worker, world_size, out_dir.parent / f".init_{out_dir.name}", mesh_shape, dim_names, spec, seed,
-          str(out_dir), plain_names, thread_count)
+    spawn(
+        _worker,
+        world_size,
+        out_dir.parent / f".init_{out_dir.name}",
+        mesh_shape,
+        dim_names,
+        spec,
+        seed,
+        str(out_dir),
+        plain_names,
+        thread_count,
+    )
     return out_dir
 
 
@@ -120,7 +131,9 @@ def _dcp_load_worker(rank: int, world_size: int, init_file: str, layout_json: st
     layout = json.loads(layout_json)
     init_process_group(rank, world_size, init_file)
     try:
-        mesh = init_device_mesh("cpu", tuple(layout["mesh"]["shape"]), mesh_dim_names=tuple(layout["mesh"]["dim_names"]))
+        mesh = init_device_mesh(
+            "cpu", tuple(layout["mesh"]["shape"]), mesh_dim_names=tuple(layout["mesh"]["dim_names"])
+        )
         flat: dict[str, Any] = {}
         for name, tensor in layout["tensors"].items():
             placements = [_parse_placement(p) for p in tensor["placements"]]
@@ -129,8 +142,14 @@ def _dcp_load_worker(rank: int, world_size: int, init_file: str, layout_json: st
 
             local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
             local = torch.zeros(local_shape, dtype=getattr(torch, tensor["dtype"]))
-            flat[name] = DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
-                                            stride=torch.empty(shape, device="meta").stride())
+            flat[name] = DTensor.from_local(
+                local,
+                mesh,
+                placements,
+                run_check=False,
+                shape=torch.Size(shape),
+                stride=torch.empty(shape, device="meta").stride(),
+            )
         state = _nest(flat)
         dcp.load(state, checkpoint_id=checkpoint_dir)
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
@@ -144,6 +163,12 @@ def _dcp_load_worker(rank: int, world_size: int, init_file: str, layout_json: st
 
 def dcp_reshard_load(layout, checkpoint_dir: Path, out_prefix: Path) -> list[dict[str, torch.Tensor]]:
     """DCP's own load-time resharding onto ``layout`` (real gloo processes): each rank's local shards."""
-    spawn(_dcp_load_worker, layout.world_size, out_prefix.parent / f".init_{out_prefix.name}", layout.to_json(),
-          str(checkpoint_dir), str(out_prefix))
+    spawn(
+        _dcp_load_worker,
+        layout.world_size,
+        out_prefix.parent / f".init_{out_prefix.name}",
+        layout.to_json(),
+        str(checkpoint_dir),
+        str(out_prefix),
+    )
     return [torch.load(f"{out_prefix}.{rank}", weights_only=True) for rank in range(layout.world_size)]

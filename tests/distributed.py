@@ -30,8 +30,14 @@ __all__ = ["REPO", "CollectiveCounter", "init_process_group", "run_launched", "s
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run_launched(worker: str | Path, *args: Any, torchrun: int | None = None, cwd: Path = REPO, timeout: int = 300,
-                 expect_returncode: int = 0) -> subprocess.CompletedProcess:
+def run_launched(
+    worker: str | Path,
+    *args: Any,
+    torchrun: int | None = None,
+    cwd: Path = REPO,
+    timeout: int = 300,
+    expect_returncode: int = 0,
+) -> subprocess.CompletedProcess:
     """Run ``python -m worker args`` (a module name) or ``python worker args`` (a script path) and check its exit
     status; the output comes back for the test to read."""
     env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
@@ -39,8 +45,9 @@ def run_launched(worker: str | Path, *args: Any, torchrun: int | None = None, cw
     if torchrun is not None:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
     target = [str(worker)] if isinstance(worker, Path) else ["-m", worker]
-    done = subprocess.run([*launcher, *target, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    done = subprocess.run(
+        [*launcher, *target, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert done.returncode == expect_returncode, done.stdout[-3000:] + done.stderr[-5000:]
     return done
 
@@ -78,6 +85,7 @@ class CollectiveCounter(Callback):
 
     def setup(self, trainer, pl_module, stage):
         for name in self.names:
+
             def counting(*args, _name=name, **kwargs):
                 self.calls[_name] += 1
                 return self._real[_name](*args, **kwargs)
@@ -101,8 +109,9 @@ class CollectiveCounter(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         calls, step = self._start
-        self.per_batch.append({**{name: self.calls[name] - calls[name] for name in self.calls},
-                               "updates": trainer.global_step - step})
+        self.per_batch.append(
+            {**{name: self.calls[name] - calls[name] for name in self.calls}, "updates": trainer.global_step - step}
+        )
 
     def teardown(self, trainer, pl_module, stage):
         for name, real in self._real.items():

@@ -87,5 +87,7 @@ def test_single_step_gradients_refuse_a_checkpoint_taken_inside_a_window():
 
     store = SingleStepGradients([torch.nn.Parameter(torch.zeros(2))])
     store.load_state_dict({"micro_steps": 0, "buffer": None})  # a window boundary: fine
-    with pytest.raises(ValueError, match=r"inside an accumulation window \(3 micro-steps accumulated\).*accumulation_steps=1"):
+    with pytest.raises(
+        ValueError, match=r"inside an accumulation window \(3 micro-steps accumulated\).*accumulation_steps=1"
+    ):
         store.load_state_dict({"micro_steps": 3, "buffer": torch.zeros(2)})

@@ -28,12 +28,15 @@ def test_tensor_parallel_only_mesh_splits_columns_of_the_row_wise_layer():
     assert not dist.is_initialized()  # the fake process group is gone
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(module=TPClassifier, data_parallel_size=0, tensor_parallel_size=2), "data_parallel_size=0"),
-    (dict(module=TPClassifier, data_parallel_size=2, tensor_parallel_size="2"), "tensor_parallel_size='2'"),
-    (dict(module="no_such_package.Model", data_parallel_size=1, tensor_parallel_size=1), "no_such_package"),
-    (dict(module="Model", data_parallel_size=1, tensor_parallel_size=1), "class path"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(module=TPClassifier, data_parallel_size=0, tensor_parallel_size=2), "data_parallel_size=0"),
+        (dict(module=TPClassifier, data_parallel_size=2, tensor_parallel_size="2"), "tensor_parallel_size='2'"),
+        (dict(module="no_such_package.Model", data_parallel_size=1, tensor_parallel_size=1), "no_such_package"),
+        (dict(module="Model", data_parallel_size=1, tensor_parallel_size=1), "class path"),
+    ],
+)
 def test_bad_arguments_are_named(kwargs, match):
     with pytest.raises(ValueError, match=match):
         infer_layout(**kwargs)
@@ -48,8 +51,20 @@ def test_a_module_without_configure_model_is_refused():
 
 def test_cli_rejects_init_args_that_are_not_a_json_object(tmp_path, capsys):
     with pytest.raises(SystemExit):
-        main(["--model", "tests.strategies.mp_models.TPClassifier", "--init-args", "[1]",
-              "--data-parallel-size", "1", "--tensor-parallel-size", "1", "--output", str(tmp_path / "x.json")])
+        main(
+            [
+                "--model",
+                "tests.strategies.mp_models.TPClassifier",
+                "--init-args",
+                "[1]",
+                "--data-parallel-size",
+                "1",
+                "--tensor-parallel-size",
+                "1",
+                "--output",
+                str(tmp_path / "x.json"),
+            ]
+        )
     assert "--init-args" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
 
@@ -62,8 +77,18 @@ def test_refused_inside_a_distributed_run():
 
 def test_cli_reports_a_bad_mesh_size_without_writing(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["--model", "tests.strategies.mp_models.TPClassifier", "--data-parallel-size", "0",
-              "--tensor-parallel-size", "1", "--output", str(tmp_path / "x.json")])
+        main(
+            [
+                "--model",
+                "tests.strategies.mp_models.TPClassifier",
+                "--data-parallel-size",
+                "0",
+                "--tensor-parallel-size",
+                "1",
+                "--output",
+                str(tmp_path / "x.json"),
+            ]
+        )
     assert exit_info.value.code == 2
     assert "data_parallel_size=0" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()

@@ -20,11 +20,17 @@ from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
 def test_private_lightning_attributes_still_exist():
     assert list(inspect.signature(_TrainingEpochLoop._should_accumulate).parameters) == ["self"]
     assert list(inspect.signature(_TrainingEpochLoop.update_lr_schedulers).parameters) == [
-        "self", "interval", "update_plateau_schedulers"]
+        "self",
+        "interval",
+        "update_plateau_schedulers",
+    ]
     assert callable(_TrainingEpochLoop._num_ready_batches_reached)
     assert list(inspect.signature(_AutomaticOptimization._on_before_zero_grad).parameters) == ["self", "optimizer"]
     assert list(inspect.signature(_AutomaticOptimization._optimizer_zero_grad).parameters) == [
-        "self", "batch_idx", "optimizer"]
+        "self",
+        "batch_idx",
+        "optimizer",
+    ]
     assert callable(Precision._after_closure)
     assert callable(call._call_lightning_module_hook)
     trainer = pl.Trainer(logger=False)
@@ -58,15 +64,19 @@ class _Probe(Callback):
         loop = trainer.fit_loop.epoch_loop
         self.seen.setdefault("shadowed", {name for name in compat._SHADOWED if name in loop.__dict__})
         self.seen.setdefault("skip_backward", trainer.fit_loop._skip_backward)
-        self.seen["optimizer_is_lightnings"] = compat.lightning_optimizer(trainer.strategy) is (
-            trainer.strategy._lightning_optimizers[0])
+        self.seen["optimizer_is_lightnings"] = (
+            compat.lightning_optimizer(trainer.strategy) is (trainer.strategy._lightning_optimizers[0])
+        )
 
 
-@pytest.mark.parametrize("strategy, shadowed, skip_backward", [
-    (lambda: SinkStrategy(accumulation_steps=2), set(), False),  # Lightning's own loop decides everything
-    (lambda: SinkStrategy(accumulation_steps=2, partial_window="carry"), {"_should_accumulate"}, False),
-    (lambda: SinkStrategy(accumulation_steps=2, sink_size=4), {"_should_accumulate", "update_lr_schedulers"}, True),
-])
+@pytest.mark.parametrize(
+    "strategy, shadowed, skip_backward",
+    [
+        (lambda: SinkStrategy(accumulation_steps=2), set(), False),  # Lightning's own loop decides everything
+        (lambda: SinkStrategy(accumulation_steps=2, partial_window="carry"), {"_should_accumulate"}, False),
+        (lambda: SinkStrategy(accumulation_steps=2, sink_size=4), {"_should_accumulate", "update_lr_schedulers"}, True),
+    ],
+)
 def test_loop_overrides_only_where_needed_and_removed_after(strategy, shadowed, skip_backward):
     probe = _Probe()
     trainer = quiet_trainer(strategy=strategy(), max_epochs=2, callbacks=[probe])
@@ -87,7 +97,10 @@ def test_zero_grad_and_step_counters_move_as_lightnings_own():
     compat.record_optimizer_update(trainer, "ready")
     compat.record_optimizer_update(trainer, "completed")
     assert (progress.zero_grad.total.completed, progress.step.total.completed, trainer.global_step) == (
-        before[0] + 1, before[1] + 1, before[2] + 1)
+        before[0] + 1,
+        before[1] + 1,
+        before[2] + 1,
+    )
     assert progress.zero_grad.total.ready == progress.zero_grad.total.started == progress.zero_grad.total.completed
     compat.set_logging_step(trainer, updated=True)
     assert trainer.fit_loop.epoch_loop._batches_that_stepped == trainer.global_step - 1

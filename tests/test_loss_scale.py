@@ -37,13 +37,15 @@ def run_scaler(config, overflows: list[bool]) -> tuple[list[float], int]:
     return trajectory, int(scaler.skipped.item())
 
 
-@pytest.mark.parametrize("hysteresis, window, min_scale, max_scale", [(1, 3, 1.0, 2.0**10), (2, 4, 4.0, 2.0**9),
-                                                                        (3, 2, 1.0, 2.0**12)])
+@pytest.mark.parametrize(
+    "hysteresis, window, min_scale, max_scale", [(1, 3, 1.0, 2.0**10), (2, 4, 4.0, 2.0**9), (3, 2, 1.0, 2.0**12)]
+)
 def test_scripted_windows_follow_the_documented_rule(hysteresis, window, min_scale, max_scale):
     rng = random.Random(hysteresis)
     overflows = [rng.random() < 0.3 for _ in range(300)] + [False] * 40 + [True] * 30
-    config = DynamicLossScale(init_scale=2.0**8, scale_window=window, hysteresis=hysteresis,
-                              min_scale=min_scale, max_scale=max_scale)
+    config = DynamicLossScale(
+        init_scale=2.0**8, scale_window=window, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale
+    )
     trajectory, skipped = run_scaler(config, overflows)
     assert trajectory == documented_rule(config, overflows)
     assert skipped == sum(overflows)
@@ -56,8 +58,9 @@ def test_matches_torch_grad_scaler_step_for_step():
     overflows = [step in overflow_steps for step in range(4700)]
     param = torch.nn.Parameter(torch.zeros(1))
     optimizer = torch.optim.SGD([param], lr=0.0)
-    reference = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
-                                     growth_interval=2000)
+    reference = torch.amp.GradScaler(
+        "cpu", init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000
+    )
     ours = LossScaler(DynamicLossScale(init_scale=2.0**16, scale_window=2000, hysteresis=1, max_scale=2.0**40))
     reference.scale(torch.ones(()))  # GradScaler creates its scale tensor lazily
     grew, previous = False, reference.get_scale()
@@ -95,14 +98,17 @@ def test_state_round_trip():
         assert torch.equal(getattr(restored, name), getattr(scaler, name))
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"init_scale": 0}, r"init_scale=0\) must be > 0"),
-    ({"scale_factor": 1.0}, r"scale_factor=1.0\) must be > 1"),
-    ({"scale_window": 0}, r"scale_window=0\) must be an int >= 1"),
-    ({"min_scale": 8.0, "max_scale": 4.0, "init_scale": 4.0}, r"needs 0 < min_scale <= max_scale"),
-    ({"init_scale": 2.0**30}, r"must lie in \[min_scale, max_scale\]"),
-    ({"hysteresis": 0}, r"hysteresis=0\) must be an int >= 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"init_scale": 0}, r"init_scale=0\) must be > 0"),
+        ({"scale_factor": 1.0}, r"scale_factor=1.0\) must be > 1"),
+        ({"scale_window": 0}, r"scale_window=0\) must be an int >= 1"),
+        ({"min_scale": 8.0, "max_scale": 4.0, "init_scale": 4.0}, r"needs 0 < min_scale <= max_scale"),
+        ({"init_scale": 2.0**30}, r"must lie in \[min_scale, max_scale\]"),
+        ({"hysteresis": 0}, r"hysteresis=0\) must be an int >= 1"),
+    ],
+)
 def test_dynamic_scale_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DynamicLossScale(**kwargs)

@@ -78,8 +78,9 @@ def test_fixed_scale_drop_overflow_update(drop):
     fit(model, plugin)
     if drop:  # MindSpore's default: the window is dropped, training goes on
         reference = InjectingClassifier(optimizer="sgd", lr=0.02)
-        reference_train(reference, make_dataset(num_samples=64), reference_windows(64, MICRO, STEPS, 2, "scale"),
-                        skip={0})
+        reference_train(
+            reference, make_dataset(num_samples=64), reference_windows(64, MICRO, STEPS, 2, "scale"), skip={0}
+        )
         assert plugin.skipped_updates == 1
         assert relative_error(flat_params(model), flat_params(reference)) <= 1e-6
     else:  # drop_overflow_update=False applies the overflowed update, as MindSpore does
@@ -117,10 +118,12 @@ class SyncCounter(Callback):
     def setup(self, trainer, pl_module, stage):
         self._originals = {name: getattr(torch.Tensor, name) for name in self.METHODS}
         for name, original in self._originals.items():
+
             def counting(tensor, *args, _original=original, **kwargs):
                 # only the training thread: a data prefetch thread's CPU-side work is not a device sync
                 self._count += self._phase is not None and threading.current_thread() is threading.main_thread()
                 return _original(tensor, *args, **kwargs)
+
             setattr(torch.Tensor, name, counting)
         strategy = trainer.strategy
         for name, record in (("update_step", self.per_update), ("accumulate_step", self.per_accumulate)):
@@ -136,6 +139,7 @@ class SyncCounter(Callback):
                     if outer:
                         _record.append(self._count)
                         self._phase = None
+
             setattr(strategy, name, wrapped)
 
     def teardown(self, trainer, pl_module, stage):
@@ -148,11 +152,14 @@ class Unlogged(InjectingClassifier):
         pass
 
 
-@pytest.mark.parametrize("optimizer, schedule, syncs_per_update", [
-    ("adamw_fused", None, 0),  # the optimizer skips on the device: no sync at all
-    ("sgd", None, 1),  # the optimizer cannot: exactly one read of the flag
-    ("adamw_fused", 0.9, 1),  # a step LR schedule must know whether the update happened
-])
+@pytest.mark.parametrize(
+    "optimizer, schedule, syncs_per_update",
+    [
+        ("adamw_fused", None, 0),  # the optimizer skips on the device: no sync at all
+        ("sgd", None, 1),  # the optimizer cannot: exactly one read of the flag
+        ("adamw_fused", 0.9, 1),  # a step LR schedule must know whether the update happened
+    ],
+)
 def test_host_syncs_per_step(optimizer, schedule, syncs_per_update):
     counter = SyncCounter()
     model = Unlogged(inf_at=(5,), optimizer=optimizer, lr=0.01, step_lr_gamma=schedule)
@@ -184,8 +191,7 @@ def test_skip_window_on_overflow_skips_the_rest_of_the_window_backward():
     plugin = LossScalePrecision("32-true", DynamicLossScale(init_scale=2.0**10), skip_window_on_overflow=True)
     fit(model, plugin, callbacks=[CountBackward()])
     assert [index for index in range(32) if index not in backwards] == [5, 6, 7]
-    reference_train(reference, make_dataset(num_samples=64), reference_windows(64, MICRO, STEPS, 2, "scale"),
-                    skip={1})
+    reference_train(reference, make_dataset(num_samples=64), reference_windows(64, MICRO, STEPS, 2, "scale"), skip={1})
     assert relative_error(flat_params(model), flat_params(reference)) <= 1e-6
 
 
@@ -256,6 +262,7 @@ def test_cuda_step_programs_never_sync_with_a_fused_optimizer():
                 return _original(*args, **kwargs)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+
         setattr(strategy, name, strict)
     trainer = quiet_trainer(accelerator="cuda", devices=1, strategy=strategy, plugins=[plugin], max_epochs=2)
     trainer.fit(model, loader(make_dataset(num_samples=64), MICRO))

@@ -16,8 +16,9 @@ def first_run_code() -> str:
     return re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
 
 
-def test_the_first_run_example_trains_as_described(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_first_run_example_trains_as_described(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "__main__"}
     exec(compile(first_run_code(), str(README), "exec"), namespace)  # the README's own text, nothing else

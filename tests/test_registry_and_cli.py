@@ -26,9 +26,14 @@ def test_registry_names_build_the_strategies():
 def test_cli_class_path_config(tmp_path):
     config = {
         "trainer": {
-            "strategy": {"class_path": "lightning_sink.SinkStrategy",
-                         "init_args": {"accumulation_steps": 4, "partial_window": "carry"}},
-            "max_epochs": 2, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+            "strategy": {
+                "class_path": "lightning_sink.SinkStrategy",
+                "init_args": {"accumulation_steps": 4, "partial_window": "carry"},
+            },
+            "max_epochs": 2,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
         }
     }
     path = tmp_path / "config.yaml"
@@ -42,27 +47,45 @@ def test_cli_class_path_config(tmp_path):
 
 @pytest.mark.parametrize("strategy_flag", ["sink", "sink_ddp"])
 def test_cli_string_shortcut(strategy_flag):
-    args = ["--trainer.strategy", strategy_flag, "--trainer.accumulate_grad_batches=2", "--trainer.devices=1",
-            "--trainer.max_epochs=1", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
-            "--trainer.enable_progress_bar=false", "--trainer.accelerator=cpu"]
+    args = [
+        "--trainer.strategy",
+        strategy_flag,
+        "--trainer.accumulate_grad_batches=2",
+        "--trainer.devices=1",
+        "--trainer.max_epochs=1",
+        "--trainer.logger=false",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.accelerator=cpu",
+    ]
     cli = LightningCLI(CliModel, args=["fit", *args], save_config_callback=None)
     assert cli.trainer.strategy.strategy_name == strategy_flag
     assert cli.trainer.global_step == 4
 
 
-@pytest.mark.parametrize("loss_scale", [
-    {"class_path": "lightning_sink.DynamicLossScale", "init_args": {"init_scale": 1024.0, "scale_window": 7}},
-    {"init_scale": 1024.0, "scale_window": 7},  # a dataclass also parses from its fields
-])
+@pytest.mark.parametrize(
+    "loss_scale",
+    [
+        {"class_path": "lightning_sink.DynamicLossScale", "init_args": {"init_scale": 1024.0, "scale_window": 7}},
+        {"init_scale": 1024.0, "scale_window": 7},  # a dataclass also parses from its fields
+    ],
+)
 def test_cli_loss_scale_plugin_config(tmp_path, loss_scale):
     from lightning_sink import DynamicLossScale, LossScalePrecision
 
     config = {
         "trainer": {
             "strategy": {"class_path": "lightning_sink.SinkStrategy", "init_args": {"accumulation_steps": 2}},
-            "plugins": [{"class_path": "lightning_sink.LossScalePrecision",
-                         "init_args": {"precision": "32-true", "loss_scale": loss_scale}}],
-            "max_epochs": 1, "logger": False, "enable_checkpointing": False, "enable_progress_bar": False,
+            "plugins": [
+                {
+                    "class_path": "lightning_sink.LossScalePrecision",
+                    "init_args": {"precision": "32-true", "loss_scale": loss_scale},
+                }
+            ],
+            "max_epochs": 1,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
         }
     }
     path = tmp_path / "config.yaml"

@@ -49,8 +49,11 @@ def test_the_checked_reader_and_weights_only_planner_load_a_real_folder(tmp_path
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, checkpoint_id=tmp_path)
         loaded = {"w": torch.zeros(4), "note": {"lr": 0.0, "betas": (0.0, 0.0)}}
-        dcp.load(loaded, storage_reader=compat.MetadataCheckedReader(tmp_path, read_dcp_metadata),
-                 planner=compat.WeightsOnlyLoadPlanner())
+        dcp.load(
+            loaded,
+            storage_reader=compat.MetadataCheckedReader(tmp_path, read_dcp_metadata),
+            planner=compat.WeightsOnlyLoadPlanner(),
+        )
     assert torch.equal(loaded["w"], state["w"]) and loaded["note"] == state["note"]
     reader = compat.MetadataCheckedReader(tmp_path, read_dcp_metadata)
     assert reader.read_metadata().storage_meta.load_id == reader.load_id
@@ -62,11 +65,17 @@ def test_only_torch_compat_imports_private_torch_modules():
         if path.name == "_torch_compat.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([node.module or ""] if isinstance(node, ast.ImportFrom) else
-                     [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else []
+            )
             imported = [alias.name for alias in node.names] if isinstance(node, ast.ImportFrom) else []
             for name in names:
-                if name.startswith("torch") and (any(part.startswith("_") for part in name.split("."))
-                                                 or any(n.startswith("_") for n in imported)):
+                if name.startswith("torch") and (
+                    any(part.startswith("_") for part in name.split(".")) or any(n.startswith("_") for n in imported)
+                ):
                     offenders.append(f"{path.relative_to(PACKAGE)}: {name} {imported}")
     assert offenders == []

@@ -119,8 +119,9 @@ class LossMonitor(Callback):
         self.steps.start_epoch()
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._axis.batch_start(trainer)
 
     @override
@@ -173,12 +174,15 @@ class LossMonitor(Callback):
         if found is None:
             if self.on_nonfinite == "warn":
                 return  # the rank that saw it warns
-            message = ("LossMonitor: another rank's loss is NaN or infinite (by epoch:"
-                       f" {trainer.current_epoch + 1} step: {self.steps.in_epoch})")
+            message = (
+                "LossMonitor: another rank's loss is NaN or infinite (by epoch:"
+                f" {trainer.current_epoch + 1} step: {self.steps.in_epoch})"
+            )
         else:
             epoch, step, value = found
-            message = (f"LossMonitor: the loss is {value} at epoch: {epoch} step: {step}"
-                       f" (global rank {trainer.global_rank})")
+            message = (
+                f"LossMonitor: the loss is {value} at epoch: {epoch} step: {step} (global rank {trainer.global_rank})"
+            )
         if self.on_nonfinite == "raise":
             raise NonFiniteLossError(f"{message}; training stopped (on_nonfinite='raise').")
         if self.on_nonfinite == "stop":

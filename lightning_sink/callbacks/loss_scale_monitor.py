@@ -82,15 +82,22 @@ class LossScaleMonitor(Callback):
             scale, overflow, skipped = 1.0, False, 0
         else:
             # Host sync: one read of the three device values per printed line.
-            scale, found_inf, skipped = torch.stack([scaler.scale.float(), scaler.found_inf.float(),
-                                                     scaler.skipped.float()]).tolist()
+            scale, found_inf, skipped = torch.stack(
+                [scaler.scale.float(), scaler.found_inf.float(), scaler.skipped.float()]
+            ).tolist()
             overflow, skipped = found_inf > 0, int(skipped)
-        print(f"epoch: {trainer.current_epoch + 1} step: {self.steps.in_epoch}, loss scale is {scale},"
-              f" overflow is {overflow}, skipped updates is {skipped}", flush=True)
+        print(
+            f"epoch: {trainer.current_epoch + 1} step: {self.steps.in_epoch}, loss scale is {scale},"
+            f" overflow is {overflow}, skipped updates is {skipped}",
+            flush=True,
+        )
         if scaler is not None and not _strategy_logs_loss_scale(trainer):
             # Lightning's step for a value of update u is u - 1 (as self.log and the sink strategies use).
-            log_scalars(trainer, {"loss_scale": scale, "overflow": float(overflow), "skipped_updates": float(skipped)},
-                        step=updates - 1)
+            log_scalars(
+                trainer,
+                {"loss_scale": scale, "overflow": float(overflow), "skipped_updates": float(skipped)},
+                step=updates - 1,
+            )
 
     @override
     def state_dict(self) -> dict[str, Any]:

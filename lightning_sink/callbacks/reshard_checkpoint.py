@@ -77,12 +77,17 @@ class ReshardCheckpoint(Callback):
         self.dst_strategy_file = _path("dst_strategy_file", dst_strategy_file)
         self.dst_dir = _path("dst_dir", dst_dir)
         if self.dst_dir.resolve() == Path.cwd().resolve() or not self.dst_dir.resolve().name:
-            raise ValueError(f"dst_dir={str(self.dst_dir)!r} is the working folder (or the root): the conversion"
-                             " replaces dst_dir as a whole; name a folder of its own.")
-        self.src_dir = _path("src_dir", src_dir) if src_dir is not None else self.dst_dir.with_name(
-            f"{self.dst_dir.name}.source")
+            raise ValueError(
+                f"dst_dir={str(self.dst_dir)!r} is the working folder (or the root): the conversion"
+                " replaces dst_dir as a whole; name a folder of its own."
+            )
+        self.src_dir = (
+            _path("src_dir", src_dir) if src_dir is not None else self.dst_dir.with_name(f"{self.dst_dir.name}.source")
+        )
         if not isinstance(ckpt_prefix, str) or not ckpt_prefix:
-            raise ValueError(f"ckpt_prefix={ckpt_prefix!r} must be a non-empty file-name prefix without path separators.")
+            raise ValueError(
+                f"ckpt_prefix={ckpt_prefix!r} must be a non-empty file-name prefix without path separators."
+            )
         check_file_prefix(ckpt_prefix, "ckpt_prefix")
         if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers={workers!r} must be None (convert in rank 0's process) or an int >= 1.")
@@ -90,8 +95,9 @@ class ReshardCheckpoint(Callback):
             raise TypeError(f"overwrite={overwrite!r} must be a bool.")
         src, dst = self.src_dir.resolve(), self.dst_dir.resolve()
         if src == dst or src in dst.parents or dst in src.parents:
-            raise ValueError(f"src_dir={str(self.src_dir)!r} and dst_dir={str(self.dst_dir)!r} must not be or"
-                             " contain one another.")
+            raise ValueError(
+                f"src_dir={str(self.src_dir)!r} and dst_dir={str(self.dst_dir)!r} must not be or contain one another."
+            )
         self.ckpt_prefix, self.workers, self.overwrite = ckpt_prefix, workers, overwrite
         self.report: ReshardReport | None = None
 
@@ -102,11 +108,15 @@ class ReshardCheckpoint(Callback):
         strategy = trainer.strategy
         if isinstance(strategy, ModelParallelStrategy):
             if not compat.saves_distributed_checkpoint(strategy):
-                raise ValueError("ReshardCheckpoint needs distributed (DCP) checkpoints: use"
-                                 " ModelParallelStrategy(save_distributed_checkpoint=True) or SinkModelParallelStrategy.")
+                raise ValueError(
+                    "ReshardCheckpoint needs distributed (DCP) checkpoints: use"
+                    " ModelParallelStrategy(save_distributed_checkpoint=True) or SinkModelParallelStrategy."
+                )
         elif trainer.world_size != 1:
-            raise ValueError(f"ReshardCheckpoint supports model-parallel strategies and one-device runs, not"
-                             f" {type(strategy).__name__} on {trainer.world_size} processes.")
+            raise ValueError(
+                f"ReshardCheckpoint supports model-parallel strategies and one-device runs, not"
+                f" {type(strategy).__name__} on {trainer.world_size} processes."
+            )
         # A missing or invalid target layout fails before training, on every rank (rank 0 reads the file).
         error = None
         if trainer.is_global_zero:
@@ -146,8 +156,16 @@ class ReshardCheckpoint(Callback):
     def _transform_and_verify(self, src: Path) -> ReshardReport:
         bar = _ProgressBar(f"resharding {src.name} -> {self.dst_dir.name}")
         try:
-            report = transform_checkpoints(src, self.dst_dir, self.ckpt_prefix, None, self.dst_strategy_file,
-                                           workers=self.workers, overwrite=self.overwrite, progress=bar.update)
+            report = transform_checkpoints(
+                src,
+                self.dst_dir,
+                self.ckpt_prefix,
+                None,
+                self.dst_strategy_file,
+                workers=self.workers,
+                overwrite=self.overwrite,
+                progress=bar.update,
+            )
         finally:
             bar.close()
         try:
@@ -164,8 +182,15 @@ class _ProgressBar:
     def __init__(self, description: str) -> None:
         from tqdm import tqdm
 
-        self._bar = tqdm(desc=description, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr, leave=True,
-                         dynamic_ncols=True)
+        self._bar = tqdm(
+            desc=description,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            file=sys.stderr,
+            leave=True,
+            dynamic_ncols=True,
+        )
 
     def update(self, done: int, total: int) -> None:
         self._bar.total = total

@@ -83,8 +83,9 @@ class TimeMonitor(Callback):
         self._in_epoch = True
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._axis.batch_start(trainer)
 
     @override

@@ -24,11 +24,17 @@ def layout_on_mesh(like: Layout, mesh: MeshLayout, placements: PlacementRule, wo
         chosen = placements(fqn, tensor) if callable(placements) else placements[fqn]
         parsed = [parse_placement(p) for p in chosen]
         tensors[fqn] = TensorLayout(
-            role=tensor.role, global_shape=tensor.global_shape, dtype=tensor.dtype, placements=tuple(chosen),
+            role=tensor.role,
+            global_shape=tensor.global_shape,
+            dtype=tensor.dtype,
+            placements=tuple(chosen),
             chunks=chunks_for_placements(tensor.global_shape, mesh, parsed),
         )
     layout = Layout(
-        world_size=world_size or len(mesh.flat_ranks()), mesh=mesh, tensors=tensors, pipeline=PipelineLayout(),
+        world_size=world_size or len(mesh.flat_ranks()),
+        mesh=mesh,
+        tensors=tensors,
+        pipeline=PipelineLayout(),
         non_tensor_state=dict(like.non_tensor_state),
     )
     return validate_layout(layout, "layout_on_mesh")

@@ -26,8 +26,14 @@ DCP_METADATA_FILE = ".metadata"
 _STORAGE_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata", "BytesStorageMetadata",
-        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING",
+        "Metadata",
+        "TensorStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "BytesStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
     },
     "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
     "torch.serialization": {"_get_layout"},
@@ -52,9 +58,13 @@ def read_dcp_metadata(checkpoint_dir: str | os.PathLike) -> Metadata:
     """The DCP ``Metadata`` of ``checkpoint_dir``, loaded without running pickled code."""
     path = Path(checkpoint_dir) / DCP_METADATA_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{str(Path(checkpoint_dir))!r} is not a DCP checkpoint folder: no {DCP_METADATA_FILE} file")
+        raise FileNotFoundError(
+            f"{str(Path(checkpoint_dir))!r} is not a DCP checkpoint folder: no {DCP_METADATA_FILE} file"
+        )
     if path.is_symlink():
-        raise ValueError(f"DCP metadata file {str(path)!r} is a symbolic link; links inside a checkpoint folder are not followed")
+        raise ValueError(
+            f"DCP metadata file {str(path)!r} is a symbolic link; links inside a checkpoint folder are not followed"
+        )
     try:
         with open(path, "rb") as handle:
             metadata = _MetadataUnpickler(handle).load()
@@ -94,7 +104,9 @@ def layout_from_dcp_metadata(checkpoint_dir: str | os.PathLike, *, world_size: i
             continue
         if not isinstance(item, TensorStorageMetadata):
             raise ValueError(f"{str(checkpoint_dir)!r}: entry {fqn!r} has unknown storage type {type(item).__name__}")
-        chunks = tuple(_stored_chunk(checkpoint_dir, fqn, index, chunk, storage) for index, chunk in enumerate(item.chunks))
+        chunks = tuple(
+            _stored_chunk(checkpoint_dir, fqn, index, chunk, storage) for index, chunk in enumerate(item.chunks)
+        )
         shape = tuple(item.size)
         tensors[fqn] = TensorLayout(
             role=role_of(fqn),
@@ -103,8 +115,9 @@ def layout_from_dcp_metadata(checkpoint_dir: str | os.PathLike, *, world_size: i
             placements=_infer_placements(shape, chunks, world_size),
             chunks=chunks,
         )
-    layout = Layout(world_size=world_size, mesh=mesh, pipeline=PipelineLayout(), tensors=tensors,
-                    non_tensor_state=non_tensor_state)
+    layout = Layout(
+        world_size=world_size, mesh=mesh, pipeline=PipelineLayout(), tensors=tensors, non_tensor_state=non_tensor_state
+    )
     return validate_layout(layout, f"DCP metadata of {str(checkpoint_dir)!r}")
 
 

@@ -127,7 +127,9 @@ def _placements_on_main_mesh(fqn: str, value: DTensor, mesh: MeshLayout) -> list
     own_names = own.mesh_dim_names or tuple(f"dim{index}" for index in range(own.ndim))
     if own.ndim == len(mesh.shape):
         if tuple(own.mesh.shape) != mesh.shape:
-            raise ValueError(f"tensor {fqn!r}: its mesh {tuple(own.mesh.shape)} differs from the checkpoint mesh {mesh.shape}")
+            raise ValueError(
+                f"tensor {fqn!r}: its mesh {tuple(own.mesh.shape)} differs from the checkpoint mesh {mesh.shape}"
+            )
         return list(value.placements)
     missing = [name for name in own_names if name not in mesh.dim_names]
     if missing:

@@ -39,7 +39,9 @@ def merge_layouts(stages: list[tuple[str, Layout]]) -> Layout:
     for name, layout in stages:
         stage = layout.pipeline.stage
         if layout.pipeline.num_stages != num_stages:
-            raise ValueError(f"{name}: num_stages {layout.pipeline.num_stages} differs from {first_name}'s {num_stages}")
+            raise ValueError(
+                f"{name}: num_stages {layout.pipeline.num_stages} differs from {first_name}'s {num_stages}"
+            )
         if layout.world_size != first.world_size:
             raise ValueError(f"{name}: world size {layout.world_size} differs from {first_name}'s {first.world_size}")
         if stage is None:
@@ -59,12 +61,18 @@ def merge_layouts(stages: list[tuple[str, Layout]]) -> Layout:
         raise ValueError(f"stage layouts leave a gap: stage(s) {missing} of 0..{num_stages - 1} missing")
     meshes = {layout.pipeline.stage: (name, layout.mesh) for name, layout in stages}
     mesh, tensors = _merged_mesh([meshes[stage] for stage in range(num_stages)], tensors)
-    return Layout(world_size=first.world_size, mesh=mesh, tensors=tensors,
-                  pipeline=PipelineLayout(stage=None, num_stages=num_stages), non_tensor_state=non_tensor_state)
+    return Layout(
+        world_size=first.world_size,
+        mesh=mesh,
+        tensors=tensors,
+        pipeline=PipelineLayout(stage=None, num_stages=num_stages),
+        non_tensor_state=non_tensor_state,
+    )
 
 
-def _merged_mesh(meshes: list[tuple[str, MeshLayout]],
-                 tensors: dict[str, TensorLayout]) -> tuple[MeshLayout, dict[str, TensorLayout]]:
+def _merged_mesh(
+    meshes: list[tuple[str, MeshLayout]], tensors: dict[str, TensorLayout]
+) -> tuple[MeshLayout, dict[str, TensorLayout]]:
     """The mesh of all stages: their shared mesh, or, when each stage has its own mesh of its ranks (one shape and
     dim names, disjoint ranks, as pipelining sets them up), those meshes stacked along a leading "pipeline" dim.
     Placements then gain that dim as ``Replicate()``: a tensor's chunks say which stage's ranks hold it."""
@@ -74,21 +82,30 @@ def _merged_mesh(meshes: list[tuple[str, MeshLayout]],
     seen: dict[int, str] = {}
     for name, mesh in meshes:
         if mesh.shape != first.shape or mesh.dim_names != first.dim_names:
-            raise ValueError(f"{name}: mesh {dict(zip(mesh.dim_names, mesh.shape))} differs from {first_name}'s"
-                             f" {dict(zip(first.dim_names, first.shape))}: stages need one mesh, or meshes of one"
-                             " shape over disjoint ranks")
+            raise ValueError(
+                f"{name}: mesh {dict(zip(mesh.dim_names, mesh.shape))} differs from {first_name}'s"
+                f" {dict(zip(first.dim_names, first.shape))}: stages need one mesh, or meshes of one"
+                " shape over disjoint ranks"
+            )
         for rank in mesh.flat_ranks():
             if rank in seen:
-                raise ValueError(f"{name}: rank {rank} is also in the mesh of {seen[rank]}: stage meshes must not"
-                                 " share ranks")
+                raise ValueError(
+                    f"{name}: rank {rank} is also in the mesh of {seen[rank]}: stage meshes must not share ranks"
+                )
             seen[rank] = name
     if "pipeline" in first.dim_names:
         raise ValueError(f"{first_name}: a stage mesh may not have a dim named 'pipeline' (the merged mesh adds it)")
-    stacked = MeshLayout(shape=(len(meshes), *first.shape), dim_names=("pipeline", *first.dim_names),
-                         ranks=tuple(mesh.ranks for _, mesh in meshes))
-    widened = {fqn: dataclasses.replace(tensor, placements=None if tensor.placements is None
-                                        else ("Replicate()", *tensor.placements))
-               for fqn, tensor in tensors.items()}
+    stacked = MeshLayout(
+        shape=(len(meshes), *first.shape),
+        dim_names=("pipeline", *first.dim_names),
+        ranks=tuple(mesh.ranks for _, mesh in meshes),
+    )
+    widened = {
+        fqn: dataclasses.replace(
+            tensor, placements=None if tensor.placements is None else ("Replicate()", *tensor.placements)
+        )
+        for fqn, tensor in tensors.items()
+    }
     return stacked, widened
 
 

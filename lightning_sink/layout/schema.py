@@ -197,9 +197,13 @@ class Layout:
             return cls(
                 world_size=data["world_size"],
                 mesh=MeshLayout.from_dict(_mapping(data["mesh"], "mesh")),
-                pipeline=PipelineLayout.from_dict(_mapping(data.get("pipeline", {"stage": 0, "num_stages": 1}), "pipeline")),
-                tensors={fqn: TensorLayout.from_dict(_mapping(tensor, f"tensors[{fqn!r}]"))
-                         for fqn, tensor in _mapping(data["tensors"], "tensors").items()},
+                pipeline=PipelineLayout.from_dict(
+                    _mapping(data.get("pipeline", {"stage": 0, "num_stages": 1}), "pipeline")
+                ),
+                tensors={
+                    fqn: TensorLayout.from_dict(_mapping(tensor, f"tensors[{fqn!r}]"))
+                    for fqn, tensor in _mapping(data["tensors"], "tensors").items()
+                },
                 non_tensor_state=dict(_mapping(data.get("non_tensor_state", {}), "non_tensor_state")),
             )
         except (KeyError, TypeError, AttributeError) as error:  # a field missing, or of the wrong kind

@@ -52,9 +52,11 @@ def _validate_world_size(layout: Layout, source: str) -> None:
     stages = layout.pipeline.num_stages if layout.pipeline.stage is not None else 1
     allowed = sorted({mesh_size, mesh_size * stages})
     if layout.world_size not in allowed:
-        raise ValueError(f"{source}: world_size {layout.world_size} does not match the mesh of {mesh_size} ranks"
-                         f" (expected {' or '.join(map(str, allowed))}"
-                         f"{' for ' + str(stages) + ' pipeline stages' if stages > 1 else ''})")
+        raise ValueError(
+            f"{source}: world_size {layout.world_size} does not match the mesh of {mesh_size} ranks"
+            f" (expected {' or '.join(map(str, allowed))}"
+            f"{' for ' + str(stages) + ' pipeline stages' if stages > 1 else ''})"
+        )
     if layout.world_size > MAX_WORLD_SIZE:
         raise ValueError(f"{source}: world_size {layout.world_size} is beyond {MAX_WORLD_SIZE} ranks (one file each)")
 
@@ -65,7 +67,9 @@ def _is_int(value: object) -> bool:
 
 def _validate_mesh(mesh: MeshLayout, world_size: int, source: str) -> None:
     if not mesh.shape or not all(_is_int(size) and size >= 1 for size in mesh.shape):
-        raise ValueError(f"{source}: mesh.shape must be a non-empty list of positive integers, got {list(mesh.shape)[:8]}")
+        raise ValueError(
+            f"{source}: mesh.shape must be a non-empty list of positive integers, got {list(mesh.shape)[:8]}"
+        )
     if math.prod(mesh.shape) > world_size:
         raise ValueError(f"{source}: mesh.shape {list(mesh.shape)} holds more ranks than the world size {world_size}")
     if len(mesh.dim_names) != len(mesh.shape):
@@ -79,7 +83,9 @@ def _validate_mesh(mesh: MeshLayout, world_size: int, source: str) -> None:
         raise ValueError(f"{source}: mesh.ranks lists a rank twice: {ranks}")
     for rank in ranks:
         if not _is_int(rank) or not 0 <= rank < world_size:
-            raise ValueError(f"{source}: mesh rank {rank!r} is outside the world size {world_size} (0..{world_size - 1})")
+            raise ValueError(
+                f"{source}: mesh rank {rank!r} is outside the world size {world_size} (0..{world_size - 1})"
+            )
 
 
 def _nested_shape(node: object) -> tuple[int, ...]:
@@ -105,8 +111,10 @@ def _validate_tensor(fqn: str, tensor: TensorLayout, layout: Layout, where: str)
         raise ValueError(f"{where}: global_shape has {len(shape)} dims; at most {MAX_DIMS} are supported")
     nbytes = math.prod(shape) * torch_dtype(tensor.dtype).itemsize
     if nbytes > MAX_TENSOR_BYTES:
-        raise ValueError(f"{where}: global_shape {list(shape)} is {nbytes} bytes of {tensor.dtype}, beyond any"
-                         f" tensor torch can hold ({MAX_TENSOR_BYTES} bytes)")
+        raise ValueError(
+            f"{where}: global_shape {list(shape)} is {nbytes} bytes of {tensor.dtype}, beyond any"
+            f" tensor torch can hold ({MAX_TENSOR_BYTES} bytes)"
+        )
     if tensor.placements is not None:
         if len(tensor.placements) != len(layout.mesh.shape):
             raise ValueError(
@@ -182,7 +190,9 @@ def _first_overlap(boxes: list[Box]) -> tuple[Box, Box] | None:
     """
     if not boxes or not boxes[0][0]:
         return (boxes[0], boxes[1]) if len(boxes) > 1 else None  # 0-d: one box, or the same box twice
-    events = sorted([(o[0] + s[0], 0, i) for i, (o, s) in enumerate(boxes)] + [(o[0], 1, i) for i, (o, s) in enumerate(boxes)])
+    events = sorted(
+        [(o[0] + s[0], 0, i) for i, (o, s) in enumerate(boxes)] + [(o[0], 1, i) for i, (o, s) in enumerate(boxes)]
+    )
     active_starts: list[tuple[int, int]] = []  # (first column, box index), sorted; 2-D only
     active: set[int] = set()
     for _, entering, index in events:  # leaving (0) sorts before entering (1) at the same row

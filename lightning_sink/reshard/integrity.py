@@ -159,7 +159,7 @@ def box_runs(offsets, sizes, shape, itemsize: int):
         yield 0, math.prod(shape) * itemsize
         return
     last = split - 1
-    strides = [math.prod(shape[dim + 1:]) for dim in range(len(shape))]
+    strides = [math.prod(shape[dim + 1 :]) for dim in range(len(shape))]
     run = sizes[last] * strides[last]
     for index in itertools.product(*(range(o, o + s) for o, s in zip(offsets[:last], sizes[:last]))):
         start = sum(i * stride for i, stride in zip(index, strides)) + offsets[last] * strides[last]
@@ -172,7 +172,7 @@ def complement_boxes(offsets, sizes, shape) -> list[tuple[tuple[int, ...], tuple
     boxes = []
     for dim, (offset, size, extent) in enumerate(zip(offsets, sizes, shape)):
         before_o, before_s = tuple(offsets[:dim]), tuple(sizes[:dim])
-        rest_o, rest_s = (0,) * (len(shape) - dim - 1), tuple(shape[dim + 1:])
+        rest_o, rest_s = (0,) * (len(shape) - dim - 1), tuple(shape[dim + 1 :])
         if offset > 0:
             boxes.append((before_o + (0,) + rest_o, before_s + (offset,) + rest_s))
         if offset + size < extent:
@@ -215,8 +215,10 @@ class RecordChecks:
                 raise ValueError(f"{location.what}: truncated after the tensor data (no zip data descriptor)")
             signature, stored = struct.unpack("<II", descriptor)
             if signature != _DATA_DESCRIPTOR_SIGNATURE or (stored == 0 and location.storage_nbytes):
-                raise ValueError(f"{location.what}: the record carries no CRC-32 (and no manifest or .sha256 digest"
-                                 " covers the file): its integrity cannot be checked")
+                raise ValueError(
+                    f"{location.what}: the record carries no CRC-32 (and no manifest or .sha256 digest"
+                    " covers the file): its integrity cannot be checked"
+                )
             self._stored[key] = stored
         return self._stored[key]
 
@@ -224,8 +226,9 @@ class RecordChecks:
         """A record read whole: its CRC-32 must be the stored one."""
         stored = self.stored_crc(fd, location, stats)
         if crc != stored:
-            raise ValueError(f"{location.what}: corrupt: CRC-32 of the tensor data is {crc:08x}, the zip record says"
-                             f" {stored:08x}")
+            raise ValueError(
+                f"{location.what}: corrupt: CRC-32 of the tensor data is {crc:08x}, the zip record says {stored:08x}"
+            )
         stats.records_crc_checked += 1
 
     def part(self, fd: int, location, box, register: int, stats) -> None:
@@ -233,23 +236,39 @@ class RecordChecks:
         key = (str(location.path), location.data_offset)
         record = self.records.get(key)
         if record is None:
-            record = self.records[key] = _Record(str(location.path), location.data_offset, location.storage_nbytes,
-                                                 self.stored_crc(fd, location, stats), location.what)
+            record = self.records[key] = _Record(
+                str(location.path),
+                location.data_offset,
+                location.storage_nbytes,
+                self.stored_crc(fd, location, stats),
+                location.what,
+            )
         geometry = (location.storage_offset, tuple(location.shape), location.dtype.itemsize)
         _add_part(record, (geometry, tuple(map(tuple, box))), register)
 
     def merge(self, other: RecordChecks) -> None:
         for key, record in other.records.items():
-            mine = self.records.setdefault(key, _Record(record.path, record.data_offset, record.nbytes,
-                                                        record.stored_crc, record.what))
+            mine = self.records.setdefault(
+                key, _Record(record.path, record.data_offset, record.nbytes, record.stored_crc, record.what)
+            )
             for part, register in record.parts.items():
                 _add_part(mine, part, register)
 
     def to_json(self) -> list:
-        return [[r.path, r.data_offset, r.nbytes, r.stored_crc, r.what,
-                 [[list(geometry[:1]) + [list(geometry[1]), geometry[2]], [list(box[0]), list(box[1])], register]
-                  for (geometry, box), register in r.parts.items()]]
-                for r in self.records.values()]
+        return [
+            [
+                r.path,
+                r.data_offset,
+                r.nbytes,
+                r.stored_crc,
+                r.what,
+                [
+                    [list(geometry[:1]) + [list(geometry[1]), geometry[2]], [list(box[0]), list(box[1])], register]
+                    for (geometry, box), register in r.parts.items()
+                ],
+            ]
+            for r in self.records.values()
+        ]
 
     @classmethod
     def from_json(cls, data: list) -> RecordChecks:
@@ -269,8 +288,10 @@ class RecordChecks:
                 register = _register_reading_the_rest(record, stats)
             crc = record_crc(register, record.nbytes)
             if crc != record.stored_crc:
-                raise ValueError(f"{record.what}: corrupt: CRC-32 of the tensor data is {crc:08x}, the zip record"
-                                 f" says {record.stored_crc:08x} (combined from the parts the target ranks read)")
+                raise ValueError(
+                    f"{record.what}: corrupt: CRC-32 of the tensor data is {crc:08x}, the zip record"
+                    f" says {record.stored_crc:08x} (combined from the parts the target ranks read)"
+                )
             stats.records_crc_checked += 1
         self.records.clear()
 
@@ -303,7 +324,7 @@ def _register_reading_the_rest(record: _Record, stats) -> int:
     fd = os.open(record.path, os.O_RDONLY)
     try:
         if len(record.parts) == 1:
-            (((storage_offset, shape, itemsize), (offsets, sizes)), register), = record.parts.items()
+            ((((storage_offset, shape, itemsize), (offsets, sizes)), register),) = record.parts.items()
             if storage_offset == 0 and math.prod(shape) * itemsize == record.nbytes:
                 for box in complement_boxes(offsets, sizes, shape):
                     part = PartCrc()
@@ -327,4 +348,3 @@ def _feed_range(fd: int, record: _Record, part: PartCrc, start: int, length: int
             raise ValueError(f"{record.what}: truncated: wanted {count} bytes at offset {record.data_offset + block}")
         stats.verify_bytes_read += count
         part.feed(block, data)
-

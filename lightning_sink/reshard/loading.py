@@ -85,7 +85,9 @@ def _check_header(payload: Any, path: Path) -> None:
     if not isinstance(payload, dict) or payload.get("format") != RESHARDED_FORMAT:
         raise ValueError(f"{str(path)!r} is not a lightning-sink resharded checkpoint file")
     if payload.get("version") != RESHARDED_VERSION:
-        raise ValueError(f"{str(path)!r}: unknown resharded file version {payload.get('version')!r} (this reads {RESHARDED_VERSION})")
+        raise ValueError(
+            f"{str(path)!r}: unknown resharded file version {payload.get('version')!r} (this reads {RESHARDED_VERSION})"
+        )
 
 
 def check_rank_payload(payload: Mapping[str, Any], layout: Layout, rank: int, name: str) -> None:
@@ -93,14 +95,18 @@ def check_rank_payload(payload: Mapping[str, Any], layout: Layout, rank: int, na
     expected = {fqn: t for fqn, t in layout.tensors.items() if t.chunks_of_rank(rank)}
     tensors = payload["tensors"]
     if set(tensors) != set(expected):
-        raise ValueError(f"{name}: tensors differ from the layout of rank {rank}: missing"
-                         f" {sorted(set(expected) - set(tensors))[:5]}, extra {sorted(set(tensors) - set(expected))[:5]}")
+        raise ValueError(
+            f"{name}: tensors differ from the layout of rank {rank}: missing"
+            f" {sorted(set(expected) - set(tensors))[:5]}, extra {sorted(set(tensors) - set(expected))[:5]}"
+        )
     for fqn, tensor in expected.items():
         (chunk,) = tensor.chunks_of_rank(rank)
         value = tensors[fqn]
         if tuple(value.shape) != chunk.sizes or value.dtype != torch_dtype(tensor.dtype):
-            raise ValueError(f"{name}: tensor {fqn!r} is {list(value.shape)} {value.dtype}, the layout says"
-                             f" {list(chunk.sizes)} {tensor.dtype}")
+            raise ValueError(
+                f"{name}: tensor {fqn!r} is {list(value.shape)} {value.dtype}, the layout says"
+                f" {list(chunk.sizes)} {tensor.dtype}"
+            )
 
 
 def load_resharded_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict[str, Any]:
@@ -114,9 +120,13 @@ def load_resharded_checkpoint(path: str | os.PathLike, *, verify: bool = True) -
             raise FileNotFoundError(f"resharded checkpoint file {str(path)!r} does not exist")
         expected = expected_digest(path)
         if expected is None:
-            raise ValueError(f"{str(path)!r}: no manifest or .sha256 sidecar to verify against (pass verify=False to skip)")
+            raise ValueError(
+                f"{str(path)!r}: no manifest or .sha256 sidecar to verify against (pass verify=False to skip)"
+            )
         if path.stat().st_size != expected[1] or sha256_of_file(path) != expected[0]:
-            raise ValueError(f"{str(path)!r}: SHA-256 or size differs from the manifest: the file is corrupt or replaced")
+            raise ValueError(
+                f"{str(path)!r}: SHA-256 or size differs from the manifest: the file is corrupt or replaced"
+            )
     payload = load_rank_payload(path)
     layout = Layout.from_json(payload["layout"])
     check_rank_payload(payload, layout, payload["rank"], str(path))
@@ -138,7 +148,10 @@ def to_dtensors(checkpoint: Mapping[str, Any], device_mesh) -> dict[str, Any]:
     from lightning_sink.layout.geometry import parse_placement
 
     layout: Layout = checkpoint["layout"]
-    if tuple(device_mesh.mesh.shape) != layout.mesh.shape or device_mesh.mesh.flatten().tolist() != layout.mesh.flat_ranks():
+    if (
+        tuple(device_mesh.mesh.shape) != layout.mesh.shape
+        or device_mesh.mesh.flatten().tolist() != layout.mesh.flat_ranks()
+    ):
         raise ValueError(f"device_mesh {device_mesh.mesh.tolist()} is not the layout's mesh {list(layout.mesh.ranks)}")
     result = {}
     for fqn, local in checkpoint["tensors"].items():
@@ -147,8 +160,14 @@ def to_dtensors(checkpoint: Mapping[str, Any], device_mesh) -> dict[str, Any]:
             result[fqn] = local
             continue
         placements = [parse_placement(p) for p in tensor.placements]
-        result[fqn] = DTensor.from_local(local, device_mesh, placements, run_check=False,
-                                         shape=torch.Size(tensor.global_shape), stride=_contiguous(tensor.global_shape))
+        result[fqn] = DTensor.from_local(
+            local,
+            device_mesh,
+            placements,
+            run_check=False,
+            shape=torch.Size(tensor.global_shape),
+            stride=_contiguous(tensor.global_shape),
+        )
     return result
 
 
@@ -160,8 +179,9 @@ def _contiguous(shape) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def load_into_state_dict(state_dict: dict[str, Any], checkpoint: Mapping[str, Any], *, strict: bool = True,
-                         weights_only: bool = True) -> dict[str, Any]:
+def load_into_state_dict(
+    state_dict: dict[str, Any], checkpoint: Mapping[str, Any], *, strict: bool = True, weights_only: bool = True
+) -> dict[str, Any]:
     """Fill a live state dict (as handed to ``dcp.load``) in place from a resharded rank file, like ``dcp.load``.
 
     DTensor leaves get their local shard copied in (their placements must give this rank the file's chunk);
@@ -180,8 +200,10 @@ def load_into_state_dict(state_dict: dict[str, Any], checkpoint: Mapping[str, An
         if fqn in tensors:
             local = value.to_local() if isinstance(value, DTensor) else value
             if not isinstance(local, torch.Tensor) or tuple(local.shape) != tuple(tensors[fqn].shape):
-                raise ValueError(f"tensor {fqn!r}: the live local shard is {getattr(local, 'shape', type(local))},"
-                                 f" the file holds {list(tensors[fqn].shape)}: the live layout differs from the file's")
+                raise ValueError(
+                    f"tensor {fqn!r}: the live local shard is {getattr(local, 'shape', type(local))},"
+                    f" the file holds {list(tensors[fqn].shape)}: the live layout differs from the file's"
+                )
             with torch.no_grad():
                 local.copy_(tensors[fqn])
         elif fqn in carried:

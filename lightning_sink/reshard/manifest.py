@@ -17,8 +17,17 @@ from lightning_sink.layout.bounded_json import loads_bounded
 from lightning_sink.layout.io import load_layout
 from lightning_sink.layout.schema import LAYOUT_FILE_NAME
 
-__all__ = ["MANIFEST_FILE_NAME", "MANIFEST_FORMAT", "MANIFEST_VERSION", "Manifest", "read_manifest", "write_manifest",
-           "safe_relative_path", "verify_checkpoint", "VerifyReport"]
+__all__ = [
+    "MANIFEST_FILE_NAME",
+    "MANIFEST_FORMAT",
+    "MANIFEST_VERSION",
+    "Manifest",
+    "read_manifest",
+    "write_manifest",
+    "safe_relative_path",
+    "verify_checkpoint",
+    "VerifyReport",
+]
 
 MANIFEST_FILE_NAME = "MANIFEST.json"
 MANIFEST_FORMAT = "lightning-sink-reshard-manifest"
@@ -31,8 +40,15 @@ class Manifest:
     provenance: dict[str, Any]  # source fingerprint, target layout digest, ckpt_prefix, world_size
 
     def to_json(self) -> str:
-        return json.dumps({"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "provenance": self.provenance,
-                           "files": dict(sorted(self.files.items()))}, indent=1)
+        return json.dumps(
+            {
+                "format": MANIFEST_FORMAT,
+                "version": MANIFEST_VERSION,
+                "provenance": self.provenance,
+                "files": dict(sorted(self.files.items())),
+            },
+            indent=1,
+        )
 
 
 def safe_relative_path(name: str, root: Path, what: str) -> Path:
@@ -60,7 +76,9 @@ def read_manifest(folder: Path) -> Manifest:
     if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT:
         raise ValueError(f"manifest {str(path)!r}: format is not {MANIFEST_FORMAT!r}")
     if data.get("version") != MANIFEST_VERSION:
-        raise ValueError(f"manifest {str(path)!r}: unknown version {data.get('version')!r} (this reads {MANIFEST_VERSION})")
+        raise ValueError(
+            f"manifest {str(path)!r}: unknown version {data.get('version')!r} (this reads {MANIFEST_VERSION})"
+        )
     files = data.get("files")
     if not isinstance(files, dict):
         raise ValueError(f"manifest {str(path)!r}: 'files' must be an object")
@@ -73,8 +91,9 @@ def read_manifest(folder: Path) -> Manifest:
         raise ValueError(f"manifest {str(path)!r}: 'provenance' must be an object")
     check_file_prefix(provenance.get("ckpt_prefix", ""), f"manifest {str(path)!r}: provenance.ckpt_prefix")
     if "world_size" in provenance and not (_is_count(provenance["world_size"]) and provenance["world_size"] > 0):
-        raise ValueError(f"manifest {str(path)!r}: provenance.world_size {provenance['world_size']!r} is not a"
-                         " positive integer")
+        raise ValueError(
+            f"manifest {str(path)!r}: provenance.world_size {provenance['world_size']!r} is not a positive integer"
+        )
     return Manifest(files=files, provenance=provenance)
 
 
@@ -107,7 +126,9 @@ def verify_checkpoint(folder: str | os.PathLike, *, deep: bool = True) -> Verify
             raise FileNotFoundError(f"{str(path)!r} is listed in the manifest but missing")
         digest, size = sha256_inside(folder, name, f"manifest of {str(folder)!r}")  # (no symbolic link followed)
         if size != entry["bytes"]:
-            raise ValueError(f"{str(path)!r} is {size} bytes, the manifest says {entry['bytes']}: truncated or replaced")
+            raise ValueError(
+                f"{str(path)!r} is {size} bytes, the manifest says {entry['bytes']}: truncated or replaced"
+            )
         if digest != entry["sha256"]:
             raise ValueError(f"{str(path)!r}: SHA-256 differs from the manifest: the file is corrupt")
         total += size
@@ -118,6 +139,10 @@ def verify_checkpoint(folder: str | os.PathLike, *, deep: bool = True) -> Verify
         if name not in manifest.files:
             raise ValueError(f"{str(folder)!r} is incomplete: no file for target rank {rank} ({name}) in the manifest")
         if deep:
-            check_rank_payload(load_rank_payload(inside(folder, name, f"manifest of {str(folder)!r}")), layout, rank,
-                               str(folder / name))
+            check_rank_payload(
+                load_rank_payload(inside(folder, name, f"manifest of {str(folder)!r}")),
+                layout,
+                rank,
+                str(folder / name),
+            )
     return VerifyReport(folder, layout.world_size, len(manifest.files), total)

@@ -45,7 +45,11 @@ _LIGHTNING_TENSOR_KEYS = ("state_dict", "optimizer_states")
 
 
 def is_lightning_checkpoint(loaded: Any) -> bool:
-    return isinstance(loaded, dict) and "pytorch-lightning_version" in loaded and isinstance(loaded.get("state_dict"), dict)
+    return (
+        isinstance(loaded, dict)
+        and "pytorch-lightning_version" in loaded
+        and isinstance(loaded.get("state_dict"), dict)
+    )
 
 
 class OneDeviceSource(Source):
@@ -68,14 +72,17 @@ class OneDeviceSource(Source):
             if not isinstance(loaded, dict):
                 raise ValueError(f"{what} holds a {type(loaded).__name__}, not a state dict")
             self.locations, paths = _plain_tensors(loaded, what)
-        self.locations = {fqn: dataclasses.replace(location, what=f"tensor {fqn!r} in {what}")
-                          for fqn, location in self.locations.items()}
+        self.locations = {
+            fqn: dataclasses.replace(location, what=f"tensor {fqn!r} in {what}")
+            for fqn, location in self.locations.items()
+        }
         layout = _whole_on_rank_0(self.locations, declared)
         if declared is not None:
             _check_declared(declared, layout, str(layout_file), what)
         stat = os.stat(path)
-        fingerprint = hashlib.sha256(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns};".encode()
-                                     + layout.to_json().encode()).hexdigest()
+        fingerprint = hashlib.sha256(
+            f"{path.name}:{stat.st_size}:{stat.st_mtime_ns};".encode() + layout.to_json().encode()
+        ).hexdigest()
         super().__init__(what, layout, {0: path}, fingerprint, paths)
 
     def locate(self, chunk: Chunk, fqn: str, stats: ReadStats, fds) -> TensorLocation:
@@ -152,12 +159,15 @@ def _lightning_tensors(loaded: dict, roles: Layout | None, what: str):
         if len(order) != len(parameters):
             raise ValueError(
                 f"{what}: optimizer {index} has {len(order)} parameters, the state dict {len(parameters)} (buffers told"
-                " apart by the layout's roles): pass a src_strategy_file whose roles mark the buffers")
+                " apart by the layout's roles): pass a src_strategy_file whose roles mark the buffers"
+            )
         names = dict(zip(order, parameters))
         parameter_names.append(names)
         for param_index, state in (optimizer.get("state") or {}).items():
             if param_index not in names:
-                raise ValueError(f"{what}: optimizer {index} has state for parameter {param_index!r}, not in its groups")
+                raise ValueError(
+                    f"{what}: optimizer {index} has state for parameter {param_index!r}, not in its groups"
+                )
             parameter = names[param_index]
             for key, value in state.items():
                 if not isinstance(value, TensorLocation):
@@ -167,15 +177,20 @@ def _lightning_tensors(loaded: dict, roles: Layout | None, what: str):
                     raise ValueError(
                         f"{what}: optimizer {index} state {key!r} of parameter {param_index} is {list(value.shape)},"
                         f" but the parameter it maps to ({parameter!r}) is {list(shape)}: the optimizer's parameter"
-                        " order is not the state dict's")
+                        " order is not the state dict's"
+                    )
                 fqn = f"optimizer_{index}.state.{parameter}.{key}"
                 locations[fqn] = value
                 paths[fqn] = [f"optimizer_{index}", "state", parameter, key]
     for index, optimizer in enumerate(loaded.get("optimizer_states") or []):  # carried values' paths, as DCP's
         for group_index, group in enumerate(optimizer.get("param_groups", [])):
             for key in group:
-                paths[f"optimizer_{index}.param_groups.{group_index}.{key}"] = [f"optimizer_{index}", "param_groups",
-                                                                               group_index, key]
+                paths[f"optimizer_{index}.param_groups.{group_index}.{key}"] = [
+                    f"optimizer_{index}",
+                    "param_groups",
+                    group_index,
+                    key,
+                ]
     return locations, paths, parameter_names
 
 
@@ -187,11 +202,18 @@ def _is_buffer(name: str, roles: Layout | None) -> bool:
 def _whole_on_rank_0(locations: dict[str, TensorLocation], declared: Layout | None) -> Layout:
     tensors = {}
     for fqn, location in locations.items():
-        role = declared.tensors[fqn].role if declared is not None and fqn in declared.tensors else (
-            "optimizer_state" if fqn.startswith("optimizer") else "parameter")
-        tensors[fqn] = TensorLayout(role=role, global_shape=location.shape,
-                                    dtype=str(location.dtype).removeprefix("torch."),
-                                    placements=("Replicate()",), chunks=(Chunk(0, (0,) * len(location.shape), location.shape),))
+        role = (
+            declared.tensors[fqn].role
+            if declared is not None and fqn in declared.tensors
+            else ("optimizer_state" if fqn.startswith("optimizer") else "parameter")
+        )
+        tensors[fqn] = TensorLayout(
+            role=role,
+            global_shape=location.shape,
+            dtype=str(location.dtype).removeprefix("torch."),
+            placements=("Replicate()",),
+            chunks=(Chunk(0, (0,) * len(location.shape), location.shape),),
+        )
     return Layout(world_size=1, mesh=MeshLayout.one_dimensional(1), tensors=tensors)
 
 
@@ -200,10 +222,14 @@ def _check_declared(declared: Layout, found: Layout, layout_name: str, what: str
     if declared.world_size != 1:
         raise ValueError(f"{where}: a one-device checkpoint has world size 1, the layout {declared.world_size}")
     if set(declared.tensors) != set(found.tensors):
-        raise ValueError(f"{where}: tensors only in the layout: {sorted(set(declared.tensors) - set(found.tensors))[:10]},"
-                         f" only in the file: {sorted(set(found.tensors) - set(declared.tensors))[:10]}")
+        raise ValueError(
+            f"{where}: tensors only in the layout: {sorted(set(declared.tensors) - set(found.tensors))[:10]},"
+            f" only in the file: {sorted(set(found.tensors) - set(declared.tensors))[:10]}"
+        )
     for fqn, tensor in found.tensors.items():
         expected = declared.tensors[fqn]
         if expected.global_shape != tensor.global_shape or expected.dtype != tensor.dtype:
-            raise ValueError(f"{where}: tensor {fqn!r} is {list(tensor.global_shape)} {tensor.dtype} in the file,"
-                             f" {list(expected.global_shape)} {expected.dtype} in the layout")
+            raise ValueError(
+                f"{where}: tensor {fqn!r} is {list(tensor.global_shape)} {tensor.dtype} in the file,"
+                f" {list(expected.global_shape)} {expected.dtype} in the layout"
+            )

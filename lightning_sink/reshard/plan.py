@@ -11,7 +11,18 @@ from dataclasses import dataclass
 
 from lightning_sink.layout.schema import Chunk, Layout, TensorLayout
 
-__all__ = ["Box", "CopyOp", "TargetShard", "Band", "bands_of", "band_box", "RankPlan", "plan_rank", "check_compatible", "intersect"]
+__all__ = [
+    "Box",
+    "CopyOp",
+    "TargetShard",
+    "Band",
+    "bands_of",
+    "band_box",
+    "RankPlan",
+    "plan_rank",
+    "check_compatible",
+    "intersect",
+]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in global coordinates
 
@@ -98,7 +109,9 @@ def intersect(a: Box, b: Box) -> Box | None:
     return tuple(offsets), tuple(sizes)
 
 
-def check_compatible(src: Layout, dst: Layout, src_name: str = "source layout", dst_name: str = "target layout") -> None:
+def check_compatible(
+    src: Layout, dst: Layout, src_name: str = "source layout", dst_name: str = "target layout"
+) -> None:
     """Every target tensor must exist in the source with the same shape and dtype (source-only tensors, e.g.
     optimizer state for an inference target, are dropped)."""
     missing = sorted(set(dst.tensors) - set(src.tensors))
@@ -144,6 +157,8 @@ def plan_rank(rank: int, src: Layout, dst: Layout) -> RankPlan:
                     copies.append(CopyOp(stored, region))
             covered = sum(math.prod(copy.region[1]) for copy in copies)
             if covered != chunk.numel:  # the source layout was validated to tile, so this is a broken source
-                raise ValueError(f"tensor {fqn!r}: source chunks cover {covered} of the {chunk.numel} elements rank {rank} needs")
+                raise ValueError(
+                    f"tensor {fqn!r}: source chunks cover {covered} of the {chunk.numel} elements rank {rank} needs"
+                )
         shards.append(TargetShard(fqn, target.dtype, chunk, tuple(copies)))
     return RankPlan(rank, tuple(shards))

@@ -80,7 +80,9 @@ class RangeFile(io.RawIOBase):
         return True
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self.position = {io.SEEK_SET: offset, io.SEEK_CUR: self.position + offset, io.SEEK_END: self.length + offset}[whence]
+        self.position = {io.SEEK_SET: offset, io.SEEK_CUR: self.position + offset, io.SEEK_END: self.length + offset}[
+            whence
+        ]
         return self.position
 
     def tell(self) -> int:
@@ -122,7 +124,9 @@ def locate_tensors(fd: int, path: Path, base: int, length: int, what: str, stats
     try:
         loaded = torch.load(window, map_location="meta", weights_only=True)
     except Exception as error:  # a damaged zip raises RuntimeError, a damaged pickle UnpicklingError, ...
-        raise ValueError(f"{what}: truncated or corrupt torch.save data at bytes {base}..{base + length}: {error}") from None
+        raise ValueError(
+            f"{what}: truncated or corrupt torch.save data at bytes {base}..{base + length}: {error}"
+        ) from None
     finally:
         stats.header_bytes_read += window.bytes_read
     return _replace_tensors(loaded, lambda tensor: _location(tensor, path, base, what))
@@ -189,7 +193,9 @@ def copy_region(
     src_start = [r - s for r, s in zip(region_offsets, source_offsets)]
     dst_start = [r - t for r, t in zip(region_offsets, target_offsets)]
     src_shape, dst_shape = source.shape, tuple(target.shape)
-    whole_record = source.storage_offset == 0 and sizes == src_shape and math.prod(src_shape) * item == source.storage_nbytes
+    whole_record = (
+        source.storage_offset == 0 and sizes == src_shape and math.prod(src_shape) * item == source.storage_nbytes
+    )
     crc = None if not checks.needs_crc(source.path) else WholeCrc() if whole_record else PartCrc()
     split = _split_dim(sizes, src_shape, dst_shape)
     run = math.prod(sizes[split:])
@@ -258,8 +264,9 @@ def _copy_span_scattered(fd, source: TensorLocation, src_start, sizes, split, ta
         wanted = len(views) * run_bytes
         got = os.preadv(fd, views, offset)
         if got != wanted:
-            raise ValueError(f"{source.what}: truncated: wanted {wanted} bytes at offset {offset}, the file ended"
-                             f" after {got}")
+            raise ValueError(
+                f"{source.what}: truncated: wanted {wanted} bytes at offset {offset}, the file ended after {got}"
+            )
         if crc is not None:
             at = offset - source.data_offset
             for view in views:
@@ -298,19 +305,24 @@ def _copy_span_buffered(fd, source: TensorLocation, src_start, region, target, d
         if crc is not None:
             crc.feed(at, view)
         block = buffer[: count * row_elements].view(count, *sizes[1:]) if sizes else buffer.view(())
-        index = tuple(slice(d + (first if dim == 0 else 0), d + (first + count if dim == 0 else n))
-                      for dim, (d, n) in enumerate(zip(dst_start, sizes)))
+        index = tuple(
+            slice(d + (first if dim == 0 else 0), d + (first + count if dim == 0 else n))
+            for dim, (d, n) in enumerate(zip(dst_start, sizes))
+        )
         target[index].copy_(block)
 
 
 def _pread_exact(fd: int, view: memoryview, offset: int, source: TensorLocation) -> None:
     got = os.preadv(fd, [view], offset)
     if got != len(view):
-        raise ValueError(f"{source.what}: truncated: wanted {len(view)} bytes at offset {offset}, the file ended after {got}")
+        raise ValueError(
+            f"{source.what}: truncated: wanted {len(view)} bytes at offset {offset}, the file ended after {got}"
+        )
 
 
-def _copy_region_strided(fd, source: TensorLocation, source_offsets, region, target, target_offsets, stats,
-                         checks: RecordChecks) -> None:
+def _copy_region_strided(
+    fd, source: TensorLocation, source_offsets, region, target, target_offsets, stats, checks: RecordChecks
+) -> None:
     """Non-row-major storage (e.g. a saved transpose): read the storage span once and slice it in memory."""
     span = bytearray(source.storage_nbytes)
     got = os.preadv(fd, [span], source.data_offset)

@@ -30,7 +30,15 @@ from lightning_sink.layout.validation import torch_dtype
 from lightning_sink.reshard.reader import FileCache, ReadStats, TensorLocation, locate_tensors
 from lightning_sink.reshard.writer import sha256_of_file
 
-__all__ = ["LIGHTNING_META_FILE", "RESHARDED_FORMAT", "Source", "DcpSource", "RankFilesSource", "open_source", "source_from_files"]
+__all__ = [
+    "LIGHTNING_META_FILE",
+    "RESHARDED_FORMAT",
+    "Source",
+    "DcpSource",
+    "RankFilesSource",
+    "open_source",
+    "source_from_files",
+]
 
 LIGHTNING_META_FILE = "meta.pt"  # Lightning's non-tensor checkpoint state beside a sharded DCP folder
 RESHARDED_FORMAT = "lightning-sink-resharded-rank"
@@ -80,9 +88,11 @@ class DcpSource(Source):
         if declared is not None:
             layout_name = str(resolve_layout_path(declared_path))
             if declared.world_size < storage.world_size:
-                raise ValueError(f"layout file {layout_name!r} does not match DCP checkpoint {str(folder)!r}: the"
-                                 f" checkpoint was saved by {storage.world_size} ranks, the layout has world size"
-                                 f" {declared.world_size}")
+                raise ValueError(
+                    f"layout file {layout_name!r} does not match DCP checkpoint {str(folder)!r}: the"
+                    f" checkpoint was saved by {storage.world_size} ranks, the layout has world size"
+                    f" {declared.world_size}"
+                )
             storage = layout_from_dcp_metadata(folder, world_size=declared.world_size)
             _check_layout_matches_storage(declared, storage, layout_name, str(folder))
         # A rank may have written several files (__{rank}_0.distcp, __{rank}_1.distcp, ...): keep them all.
@@ -93,7 +103,9 @@ class DcpSource(Source):
         if allowed is not None:  # transform_checkpoint_by_rank: only the ranks in the map may be read
             files = {rank: path for rank, path in files.items() if rank in allowed}
         paths = {fqn: list(path) for fqn, path in (self.metadata.planner_data or {}).items()}
-        super().__init__(f"DCP checkpoint {str(folder)!r}", storage, files, sha256_of_file(folder / DCP_METADATA_FILE), paths)
+        super().__init__(
+            f"DCP checkpoint {str(folder)!r}", storage, files, sha256_of_file(folder / DCP_METADATA_FILE), paths
+        )
 
     def _file(self, relative_path: str) -> Path:
         """A storage file named by the metadata, inside the folder and reached without a symbolic link."""
@@ -111,7 +123,9 @@ class DcpSource(Source):
         for rank in ranks:
             for path in sorted(self.rank_files.get(rank, ())):
                 if not path.is_file():
-                    raise FileNotFoundError(f"{self.description}: the file {str(path)!r} of source rank {rank} is missing")
+                    raise FileNotFoundError(
+                        f"{self.description}: the file {str(path)!r} of source rank {rank} is missing"
+                    )
         for fqn, item in self.metadata.state_dict_metadata.items():  # sizes: a truncated file fails here, early
             if isinstance(item, BytesStorageMetadata):
                 continue
@@ -179,7 +193,10 @@ class RankFilesSource(Source):
         else:
             layout = self._embedded_layout(files, description)
         fingerprint = hashlib.sha256(
-            "".join(f"{rank}:{path.name}:{path.stat().st_size if path.is_file() else -1};" for rank, path in sorted(files.items())).encode()
+            "".join(
+                f"{rank}:{path.name}:{path.stat().st_size if path.is_file() else -1};"
+                for rank, path in sorted(files.items())
+            ).encode()
             + layout.to_json().encode()
         ).hexdigest()
         super().__init__(description, layout, files, fingerprint)
@@ -205,12 +222,17 @@ class RankFilesSource(Source):
             self._check_digest(self.files[rank])
 
     def _check_claimed_bytes(self, rank: int) -> None:
-        nbytes = sum(chunk.numel * torch_dtype(tensor.dtype).itemsize for tensor in self.layout.tensors.values()
-                     for chunk in tensor.chunks_of_rank(rank))
+        nbytes = sum(
+            chunk.numel * torch_dtype(tensor.dtype).itemsize
+            for tensor in self.layout.tensors.values()
+            for chunk in tensor.chunks_of_rank(rank)
+        )
         size = os.path.getsize(self.files[rank])
         if nbytes > size:
-            raise ValueError(f"rank file {str(self.files[rank])!r}: the source layout gives rank {rank} {nbytes}"
-                             f" bytes of tensors, the file holds only {size}")
+            raise ValueError(
+                f"rank file {str(self.files[rank])!r}: the source layout gives rank {rank} {nbytes}"
+                f" bytes of tensors, the file holds only {size}"
+            )
 
     def _check_digest(self, path: Path) -> None:
         from lightning_sink.reshard.loading import expected_digest, read_rank_file_header
@@ -219,13 +241,17 @@ class RankFilesSource(Source):
             return  # a plain torch.save file: its records' CRC-32s are checked as they are read
         expected = expected_digest(path)
         if expected is None:
-            raise ValueError(f"rank file {str(path)!r} carries no CRC-32s and has no MANIFEST.json entry or .sha256"
-                             " sidecar: its integrity cannot be checked")
+            raise ValueError(
+                f"rank file {str(path)!r} carries no CRC-32s and has no MANIFEST.json entry or .sha256"
+                " sidecar: its integrity cannot be checked"
+            )
         size = os.path.getsize(path)
         self.verify_bytes_read += size
         if size != expected[1] or sha256_of_file(path) != expected[0]:
-            raise ValueError(f"rank file {str(path)!r}: SHA-256 or size differs from its manifest (or sidecar): the"
-                             " file is corrupt or was replaced")
+            raise ValueError(
+                f"rank file {str(path)!r}: SHA-256 or size differs from its manifest (or sidecar): the"
+                " file is corrupt or was replaced"
+            )
         self.verified_files.add(str(path))
 
     def _entries(self, rank: int, stats: ReadStats, fds) -> dict:
@@ -245,8 +271,13 @@ class RankFilesSource(Source):
         location = entries["tensors"].get(fqn)
         path = self.files[chunk.rank]
         if not isinstance(location, TensorLocation):
-            raise ValueError(f"rank file {str(path)!r} has no tensor {fqn!r}, which the source layout puts on rank {chunk.rank}")
-        if location.shape != chunk.sizes or str(location.dtype).removeprefix("torch.") != self.layout.tensors[fqn].dtype:
+            raise ValueError(
+                f"rank file {str(path)!r} has no tensor {fqn!r}, which the source layout puts on rank {chunk.rank}"
+            )
+        if (
+            location.shape != chunk.sizes
+            or str(location.dtype).removeprefix("torch.") != self.layout.tensors[fqn].dtype
+        ):
             raise ValueError(
                 f"rank file {str(path)!r}: tensor {fqn!r} is {list(location.shape)} {location.dtype}, the source layout"
                 f" says {list(chunk.sizes)} {self.layout.tensors[fqn].dtype}"
@@ -274,7 +305,9 @@ def _check_layout_matches_storage(declared: Layout, storage: Layout, layout_name
     if set(declared.tensors) != set(storage.tensors):
         only_layout = sorted(set(declared.tensors) - set(storage.tensors))
         only_checkpoint = sorted(set(storage.tensors) - set(declared.tensors))
-        raise ValueError(f"{where}: tensors only in the layout: {only_layout[:10]}, only in the checkpoint: {only_checkpoint[:10]}")
+        raise ValueError(
+            f"{where}: tensors only in the layout: {only_layout[:10]}, only in the checkpoint: {only_checkpoint[:10]}"
+        )
     for fqn, stored in storage.tensors.items():
         expected = declared.tensors[fqn]
         if expected.global_shape != stored.global_shape or expected.dtype != stored.dtype:
@@ -305,16 +338,22 @@ def _rank_files_in(folder: Path) -> dict[int, Path]:
         if not match or not (child.is_dir() or child.is_symlink()):
             continue
         inside(folder, child.name, f"rank-file checkpoint {str(folder)!r}")  # a linked rank folder is refused
-        candidates = sorted(inside(child, p.name, f"rank folder {str(child)!r}") for p in child.iterdir()
-                            if p.suffix in (".pt", ".ckpt", ".pth") and (p.is_file() or p.is_symlink()))
+        candidates = sorted(
+            inside(child, p.name, f"rank folder {str(child)!r}")
+            for p in child.iterdir()
+            if p.suffix in (".pt", ".ckpt", ".pth") and (p.is_file() or p.is_symlink())
+        )
         if len(candidates) != 1:
-            raise ValueError(f"{str(child)!r} must hold exactly one checkpoint file (*.pt/*.ckpt/*.pth), found {len(candidates)}")
+            raise ValueError(
+                f"{str(child)!r} must hold exactly one checkpoint file (*.pt/*.ckpt/*.pth), found {len(candidates)}"
+            )
         files[int(match.group(1))] = candidates[0]
     return files
 
 
-def open_source(src_checkpoints_dir: str | os.PathLike, src_strategy_file: str | os.PathLike | None,
-                roles: Layout | None = None) -> Source:
+def open_source(
+    src_checkpoints_dir: str | os.PathLike, src_strategy_file: str | os.PathLike | None, roles: Layout | None = None
+) -> Source:
     """A DCP folder (``.metadata`` inside), a folder of ``rank_{x}/`` subfolders, or a one-device checkpoint file
     (``roles``: a layout whose roles tell a Lightning checkpoint's buffers from its parameters, see one_device.py)."""
     folder = Path(src_checkpoints_dir)
@@ -338,14 +377,17 @@ def open_source(src_checkpoints_dir: str | os.PathLike, src_strategy_file: str |
     source = RankFilesSource(files, layout_file, f"rank-file checkpoint {str(folder)!r}")
     expected = set(range(source.layout.world_size))
     if set(files) - expected:
-        raise ValueError(f"{source.description}: rank folders {sorted(set(files) - expected)} are outside the layout's world size {source.layout.world_size}")
+        raise ValueError(
+            f"{source.description}: rank folders {sorted(set(files) - expected)} are outside the layout's world size {source.layout.world_size}"
+        )
     for rank in sorted(expected - set(files)):
         files[rank] = folder / f"rank_{rank}" / "<missing>"
     return source
 
 
-def source_from_files(checkpoint_files_map: Mapping[int, str | os.PathLike], src_strategy_file,
-                      roles: Layout | None = None) -> Source:
+def source_from_files(
+    checkpoint_files_map: Mapping[int, str | os.PathLike], src_strategy_file, roles: Layout | None = None
+) -> Source:
     """``transform_checkpoint_by_rank``'s map {source rank: file}: DCP ``.distcp`` files of one folder, rank files,
     or {0: a one-device Lightning checkpoint file}."""
     files = {int(rank): Path(path) for rank, path in checkpoint_files_map.items()}
@@ -358,10 +400,14 @@ def source_from_files(checkpoint_files_map: Mapping[int, str | os.PathLike], src
     if all(path.suffix == ".distcp" for path in files.values()):
         folders = {path.parent for path in files.values()}
         if len(folders) != 1:
-            raise ValueError(f"checkpoint_files_map: DCP files must come from one checkpoint folder, got {sorted(map(str, folders))}")
+            raise ValueError(
+                f"checkpoint_files_map: DCP files must come from one checkpoint folder, got {sorted(map(str, folders))}"
+            )
         layout_file = Path(src_strategy_file) if src_strategy_file is not None else None
         return DcpSource(folders.pop(), layout_file, allowed=files)
-    return RankFilesSource(files, Path(src_strategy_file) if src_strategy_file is not None else None, "checkpoint_files_map")
+    return RankFilesSource(
+        files, Path(src_strategy_file) if src_strategy_file is not None else None, "checkpoint_files_map"
+    )
 
 
 def _is_lightning_file(path: Path) -> bool:
@@ -370,7 +416,9 @@ def _is_lightning_file(path: Path) -> bool:
 
     fds = FileCache()
     try:
-        loaded = locate_tensors(fds.fd(path), path, 0, os.path.getsize(path), f"checkpoint file {str(path)!r}", ReadStats())
+        loaded = locate_tensors(
+            fds.fd(path), path, 0, os.path.getsize(path), f"checkpoint file {str(path)!r}", ReadStats()
+        )
     finally:
         fds.close()
     return is_lightning_checkpoint(loaded)

@@ -37,7 +37,13 @@ from lightning_sink.reshard.source import RESHARDED_FORMAT, Source, open_source,
 from lightning_sink.reshard.workers import run_in_workers
 from lightning_sink.reshard.writer import StreamedRankFile, fsync_dir, sha256_of_file, write_memory_bytes
 
-__all__ = ["ReshardReport", "RankResult", "transform_checkpoints", "transform_checkpoint_by_rank", "rank_list_for_transform"]
+__all__ = [
+    "ReshardReport",
+    "RankResult",
+    "transform_checkpoints",
+    "transform_checkpoint_by_rank",
+    "rank_list_for_transform",
+]
 
 LayoutArg = str | os.PathLike | Layout | None
 # An idle worker interpreter with torch imported (measured: about 560 MiB peak RSS on this project's CPU machine).
@@ -74,7 +80,9 @@ def _layout(value: LayoutArg, name: str) -> Layout:
     if isinstance(value, Layout):
         return value
     if value is None:
-        raise ValueError(f"{name} is required for the target (a layout file such as the one `lightning-sink layout` writes)")
+        raise ValueError(
+            f"{name} is required for the target (a layout file such as the one `lightning-sink layout` writes)"
+        )
     return load_layout(value)
 
 
@@ -84,7 +92,9 @@ def _source_layout_arg(value: LayoutArg) -> Path | None:
     return None if value is None else Path(value)
 
 
-def rank_list_for_transform(rank_id: int, src_strategy_file: str | os.PathLike, dst_strategy_file: LayoutArg) -> list[int]:
+def rank_list_for_transform(
+    rank_id: int, src_strategy_file: str | os.PathLike, dst_strategy_file: LayoutArg
+) -> list[int]:
     """The source ranks whose files target ``rank_id`` needs, from the layouts alone.
 
     ``src_strategy_file`` may also be a DCP checkpoint folder: its stored chunks then say which rank holds what
@@ -118,8 +128,14 @@ def _payload(plan: RankPlan, source: Source, dst: Layout, stats: ReadStats, prov
     }
 
 
-def _fill(plan: RankPlan, source: Source, out: StreamedRankFile, stats: ReadStats, checks: RecordChecks,
-          on_shard: Callable[[int], None] | None) -> None:
+def _fill(
+    plan: RankPlan,
+    source: Source,
+    out: StreamedRankFile,
+    stats: ReadStats,
+    checks: RecordChecks,
+    on_shard: Callable[[int], None] | None,
+) -> None:
     """Every shard in file order, band by band: each band filled in place, in the file's write window, from
     exact byte ranges of the source."""
     fds = FileCache()
@@ -132,18 +148,35 @@ def _fill(plan: RankPlan, source: Source, out: StreamedRankFile, stats: ReadStat
                 for copy in band.copies:
                     location = source.locate(copy.src_chunk, shard.fqn, stats, fds)
                     if location.shape != copy.src_chunk.sizes or location.dtype != dtype:
-                        raise ValueError(f"{location.what}: stored as {list(location.shape)} {location.dtype}, the"
-                                         f" source layout says {list(copy.src_chunk.sizes)} {shard.dtype}")
-                    copy_region(fds.fd(location.path), location, copy.src_chunk.offsets, copy.region, rows,
-                                band_offsets, stats, checks)
+                        raise ValueError(
+                            f"{location.what}: stored as {list(location.shape)} {location.dtype}, the"
+                            f" source layout says {list(copy.src_chunk.sizes)} {shard.dtype}"
+                        )
+                    copy_region(
+                        fds.fd(location.path),
+                        location,
+                        copy.src_chunk.offsets,
+                        copy.region,
+                        rows,
+                        band_offsets,
+                        stats,
+                        checks,
+                    )
             if on_shard is not None:
                 on_shard(shard.numel * dtype.itemsize)
     finally:
         fds.close()
 
 
-def _convert_rank(plan: RankPlan, source: Source, dst: Layout, out_path: Path, provenance: dict,
-                  checks: RecordChecks, on_shard: Callable[[int], None] | None = None) -> tuple[str, int, ReadStats]:
+def _convert_rank(
+    plan: RankPlan,
+    source: Source,
+    dst: Layout,
+    out_path: Path,
+    provenance: dict,
+    checks: RecordChecks,
+    on_shard: Callable[[int], None] | None = None,
+) -> tuple[str, int, ReadStats]:
     """Write target rank ``plan.rank``'s file; the parts of records it read in part are left in ``checks``."""
     stats = ReadStats()
     payload = _payload(plan, source, dst, stats, provenance)
@@ -199,8 +232,12 @@ def _check_room(plans: list[RankPlan], target: Layout, output: Path) -> None:
 def _provenance(source: Source, dst: Layout, ckpt_prefix: str) -> dict[str, Any]:
     import hashlib
 
-    return {"source_fingerprint": source.fingerprint, "target_layout_sha256": hashlib.sha256(dst.to_json().encode()).hexdigest(),
-            "ckpt_prefix": ckpt_prefix, "world_size": dst.world_size}
+    return {
+        "source_fingerprint": source.fingerprint,
+        "target_layout_sha256": hashlib.sha256(dst.to_json().encode()).hexdigest(),
+        "ckpt_prefix": ckpt_prefix,
+        "world_size": dst.world_size,
+    }
 
 
 def peak_rss_bytes() -> int:
@@ -243,11 +280,19 @@ def _convert_task(task: dict) -> dict:
     (staging / f"rank_{rank}").mkdir(parents=True, exist_ok=True)
     plan = plan_rank(rank, source.layout, dst)
     checks = RecordChecks(set(task["verified_files"]))
-    digest, size, stats = _convert_rank(plan, source, dst, staging / relative, _provenance(source, dst, ckpt_prefix),
-                                        checks)
-    return {"rank": rank, "relative_path": relative, "sha256": digest, "bytes_written": size, "stats": vars(stats),
-            "checks": checks.to_json(), "peak_rss_bytes": peak_rss_bytes(),
-            "seconds": time.perf_counter() - started}
+    digest, size, stats = _convert_rank(
+        plan, source, dst, staging / relative, _provenance(source, dst, ckpt_prefix), checks
+    )
+    return {
+        "rank": rank,
+        "relative_path": relative,
+        "sha256": digest,
+        "bytes_written": size,
+        "stats": vars(stats),
+        "checks": checks.to_json(),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def _prepare_destination(dst: Path, provenance: dict, overwrite: bool) -> None:
@@ -264,11 +309,15 @@ def _prepare_destination(dst: Path, provenance: dict, overwrite: bool) -> None:
         previous = read_manifest(dst).provenance
     except (FileNotFoundError, ValueError):
         previous = None
-    same = previous is not None and all(previous.get(k) == provenance[k] for k in ("source_fingerprint", "target_layout_sha256", "ckpt_prefix"))
+    same = previous is not None and all(
+        previous.get(k) == provenance[k] for k in ("source_fingerprint", "target_layout_sha256", "ckpt_prefix")
+    )
     if not same:
-        raise ValueError(f"dst_checkpoints_dir={str(dst)!r} already holds a different checkpoint (or other files);"
-                         " pass overwrite=True (--overwrite on the command line) to replace it, or choose an empty"
-                         " folder")
+        raise ValueError(
+            f"dst_checkpoints_dir={str(dst)!r} already holds a different checkpoint (or other files);"
+            " pass overwrite=True (--overwrite on the command line) to replace it, or choose an empty"
+            " folder"
+        )
 
 
 @contextmanager
@@ -286,8 +335,10 @@ def _exclusive(dst: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise ValueError(f"dst_checkpoints_dir={str(dst)!r}: another conversion into it is running (it holds"
-                             f" {str(path)!r}); wait for it to finish or choose another destination") from None
+            raise ValueError(
+                f"dst_checkpoints_dir={str(dst)!r}: another conversion into it is running (it holds"
+                f" {str(path)!r}); wait for it to finish or choose another destination"
+            ) from None
         try:
             current = os.stat(path).st_ino
         except FileNotFoundError:
@@ -346,7 +397,9 @@ def transform_checkpoints(
         raise ValueError(f"dst_checkpoints_dir={str(dst_checkpoints_dir)!r} is a symbolic link; name the folder itself")
     src_dir, dst = Path(src_checkpoints_dir).resolve(), Path(dst_checkpoints_dir).resolve()
     if dst == src_dir or src_dir in dst.parents or dst in src_dir.parents:
-        raise ValueError(f"dst_checkpoints_dir={str(dst)!r} must not be, contain or lie inside src_checkpoints_dir={str(src_dir)!r}")
+        raise ValueError(
+            f"dst_checkpoints_dir={str(dst)!r} must not be, contain or lie inside src_checkpoints_dir={str(src_dir)!r}"
+        )
     if workers is not None and (not isinstance(workers, int) or workers < 1):
         raise ValueError(f"workers={workers!r} must be None or a positive integer")
     roles = _layout(dst_strategy_file, "dst_strategy_file") if src_dir.is_file() else None  # a .ckpt's buffers
@@ -359,12 +412,34 @@ def transform_checkpoints(
     _check_room(plans, target, dst)
     with _exclusive(dst):
         _prepare_destination(dst, provenance, overwrite)
-        return _convert_all(plans, source, target, src_dir, src_strategy_file, dst, ckpt_prefix, provenance, workers,
-                            memory_budget_bytes, progress)
+        return _convert_all(
+            plans,
+            source,
+            target,
+            src_dir,
+            src_strategy_file,
+            dst,
+            ckpt_prefix,
+            provenance,
+            workers,
+            memory_budget_bytes,
+            progress,
+        )
 
 
-def _convert_all(plans, source, target, src_dir, src_strategy_file, dst, ckpt_prefix, provenance, workers,
-                 memory_budget_bytes, progress) -> ReshardReport:
+def _convert_all(
+    plans,
+    source,
+    target,
+    src_dir,
+    src_strategy_file,
+    dst,
+    ckpt_prefix,
+    provenance,
+    workers,
+    memory_budget_bytes,
+    progress,
+) -> ReshardReport:
     """Every target rank into a staging folder, then the manifest, then the rename into place."""
     staging = dst.parent / f".{dst.name}.staging-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
@@ -373,9 +448,18 @@ def _convert_all(plans, source, target, src_dir, src_strategy_file, dst, ckpt_pr
     checks = RecordChecks(source.verified_files)
     try:
         layout_arg = str(src_strategy_file) if src_strategy_file is not None else None
-        tasks = [{"rank": plan.rank, "src_dir": str(src_dir), "src_layout": layout_arg, "dst_layout": target.to_json(),
-                  "staging": str(staging), "ckpt_prefix": ckpt_prefix, "verified_files": sorted(source.verified_files)}
-                 for plan in plans]
+        tasks = [
+            {
+                "rank": plan.rank,
+                "src_dir": str(src_dir),
+                "src_layout": layout_arg,
+                "dst_layout": target.to_json(),
+                "staging": str(staging),
+                "ckpt_prefix": ckpt_prefix,
+                "verified_files": sorted(source.verified_files),
+            }
+            for plan in plans
+        ]
         total, done = sum(_shard_bytes(plan) for plan in plans), 0
 
         def advance(count: int) -> None:
@@ -384,14 +468,18 @@ def _convert_all(plans, source, target, src_dir, src_strategy_file, dst, ckpt_pr
             if progress is not None:
                 progress(done, total)
 
-        for result in _run(tasks, plans, source, target, staging, ckpt_prefix, workers, memory_budget_bytes, advance,
-                           checks):
+        for result in _run(
+            tasks, plans, source, target, staging, ckpt_prefix, workers, memory_budget_bytes, advance, checks
+        ):
             report.ranks.append(result)
         checks.finish(report.checks)  # every record read in parts, before anything is committed
         report.ranks.sort(key=lambda r: r.rank)
         save_layout(target, staging / "layout.json")
         files = {r.relative_path: {"sha256": r.sha256, "bytes": r.bytes_written} for r in report.ranks}
-        files["layout.json"] = {"sha256": sha256_of_file(staging / "layout.json"), "bytes": (staging / "layout.json").stat().st_size}
+        files["layout.json"] = {
+            "sha256": sha256_of_file(staging / "layout.json"),
+            "bytes": (staging / "layout.json").stat().st_size,
+        }
         write_manifest(staging, Manifest(files=files, provenance=provenance))
         fsync_dir(staging)
         _commit(staging, dst)
@@ -401,8 +489,9 @@ def _convert_all(plans, source, target, src_dir, src_strategy_file, dst, ckpt_pr
     return report
 
 
-def _run(tasks, plans, source, target, staging, ckpt_prefix, workers, memory_budget_bytes, advance,
-         checks: RecordChecks):
+def _run(
+    tasks, plans, source, target, staging, ckpt_prefix, workers, memory_budget_bytes, advance, checks: RecordChecks
+):
     """Convert every target rank, in this process or in workers; the parts of records read in part are merged
     into ``checks``."""
     if workers is None:
@@ -418,8 +507,15 @@ def _run(tasks, plans, source, target, staging, ckpt_prefix, workers, memory_bud
     for result in run_in_workers(tasks, worker_count(plans, workers, memory_budget_bytes)):
         checks.merge(RecordChecks.from_json(result["checks"]))
         advance(_shard_bytes(plans[result["rank"]]))
-        yield RankResult(result["rank"], result["relative_path"], result["sha256"], result["bytes_written"],
-                         ReadStats(**result["stats"]), result["peak_rss_bytes"], result["seconds"])
+        yield RankResult(
+            result["rank"],
+            result["relative_path"],
+            result["sha256"],
+            result["bytes_written"],
+            ReadStats(**result["stats"]),
+            result["peak_rss_bytes"],
+            result["seconds"],
+        )
 
 
 def worker_count(plans: list[RankPlan], workers: int, memory_budget_bytes: int | None) -> int:
@@ -428,8 +524,15 @@ def worker_count(plans: list[RankPlan], workers: int, memory_budget_bytes: int |
     count = min(workers, len(plans))
     if memory_budget_bytes is None:
         return count
-    largest_band = max((math.prod(band_box(shard, band)[1]) * torch_dtype(shard.dtype).itemsize
-                        for plan in plans for shard in plan.shards for band in bands_of(shard)), default=0)
+    largest_band = max(
+        (
+            math.prod(band_box(shard, band)[1]) * torch_dtype(shard.dtype).itemsize
+            for plan in plans
+            for shard in plan.shards
+            for band in bands_of(shard)
+        ),
+        default=0,
+    )
     per_worker = write_memory_bytes(largest_band) + READ_BUFFER_BYTES + WORKER_BASELINE_BYTES
     return max(1, min(count, memory_budget_bytes // per_worker))
 
@@ -454,20 +557,28 @@ def transform_checkpoint_by_rank(
     plan = plan_rank(rank_id, source.layout, target)
     missing = [rank for rank in plan.source_ranks() if rank not in {int(r) for r in checkpoint_files_map}]
     if missing:
-        raise ValueError(f"checkpoint_files_map lacks source rank(s) {missing} that target rank {rank_id} needs"
-                         f" (see rank_list_for_transform)")
+        raise ValueError(
+            f"checkpoint_files_map lacks source rank(s) {missing} that target rank {rank_id} needs"
+            f" (see rank_list_for_transform)"
+        )
     source.check_files(plan.source_ranks())
     out = Path(save_checkpoint_file_name)
     if out.is_dir() or not out.name:
-        raise ValueError(f"save_checkpoint_file_name={str(out)!r} is a folder: name the rank file to write (e.g."
-                         f" {str(out / f'rank_{rank_id}' / f'checkpoint_{rank_id}.pt')!r})")
+        raise ValueError(
+            f"save_checkpoint_file_name={str(out)!r} is a folder: name the rank file to write (e.g."
+            f" {str(out / f'rank_{rank_id}' / f'checkpoint_{rank_id}.pt')!r})"
+        )
     provenance = _provenance(source, target, "")
     if out.exists() and not overwrite:
         header = read_rank_file_header(out) if out.is_file() else {}
         previous = header.get("provenance") or {}
-        if header.get("rank") != rank_id or any(previous.get(k) != provenance[k] for k in ("source_fingerprint", "target_layout_sha256")):
-            raise ValueError(f"save_checkpoint_file_name={str(out)!r} already holds a different checkpoint; pass"
-                             " overwrite=True (--overwrite on the command line)")
+        if header.get("rank") != rank_id or any(
+            previous.get(k) != provenance[k] for k in ("source_fingerprint", "target_layout_sha256")
+        ):
+            raise ValueError(
+                f"save_checkpoint_file_name={str(out)!r} already holds a different checkpoint; pass"
+                " overwrite=True (--overwrite on the command line)"
+            )
     out.parent.mkdir(parents=True, exist_ok=True)
     _check_room([plan], target, out)
     temp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")

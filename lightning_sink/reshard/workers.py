@@ -34,7 +34,6 @@ sys.exit(worker_main(json.loads(sys.stdin.read())))
 """
 
 
-
 class WorkerError(RuntimeError):
     """A worker process died without reporting an error (killed, out of memory)."""
 
@@ -42,16 +41,27 @@ class WorkerError(RuntimeError):
 def _run_one(task: dict) -> dict:
     package_dir = str(Path(__file__).resolve().parents[1])
     environment = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    done = subprocess.run([sys.executable, "-c", _BOOTSTRAP, package_dir, str(os.getpid())], input=json.dumps(task),
-                          env=environment, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _BOOTSTRAP, package_dir, str(os.getpid())],
+        input=json.dumps(task),
+        env=environment,
+        capture_output=True,
+        text=True,
+    )
     lines = done.stdout.strip().splitlines()
     reply = json.loads(lines[-1]) if lines else {}
     if "error" in reply:
-        error_type = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError, "TypeError": TypeError,
-                      "OSError": OSError}
+        error_type = {
+            "ValueError": ValueError,
+            "FileNotFoundError": FileNotFoundError,
+            "TypeError": TypeError,
+            "OSError": OSError,
+        }
         raise error_type.get(reply["error"], RuntimeError)(reply["message"])
     if done.returncode != 0 or "result" not in reply:
-        raise WorkerError(f"worker for target rank {task['rank']} exited with status {done.returncode}: {done.stderr[-2000:]}")
+        raise WorkerError(
+            f"worker for target rank {task['rank']} exited with status {done.returncode}: {done.stderr[-2000:]}"
+        )
     return reply["result"]
 
 

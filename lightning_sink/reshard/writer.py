@@ -128,8 +128,12 @@ class StreamedRankFile:
         try:
             located = locate_tensors(fd, path, 0, self.size, f"new rank file {str(path)!r}", ReadStats())
             self._locations: dict[str, TensorLocation] = located["tensors"]
-            storages = sorted((loc.data_offset, loc.data_offset + loc.storage_nbytes) for loc in self._locations.values())
-            self._gaps = _read_gaps(fd, path, storages, self.size)  # everything torch.save wrote that is not tensor data
+            storages = sorted(
+                (loc.data_offset, loc.data_offset + loc.storage_nbytes) for loc in self._locations.values()
+            )
+            self._gaps = _read_gaps(
+                fd, path, storages, self.size
+            )  # everything torch.save wrote that is not tensor data
         finally:
             os.close(fd)
         self._gap_starts = [start for start, _ in self._gaps]
@@ -188,7 +192,9 @@ class StreamedRankFile:
             gap_start, data = self._gaps[index] if index >= 0 else (0, b"")
             available = gap_start + len(data) - self._cursor
             if available <= 0:
-                raise AssertionError(f"bytes {self._cursor}..{upto} of {self.path.name} belong to a tensor no band wrote")
+                raise AssertionError(
+                    f"bytes {self._cursor}..{upto} of {self.path.name} belong to a tensor no band wrote"
+                )
             window = self._room_for(1)
             count = min(upto - self._cursor, available, window.capacity - window.used)
             skip = self._cursor - gap_start
@@ -220,8 +226,10 @@ class StreamedRankFile:
         length = _round_up(real) if last and self._out.direct else real
         window.memory[real:length] = bytes(length - real)
         data = memoryview(window.memory)[:length]
-        window.pending = [self._writer.submit(self._out.write, data, window.start),
-                          self._hasher.submit(self._digest.update, data[:real])]
+        window.pending = [
+            self._writer.submit(self._out.write, data, window.start),
+            self._hasher.submit(self._digest.update, data[:real]),
+        ]
         if last:
             return
         other.wait()
@@ -246,6 +254,7 @@ def _read_gaps(fd: int, path: Path, storages: list[tuple[int, int]], size: int) 
 
 def _check_no_tensors_outside(payload: dict[str, Any]) -> None:
     """skip_data would save any other tensor empty: refuse rather than write a file that looks whole."""
+
     def visit(node: Any, where: str) -> None:
         if isinstance(node, torch.Tensor):
             raise TypeError(f"rank file payload: {where} is a tensor; tensors belong under 'tensors'")

@@ -27,8 +27,10 @@ from lightning_sink.reshard.writer import fsync_dir
 __all__ = ["staging_dir", "previous_dir", "save_dcp_atomically", "check_checkpoint_dir", "checkpoint_layout"]
 
 # How the non-tensor part of a checkpoint travels, listed in every layout file under its file name.
-META_STATE_NOTE = ("torch.save by rank 0: Lightning's epoch, global_step, loops, callbacks, LR schedulers, precision"
-                   " plugin (loss scale) and the lightning_sink window and data position")
+META_STATE_NOTE = (
+    "torch.save by rank 0: Lightning's epoch, global_step, loops, callbacks, LR schedulers, precision"
+    " plugin (loss scale) and the lightning_sink window and data position"
+)
 
 
 def checkpoint_layout(state: dict[str, Any], world_size: int) -> Layout:

@@ -64,8 +64,11 @@ class WindowCheckpointMixin:
 
     def _window_settings(self) -> dict[str, Any]:
         """The arguments an open window was accumulated under (checked on resume: ``resume_check.py``)."""
-        return {"accumulation_steps": self.accumulation_steps, "sink_size": self.sink_size,
-                "partial_window": self.partial_window}
+        return {
+            "accumulation_steps": self.accumulation_steps,
+            "sink_size": self.sink_size,
+            "partial_window": self.partial_window,
+        }
 
     def sink_state_dict(self) -> dict[str, Any]:
         """Everything the strategy needs to resume exactly: window buffers, micro-step index, data position."""

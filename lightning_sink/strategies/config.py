@@ -68,8 +68,10 @@ def validate_device(name: str, device: object) -> None:
     if device is None or isinstance(device, torch.device):
         return
     if not isinstance(device, (str, int)) or isinstance(device, bool):
-        raise TypeError(f"{name}={device!r} is not valid: pass a device string ('cpu', 'cuda', 'cuda:1', ...), a"
-                        " torch.device, or None.")
+        raise TypeError(
+            f"{name}={device!r} is not valid: pass a device string ('cpu', 'cuda', 'cuda:1', ...), a"
+            " torch.device, or None."
+        )
     try:
         torch.device(device)
     except RuntimeError:

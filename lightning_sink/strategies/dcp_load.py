@@ -24,17 +24,25 @@ __all__ = ["load_dcp_folder"]
 
 def _load(state: dict[str, Any], folder: Path) -> None:
     try:
-        dcp.load(state, storage_reader=MetadataCheckedReader(folder, read_dcp_metadata),
-                 planner=WeightsOnlyLoadPlanner())
+        dcp.load(
+            state, storage_reader=MetadataCheckedReader(folder, read_dcp_metadata), planner=WeightsOnlyLoadPlanner()
+        )
     except dcp.CheckpointException as error:  # DCP wraps each rank's failure with its traceback: say the first
         failures = [failure[0] if isinstance(failure, tuple) else failure for failure in error.failures.values()]
         cause = failures[0] if failures else error
         first_line = (str(cause).strip().splitlines() or [""])[0]
-        raise ValueError(f"DCP checkpoint {str(folder)!r} could not be loaded: {type(cause).__name__}: {first_line}") from None
+        raise ValueError(
+            f"DCP checkpoint {str(folder)!r} could not be loaded: {type(cause).__name__}: {first_line}"
+        ) from None
 
 
-def load_dcp_folder(folder: Path, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer], strict: bool,
-                    weights_only: bool | None) -> dict[str, Any]:
+def load_dcp_folder(
+    folder: Path,
+    module: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    strict: bool,
+    weights_only: bool | None,
+) -> dict[str, Any]:
     """Fill ``module`` and ``optimizers`` (keys ``state_dict``, ``optimizer_{i}``) from the DCP folder; return the
     rest of the checkpoint (``meta.pt``: Lightning's loops, callbacks, schedulers...)."""
     from torch.distributed.checkpoint.state_dict import (
@@ -52,7 +60,8 @@ def load_dcp_folder(folder: Path, module: torch.nn.Module, optimizers: list[torc
         key = f"optimizer_{index}"
         optimizer_state = {key: get_optimizer_state_dict(module, optimizer)}
         _load(optimizer_state, folder)
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state[key],
-                                 options=StateDictOptions(cpu_offload=True))
+        set_optimizer_state_dict(
+            module, optimizer, optim_state_dict=optimizer_state[key], options=StateDictOptions(cpu_offload=True)
+        )
     meta = inside(folder, compat.DCP_METADATA_FILE_NAME, f"checkpoint folder {str(folder)!r}")
     return torch.load(meta, map_location="cpu", weights_only=True if weights_only is None else weights_only)

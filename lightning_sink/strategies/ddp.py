@@ -93,6 +93,7 @@ class SinkDDPStrategy(StepEngineMixin, DDPStrategy):
         )
 
     def __repr__(self) -> str:
-        return (f"SinkDDPStrategy(accumulation_steps={self.accumulation_steps}, partial_window={self.partial_window!r},"
-                f" sink_size={self.sink_size}, graph_mode={self.graph_mode!r})")
-
+        return (
+            f"SinkDDPStrategy(accumulation_steps={self.accumulation_steps}, partial_window={self.partial_window!r},"
+            f" sink_size={self.sink_size}, graph_mode={self.graph_mode!r})"
+        )

@@ -111,7 +111,11 @@ class StepEngineMixin(WindowCheckpointMixin):
     def _init_engine(self, config: SinkConfig) -> None:
         """``config`` holds the strategy's own arguments, validated at construction (``config.py``)."""
         self.sink_config = config
-        self.sink_size, self.prefetch_depth, self.graph_mode = config.sink_size, config.prefetch_depth, config.graph_mode
+        self.sink_size, self.prefetch_depth, self.graph_mode = (
+            config.sink_size,
+            config.prefetch_depth,
+            config.graph_mode,
+        )
         self._requested_accumulation_steps = config.accumulation_steps
         self.accumulation_steps = config.accumulation_steps or 1
         self.partial_window = config.partial_window
@@ -240,10 +244,18 @@ class StepEngineMixin(WindowCheckpointMixin):
             raise ValueError(f"{type(self).__name__} supports exactly one optimizer; got {len(optimizers)}.")
         self._scaling = self._loss_scaling
         self._check_fit_start(trainer, optimizers[0])
-        self._passthrough = (self.sink_size is None and self.accumulation_steps == 1 and self.world_size == 1
-                             and self._scaling is None and not self._scheduled)
-        self._step_scheduler_configs = [config for config in trainer.lr_scheduler_configs
-                                        if config.interval == "step" and not config.reduce_on_plateau]
+        self._passthrough = (
+            self.sink_size is None
+            and self.accumulation_steps == 1
+            and self.world_size == 1
+            and self._scaling is None
+            and not self._scheduled
+        )
+        self._step_scheduler_configs = [
+            config
+            for config in trainer.lr_scheduler_configs
+            if config.interval == "step" and not config.reduce_on_plateau
+        ]
         self._needs_step_context = self._plugin_has_step_context()
         self._hooks = HookPlan.for_run(trainer)
         self._reducer = self._make_reducer()
@@ -252,8 +264,9 @@ class StepEngineMixin(WindowCheckpointMixin):
         check_graph_mode_device(self.graph_mode, self.root_device)  # type: ignore[attr-defined]
         self._step_function = step_function(self.lightning_module.training_step, self.graph_mode)
         # as Lightning builds the arguments: batch_idx only for a training_step that takes it
-        self._step_takes_batch_idx = is_param_in_hook_signature(self.lightning_module.training_step, "batch_idx",
-                                                                min_args=2)
+        self._step_takes_batch_idx = is_param_in_hook_signature(
+            self.lightning_module.training_step, "batch_idx", min_args=2
+        )
         if self._scaling is not None:
             self._scaling.to_device(self.root_device)  # type: ignore[attr-defined]
         if self._pending_state is not None:
@@ -266,10 +279,14 @@ class StepEngineMixin(WindowCheckpointMixin):
 
     def _check_fit_start(self, trainer: pl.Trainer, optimizer: Optimizer) -> None:
         windows = self.sink_size is not None or self.accumulation_steps > 1 or self._scheduled
-        why = (f"sink_size={self.sink_size}" if self.sink_size is not None
-               else f"accumulation_steps={self.accumulation_steps}")
-        if windows and is_param_in_hook_signature(trainer.lightning_module.training_step, "dataloader_iter",
-                                                  explicit=True):
+        why = (
+            f"sink_size={self.sink_size}"
+            if self.sink_size is not None
+            else f"accumulation_steps={self.accumulation_steps}"
+        )
+        if windows and is_param_in_hook_signature(
+            trainer.lightning_module.training_step, "dataloader_iter", explicit=True
+        ):
             raise ValueError(
                 f"training_step(dataloader_iter) draws its own batches, but {type(self).__name__}({why}) must see"
                 " every micro-batch to close its windows: take `batch` (and `batch_idx`) instead, or train with"
@@ -287,8 +304,9 @@ class StepEngineMixin(WindowCheckpointMixin):
     def _install_loop_rules(self, trainer: pl.Trainer) -> None:
         if self._sink_loader is not None:
             warn_about_unaligned_step_triggers(trainer, self.sink_size, self.accumulation_steps)
-            self._stream = MicroBatchStream(self._sink_loader.loader, self._data_position, self._prefetch_depth(),
-                                            copier=self._device_copier())
+            self._stream = MicroBatchStream(
+                self._sink_loader.loader, self._data_position, self._prefetch_depth(), copier=self._device_copier()
+            )
             module = self.lightning_module
             self._log_buffer = SinkLogBuffer(module)
             compat.decide_window_ends(trainer, lambda: self._sink_updates == 0)
@@ -344,14 +362,21 @@ class StepEngineMixin(WindowCheckpointMixin):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
         self._sink_updates = 0
-        if self._accumulating and self.sink_size is None and self._trainer.accumulate_grad_batches != \
-                self.accumulation_steps:
+        if (
+            self._accumulating
+            and self.sink_size is None
+            and self._trainer.accumulate_grad_batches != self.accumulation_steps
+        ):
             self.accumulation_steps = self._trainer.accumulate_grad_batches  # a GradientAccumulationScheduler
 
     # ------------------------------------------------------------------ windows that Lightning does not delimit
     def _plan_micro_step(self) -> MicroStep:
-        return plan_micro_step(self._accumulator.micro_steps, self.accumulation_steps,
-                               compat.is_last_batch_of_epoch(self._trainer), self.partial_window)
+        return plan_micro_step(
+            self._accumulator.micro_steps,
+            self.accumulation_steps,
+            compat.is_last_batch_of_epoch(self._trainer),
+            self.partial_window,
+        )
 
     def _batch_has_no_update(self) -> bool:
         """Lightning asks this several times per batch (``carry`` and ``drop``); decided once, before the batch."""
@@ -432,9 +457,7 @@ class StepEngineMixin(WindowCheckpointMixin):
             loss = loss * scaling.scaler.scale.to(loss.dtype)
         loss.backward()
 
-    def optimizer_step(
-        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
-    ) -> Any:
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Reached from the module's ``optimizer_step`` hook through ``optimizer.step(closure=...)``."""
         if not self._accumulating or self._passthrough:
             return super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
@@ -453,8 +476,9 @@ class StepEngineMixin(WindowCheckpointMixin):
         # Lightning divided every loss by N; the mean over the k micro-steps (on every rank) divides by k/N more.
         divisor = store.micro_steps * self._ranks_in_sum() / self._loss_divisor()
         scaling = self._scaling
-        found_inf = finish_window(store, self._reducer, scaling, optimizer, divisor,
-                                  lambda: self._before_optimizer_step(optimizer), **kwargs)
+        found_inf = finish_window(
+            store, self._reducer, scaling, optimizer, divisor, lambda: self._before_optimizer_step(optimizer), **kwargs
+        )
         skipped = scaling is not None and bool(self._step_scheduler_configs) and scaling.window_overflowed(found_inf)
         self._last_update_skipped = skipped
         if scaling is not None:
@@ -475,8 +499,10 @@ class StepEngineMixin(WindowCheckpointMixin):
     def _plugin_has_step_context(self) -> bool:
         """Whether the precision plugin's step context does anything (autocast, ...); Lightning's base one does not."""
         kind = type(self.precision_plugin)
-        return not (kind.train_step_context is Precision.train_step_context
-                    and kind.forward_context is Precision.forward_context)
+        return not (
+            kind.train_step_context is Precision.train_step_context
+            and kind.forward_context is Precision.forward_context
+        )
 
     def _window_already_overflowed(self) -> bool:
         scaling = self._scaling
@@ -489,16 +515,20 @@ class StepEngineMixin(WindowCheckpointMixin):
         if not self._hooks.direct_before_step:
             compat.run_before_optimizer_step(trainer, optimizer)  # on_before_optimizer_step hooks, then clipping
         elif trainer.gradient_clip_val:
-            self.precision_plugin.clip_gradients(optimizer, trainer.gradient_clip_val,
-                                                 trainer.gradient_clip_algorithm or "norm")
+            self.precision_plugin.clip_gradients(
+                optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm or "norm"
+            )
 
     def _log_loss_scale(self, scaling: LossScalePrecision, found_inf: Tensor | None) -> None:
         """Device tensors into Lightning's logger; they are read back only when the logger writes."""
         if scaling.scaler is None or found_inf is None or not self._trainer.loggers:
             return  # Lightning's self.log costs ~0.1 ms a call; nothing would read these without a logger
         module = self.lightning_module
-        for name, value in (("loss_scale", scaling.scaler.scale), ("overflow", found_inf),
-                            ("skipped_updates", scaling.scaler.skipped)):
+        for name, value in (
+            ("loss_scale", scaling.scaler.scale),
+            ("overflow", found_inf),
+            ("skipped_updates", scaling.scaler.skipped),
+        ):
             # float: Lightning warns when it converts an integer tensor for the logger itself
             module.log(name, value.to(torch.float32, copy=True), on_step=True, on_epoch=False, batch_size=1)
 
@@ -547,8 +577,11 @@ class StepEngineMixin(WindowCheckpointMixin):
                 batch = self._to_device(batch)
             if buffer is not None:
                 buffer.begin_micro_step(batch)
-            loss = self._sink_micro_step_direct(batch, micro_index) if direct else \
-                self._sink_micro_step(batch, micro_index)
+            loss = (
+                self._sink_micro_step_direct(batch, micro_index)
+                if direct
+                else self._sink_micro_step(batch, micro_index)
+            )
             if loss is not None:
                 losses.append(loss)
             self._data_position.advance()
@@ -599,8 +632,11 @@ class StepEngineMixin(WindowCheckpointMixin):
             closure()
             return result[0]
         self._sink_window_batches = 0
-        self._count_sink_update(lambda: compat.call_lightning_module_hook(
-            trainer, "optimizer_step", trainer.current_epoch, batch_idx, compat.lightning_optimizer(self), closure))
+        self._count_sink_update(
+            lambda: compat.call_lightning_module_hook(
+                trainer, "optimizer_step", trainer.current_epoch, batch_idx, compat.lightning_optimizer(self), closure
+            )
+        )
         return result[0]
 
     def _sink_micro_step_direct(self, batch: Any, batch_idx: int) -> Tensor | None:

@@ -54,8 +54,12 @@ def _check_shape(param: Tensor, local: Tensor | None) -> None:
 # FSDP2 keeps a window's partial sums where no public API reaches them. The three functions below are the only
 # places that touch its internals; tests/strategies/test_fsdp_window.py fails loudly when torch moves them.
 def _fsdp_params(modules: list[FSDPModule]) -> list[Any]:
-    return [fsdp_param for module in modules for group in module._get_fsdp_state()._fsdp_param_groups
-            for fsdp_param in group.fsdp_params]
+    return [
+        fsdp_param
+        for module in modules
+        for group in module._get_fsdp_state()._fsdp_param_groups
+        for fsdp_param in group.fsdp_params
+    ]
 
 
 def _partial_sum(fsdp_param: Any) -> Tensor | None:

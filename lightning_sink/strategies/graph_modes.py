@@ -26,9 +26,7 @@ GRAPH_MODES = ("eager", "compile", "cuda_graph")
 
 def validate_graph_mode(graph_mode: object) -> None:
     if graph_mode not in GRAPH_MODES:
-        raise ValueError(
-            f"graph_mode={graph_mode!r} is not valid: choose one of {', '.join(map(repr, GRAPH_MODES))}."
-        )
+        raise ValueError(f"graph_mode={graph_mode!r} is not valid: choose one of {', '.join(map(repr, GRAPH_MODES))}.")
     if graph_mode == "cuda_graph" and not torch.cuda.is_available():
         raise ValueError(
             "graph_mode='cuda_graph' captures the step programs as CUDA graphs and needs a CUDA device, but CUDA is"

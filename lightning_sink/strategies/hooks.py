@@ -41,14 +41,17 @@ class HookPlan:
     def for_run(cls, trainer: pl.Trainer) -> HookPlan:
         plugin = trainer.strategy.precision_plugin
         plain_precision = type(plugin) in _PLAIN_PRECISION or type(plugin) is LossScalePrecision
-        direct_backward = plain_precision and not any(
-            _used(trainer, name) for name in ("on_before_backward", "on_after_backward")
-        ) and not _used(trainer, "backward", module_only=True)
+        direct_backward = (
+            plain_precision
+            and not any(_used(trainer, name) for name in ("on_before_backward", "on_after_backward"))
+            and not _used(trainer, "backward", module_only=True)
+        )
         return cls(
             direct_backward=direct_backward,
             direct_before_step=not _used(trainer, "on_before_optimizer_step")
             and not _used(trainer, "configure_gradient_clipping", module_only=True),
             direct_transfer=not any(_used(trainer, name, module_only=True) for name in _TRANSFER_HOOKS),
-            direct_sink_step=direct_backward and not _used(trainer, "on_before_zero_grad") and not any(
-                _used(trainer, name, module_only=True) for name in ("optimizer_zero_grad", "optimizer_step")),
+            direct_sink_step=direct_backward
+            and not _used(trainer, "on_before_zero_grad")
+            and not any(_used(trainer, name, module_only=True) for name in ("optimizer_zero_grad", "optimizer_step")),
         )

@@ -138,10 +138,15 @@ class SinkModelParallelStrategy(StepEngineMixin, ModelParallelStrategy):
         checkpoint[CHECKPOINT_KEY] = self.sink_state_dict()
         path = Path(self.broadcast(str(filepath)))  # every rank writes into rank 0's path
         state = {"state_dict": checkpoint.pop("state_dict")}
-        state.update({f"optimizer_{index}": optimizer_state
-                      for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", []))})
-        save_dcp_atomically(state, checkpoint, path, global_rank=self.global_rank, world_size=self.world_size,
-                            barrier=self.barrier)
+        state.update(
+            {
+                f"optimizer_{index}": optimizer_state
+                for index, optimizer_state in enumerate(checkpoint.pop("optimizer_states", []))
+            }
+        )
+        save_dcp_atomically(
+            state, checkpoint, path, global_rank=self.global_rank, world_size=self.world_size, barrier=self.barrier
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -151,8 +156,9 @@ class SinkModelParallelStrategy(StepEngineMixin, ModelParallelStrategy):
         check_checkpoint_dir(path)
         weights_only = True if weights_only is None else weights_only  # untrusted files run no code unless asked
         if (path / DCP_METADATA_FILE).is_file():
-            checkpoint = load_dcp_folder(path, self.model, self.optimizers, self.lightning_module.strict_loading,
-                                         weights_only)
+            checkpoint = load_dcp_folder(
+                path, self.model, self.optimizers, self.lightning_module.strict_loading, weights_only
+            )
             self._restore_sink_state(checkpoint, path)
             return checkpoint
         if not is_resharded_checkpoint(path):
@@ -167,11 +173,14 @@ class SinkModelParallelStrategy(StepEngineMixin, ModelParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(
-            cls.strategy_name, cls,
+            cls.strategy_name,
+            cls,
             description="Two-step-program gradient accumulation on FSDP2 + tensor parallelism (lightning-sink)",
         )
 
     def __repr__(self) -> str:
-        return (f"SinkModelParallelStrategy(data_parallel_size={self._data_parallel_size!r},"
-                f" tensor_parallel_size={self._tensor_parallel_size!r}, accumulation_steps={self.accumulation_steps},"
-                f" partial_window={self.partial_window!r})")
+        return (
+            f"SinkModelParallelStrategy(data_parallel_size={self._data_parallel_size!r},"
+            f" tensor_parallel_size={self._tensor_parallel_size!r}, accumulation_steps={self.accumulation_steps},"
+            f" partial_window={self.partial_window!r})"
+        )

@@ -32,8 +32,13 @@ from lightning_sink.layout.schema import Layout
 from lightning_sink.reshard import load_into_state_dict, load_resharded_checkpoint
 from lightning_sink.reshard.manifest import MANIFEST_FILE_NAME, read_manifest
 
-__all__ = ["is_resharded_checkpoint", "rank_file", "check_layout_matches_mesh", "adapt_sink_state",
-           "load_resharded_into_strategy"]
+__all__ = [
+    "is_resharded_checkpoint",
+    "rank_file",
+    "check_layout_matches_mesh",
+    "adapt_sink_state",
+    "load_resharded_into_strategy",
+]
 
 
 def is_resharded_checkpoint(path: Path) -> bool:
@@ -49,24 +54,34 @@ def rank_file(folder: Path, rank: int) -> Path:
     without a manifest) the one ``.pt`` file with a ``.sha256`` sidecar in ``rank_{rank}/``."""
     if not (folder / MANIFEST_FILE_NAME).is_file():
         rank_dir = inside(folder, f"rank_{rank}", f"resharded checkpoint {str(folder)!r}")
-        files = sorted(inside(rank_dir, sidecar.with_suffix("").name, f"resharded checkpoint {str(folder)!r}")
-                       for sidecar in rank_dir.glob("*.pt.sha256"))
+        files = sorted(
+            inside(rank_dir, sidecar.with_suffix("").name, f"resharded checkpoint {str(folder)!r}")
+            for sidecar in rank_dir.glob("*.pt.sha256")
+        )
         if len(files) != 1:
-            raise ValueError(f"resharded checkpoint {str(folder)!r} has no MANIFEST.json and {len(files)} rank files"
-                             f" with a .sha256 sidecar in rank_{rank}/ (expected exactly 1 for this rank)")
+            raise ValueError(
+                f"resharded checkpoint {str(folder)!r} has no MANIFEST.json and {len(files)} rank files"
+                f" with a .sha256 sidecar in rank_{rank}/ (expected exactly 1 for this rank)"
+            )
         return files[0]
     manifest = read_manifest(folder)  # (its ckpt_prefix is checked to be a plain file-name prefix)
     prefix = manifest.provenance.get("ckpt_prefix", "")
     world_size = manifest.provenance.get("world_size")
     if world_size is not None and rank >= world_size:
-        raise ValueError(f"resharded checkpoint {str(folder)!r} was made for {world_size} ranks; this run has rank"
-                         f" {rank}: reshard for this run's mesh (its layout from `lightning-sink layout`)")
+        raise ValueError(
+            f"resharded checkpoint {str(folder)!r} was made for {world_size} ranks; this run has rank"
+            f" {rank}: reshard for this run's mesh (its layout from `lightning-sink layout`)"
+        )
     return inside(folder, f"rank_{rank}/{prefix}{rank}.pt", f"resharded checkpoint {str(folder)!r}")
 
 
 def check_layout_matches_mesh(layout: Layout, device_mesh: Any, world_size: int, file: Path) -> None:
     """The file's target mesh (shape, dim names, rank order) must be the run's ``device_mesh``."""
-    actual = (tuple(device_mesh.mesh.shape), tuple(device_mesh.mesh_dim_names or ()), device_mesh.mesh.flatten().tolist())
+    actual = (
+        tuple(device_mesh.mesh.shape),
+        tuple(device_mesh.mesh_dim_names or ()),
+        device_mesh.mesh.flatten().tolist(),
+    )
     expected = (layout.mesh.shape, tuple(layout.mesh.dim_names), layout.mesh.flat_ranks())
     if layout.world_size != world_size or actual != expected:
         raise ValueError(
@@ -116,8 +131,10 @@ def load_resharded_into_strategy(strategy: Any, folder: Path, weights_only: bool
     check_layout_matches_mesh(checkpoint["layout"], strategy.device_mesh, strategy.world_size, file)
     meta = checkpoint["extra_files"].get(compat.DCP_METADATA_FILE_NAME)
     if meta is None:
-        raise ValueError(f"resharded checkpoint file {str(file)!r} carries no {compat.DCP_METADATA_FILE_NAME!r}"
-                         " (Lightning's loops and callbacks): its source was not a Lightning checkpoint")
+        raise ValueError(
+            f"resharded checkpoint file {str(file)!r} carries no {compat.DCP_METADATA_FILE_NAME!r}"
+            " (Lightning's loops and callbacks): its source was not a Lightning checkpoint"
+        )
     module, strict = strategy.model, strategy.lightning_module.strict_loading
     model_state = {"state_dict": get_model_state_dict(module)}
     load_into_state_dict(model_state, checkpoint, strict=strict)
@@ -133,8 +150,8 @@ def load_resharded_into_strategy(strategy: Any, folder: Path, weights_only: bool
                 " for inference (a layout with parameters only, `lightning-sink layout --no-optimizer`) can be used by"
                 " Trainer.test/predict, not to resume Trainer.fit: reshard with a layout that includes the optimizer."
             ) from None
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state[key],
-                                 options=StateDictOptions(cpu_offload=True))
+        set_optimizer_state_dict(
+            module, optimizer, optim_state_dict=optimizer_state[key], options=StateDictOptions(cpu_offload=True)
+        )
     # Unset means torch's own default, True: no code is unpickled from the carried Lightning state.
     return torch.load(io.BytesIO(meta), map_location="cpu", weights_only=True if weights_only is None else weights_only)
-

@@ -56,7 +56,10 @@ class SinkStrategy(StepEngineMixin, SingleDeviceStrategy):
         config = SinkConfig(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
         validate_device("device", device)
         super().__init__(
-            device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io, precision_plugin=precision_plugin
+            device=device or "cpu",
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
         )
         self._explicit_device = device is not None
         self._init_engine(config)
@@ -89,6 +92,7 @@ class SinkStrategy(StepEngineMixin, SingleDeviceStrategy):
         )
 
     def __repr__(self) -> str:
-        return (f"SinkStrategy(accumulation_steps={self.accumulation_steps}, partial_window={self.partial_window!r},"
-                f" sink_size={self.sink_size}, graph_mode={self.graph_mode!r})")
-
+        return (
+            f"SinkStrategy(accumulation_steps={self.accumulation_steps}, partial_window={self.partial_window!r},"
+            f" sink_size={self.sink_size}, graph_mode={self.graph_mode!r})"
+        )

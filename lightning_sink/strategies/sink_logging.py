@@ -53,8 +53,17 @@ __all__ = ["SinkLogBuffer"]
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 # reduce_fx values whose K-step result the buffer can rebuild from a reduced prefix and the last value; the names
 # are also the reduce_op names of ``Strategy.reduce`` (Lightning syncs ``sync_dist`` values with the same op).
-_REDUCTIONS: dict[Any, str] = {"mean": "mean", "avg": "mean", torch.mean: "mean", "sum": "sum", torch.sum: "sum",
-                               "max": "max", torch.max: "max", "min": "min", torch.min: "min"}
+_REDUCTIONS: dict[Any, str] = {
+    "mean": "mean",
+    "avg": "mean",
+    torch.mean: "mean",
+    "sum": "sum",
+    torch.sum: "sum",
+    "max": "max",
+    torch.max: "max",
+    "min": "min",
+    torch.min: "min",
+}
 
 # One optimizer's param-group settings (everything but the parameters), as LearningRateMonitor reads them.
 _Settings = list[dict[str, Any]]
@@ -94,8 +103,9 @@ class SinkLogBuffer:
         self._module = module
         self._trainer = module.trainer
         self._stands_in = self.usable(module)
-        self._lr_monitors = [callback for callback in self._trainer.callbacks
-                             if isinstance(callback, LearningRateMonitor)]
+        self._lr_monitors = [
+            callback for callback in self._trainer.callbacks if isinstance(callback, LearningRateMonitor)
+        ]
         self._keys: dict[str, _Key] = {}
         self._updates: list[_Update] = []
         self._micro_steps_since_update = 0
@@ -135,8 +145,9 @@ class SinkLogBuffer:
         settings = None
         if self._lr_monitors and trainer.loggers and _logs_at_update(trainer, trainer.global_step + 1):
             settings = [_settings_of(optimizer) for optimizer in trainer.optimizers]
-        self._updates.append(_Update(trainer.global_step, {name: len(key.values) for name, key in self._keys.items()},
-                                     settings))
+        self._updates.append(
+            _Update(trainer.global_step, {name: len(key.values) for name, key in self._keys.items()}, settings)
+        )
 
     # ------------------------------------------------------------------ the stand-in for self.log
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
@@ -189,8 +200,8 @@ class SinkLogBuffer:
         """The other micro-steps reduced (for the epoch aggregate), then the step value: Lightning keeps the last."""
         values = torch.stack([_to_log_dtype(value) for value in key.values])
         if key.options["on_epoch"] and len(values) > 1:
-            others = torch.cat([values[:step_index], values[step_index + 1:]])
-            sizes = key.batch_sizes[:step_index] + key.batch_sizes[step_index + 1:]
+            others = torch.cat([values[:step_index], values[step_index + 1 :]])
+            sizes = key.batch_sizes[:step_index] + key.batch_sizes[step_index + 1 :]
             earlier, earlier_size = _reduce(others, sizes, key.reduction)
             self._real_log(name, earlier, batch_size=earlier_size, **key.options)
         self._real_log(name, values[step_index], batch_size=key.batch_sizes[step_index], **key.options)
@@ -242,8 +253,10 @@ class SinkLogBuffer:
         """Each LearningRateMonitor's batch-start hook as Lightning would have run it at the next update's start:
         at that logging step, with the optimizer settings of that moment."""
         trainer = self._trainer
-        with _settings_applied(trainer.optimizers, update.settings), \
-                compat.logging_step_set_to(trainer, update.global_step):
+        with (
+            _settings_applied(trainer.optimizers, update.settings),
+            compat.logging_step_set_to(trainer, update.global_step),
+        ):
             for monitor in self._lr_monitors:
                 monitor.on_train_batch_start(trainer, self._module, None, 0)
 
@@ -251,16 +264,24 @@ class SinkLogBuffer:
 def _settings_of(optimizer: Optimizer) -> _Settings:
     """A copy of every param group's settings; tensors (a tensor learning rate) are cloned, schedulers change
     them in place."""
-    return [{name: value.clone() if isinstance(value, Tensor) else value
-             for name, value in group.items() if name != "params"} for group in optimizer.param_groups]
+    return [
+        {
+            name: value.clone() if isinstance(value, Tensor) else value
+            for name, value in group.items()
+            if name != "params"
+        }
+        for group in optimizer.param_groups
+    ]
 
 
 @contextmanager
 def _settings_applied(optimizers: list[Optimizer], settings: list[_Settings]) -> Iterator[None]:
     """The optimizers' param groups with the given settings for the duration of the block; the very same objects
     (a tensor learning rate a fused optimizer holds on to) are put back after it."""
-    current = [[{name: value for name, value in group.items() if name != "params"} for group in optimizer.param_groups]
-               for optimizer in optimizers]
+    current = [
+        [{name: value for name, value in group.items() if name != "params"} for group in optimizer.param_groups]
+        for optimizer in optimizers
+    ]
     for optimizer, groups in zip(optimizers, settings):
         for group, values in zip(optimizer.param_groups, groups):
             group.update(values)

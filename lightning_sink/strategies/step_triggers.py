@@ -36,8 +36,11 @@ def updates_per_sink(sink_size: int, accumulation_steps: int) -> int | None:
 
 
 def _step_triggers(trainer: pl.Trainer) -> list[tuple[str, int]]:
-    triggers = [(f"ModelCheckpoint(every_n_train_steps={n})", n)
-                for n in map(compat.checkpoint_every_n_train_steps, trainer.checkpoint_callbacks) if n > 1]
+    triggers = [
+        (f"ModelCheckpoint(every_n_train_steps={n})", n)
+        for n in map(compat.checkpoint_every_n_train_steps, trainer.checkpoint_callbacks)
+        if n > 1
+    ]
     if trainer.loggers and trainer.log_every_n_steps > 1 and not SinkLogBuffer.usable(trainer.lightning_module):
         name = f"Trainer(log_every_n_steps={trainer.log_every_n_steps}), for a LightningModule that overrides `log`,"
         triggers.append((name, trainer.log_every_n_steps))
@@ -49,10 +52,12 @@ def warn_about_unaligned_step_triggers(trainer: pl.Trainer, sink_size: int, accu
     for name, n in _step_triggers(trainer):
         if per_sink is not None and (n % per_sink == 0 or per_sink % n == 0):
             continue
-        sinks = (f"every sink makes {per_sink} updates (sink_size={sink_size} / accumulation_steps="
-                 f"{accumulation_steps})" if per_sink is not None else
-                 f"sink ends do not fall every fixed number of updates (sink_size={sink_size},"
-                 f" accumulation_steps={accumulation_steps})")
+        sinks = (
+            f"every sink makes {per_sink} updates (sink_size={sink_size} / accumulation_steps={accumulation_steps})"
+            if per_sink is not None
+            else f"sink ends do not fall every fixed number of updates (sink_size={sink_size},"
+            f" accumulation_steps={accumulation_steps})"
+        )
         valid = f"a multiple or a divisor of {per_sink}" if per_sink is not None else "1"
         rank_zero_warn(
             f"{name} is checked at the end of each sink only, and {sinks}: multiples of {n} that fall inside a"
@@ -64,5 +69,8 @@ def ignore_one_batch_per_epoch_warning() -> None:
     """Lightning warns that "the number of training batches (1) is smaller than the logging interval" whenever an
     epoch has fewer batches than ``log_every_n_steps``; in sink mode every epoch is one Lightning batch by design,
     and ``log_every_n_steps`` counts updates, honoured by the sink's log buffer. The filter is process-wide, so it also quiets that one message for later one-batch epochs."""
-    warnings.filterwarnings("ignore", message=r"The number of training batches \(1\) is smaller than the logging"
-                                              r" interval")
+    warnings.filterwarnings(
+        "ignore",
+        message=r"The number of training batches \(1\) is smaller than the logging"
+        r" interval",
+    )

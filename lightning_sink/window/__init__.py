@@ -10,4 +10,12 @@ from lightning_sink.window.reducers import (
 )
 from lightning_sink.window.stores import NoGradients
 
-__all__ = ["GradientStore", "Reducer", "NoGradients", "NoReduction", "FlatAllReduce", "OverflowFlagAllReduce", "finish_window"]
+__all__ = [
+    "GradientStore",
+    "Reducer",
+    "NoGradients",
+    "NoReduction",
+    "FlatAllReduce",
+    "OverflowFlagAllReduce",
+    "finish_window",
+]

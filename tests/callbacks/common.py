@@ -13,8 +13,11 @@ from torch.utils.data import TensorDataset
 from tests.helpers import TinyClassifier, make_optimizer
 
 # MindSpore's LossMonitor lines with dataset_sink_mode=True, sink_size=1000, verbatim.
-MINDSPORE_LINES = ("epoch: 1 step: 1000, loss is 0.5399815", "epoch: 10 step: 1000, loss is 0.01490275",
-              "epoch: 9 step: 1000, loss is 0.00017951085")
+MINDSPORE_LINES = (
+    "epoch: 1 step: 1000, loss is 0.5399815",
+    "epoch: 10 step: 1000, loss is 0.01490275",
+    "epoch: 9 step: 1000, loss is 0.00017951085",
+)
 LOSS_LINE = re.compile(r"^epoch: (\d+) step: (\d+), loss is (\S+)$")
 MICRO, SAMPLES = 4, 40  # 10 micro-batches per data pass
 

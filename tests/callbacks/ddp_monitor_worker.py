@@ -30,11 +30,22 @@ def main(out_dir: Path, scenario: str) -> None:
     loss_monitor = LossMonitor(1, on_nonfinite="stop" if scenario == "nan" else "raise")
     strategy = SinkDDPStrategy(accumulation_steps=2, process_group_backend="gloo")
     plugin = LossScalePrecision("32-true", DynamicLossScale(init_scale=1024.0))
-    trainer = quiet_trainer(strategy=strategy, devices=2, max_epochs=2, plugins=[plugin],
-                            callbacks=[loss_monitor, TimeMonitor(), LossScaleMonitor()])
+    trainer = quiet_trainer(
+        strategy=strategy,
+        devices=2,
+        max_epochs=2,
+        plugins=[plugin],
+        callbacks=[loss_monitor, TimeMonitor(), LossScaleMonitor()],
+    )
     trainer.fit(model, loader(make_dataset(num_samples=SAMPLES), MICRO))
-    torch.save({"losses": torch.stack(model.step_losses), "global_step": trainer.global_step,
-                "monitor_steps": loss_monitor.steps.total}, out_dir / f"rank{trainer.global_rank}.pt")
+    torch.save(
+        {
+            "losses": torch.stack(model.step_losses),
+            "global_step": trainer.global_step,
+            "monitor_steps": loss_monitor.steps.total,
+        },
+        out_dir / f"rank{trainer.global_rank}.pt",
+    )
 
 
 if __name__ == "__main__":

@@ -28,14 +28,17 @@ class ReadCounter:
                 finally:
                     self._active = False
                     self.counts[_hook].append(self._count)
+
             setattr(callback, hook, counted)  # Lightning looks hooks up on the instance
 
     def __enter__(self):
         self._originals = {name: getattr(torch.Tensor, name) for name in READS}
         for name, original in self._originals.items():
+
             def counting(tensor, *args, _original=original, **kwargs):
                 self._count += self._active
                 return _original(tensor, *args, **kwargs)
+
             setattr(torch.Tensor, name, counting)
         return self
 
@@ -46,8 +49,12 @@ class ReadCounter:
 
 def fit(callbacks, sink_size=None, epochs=2):
     plugin = LossScalePrecision("32-true", DynamicLossScale(init_scale=1024.0))
-    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=2, sink_size=sink_size), max_epochs=epochs,
-                            plugins=[plugin], callbacks=callbacks)
+    trainer = quiet_trainer(
+        strategy=SinkStrategy(accumulation_steps=2, sink_size=sink_size),
+        max_epochs=epochs,
+        plugins=[plugin],
+        callbacks=callbacks,
+    )
     trainer.fit(RecordingClassifier(), loader(make_dataset(num_samples=SAMPLES), MICRO))
 
 

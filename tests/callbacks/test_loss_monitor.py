@@ -50,23 +50,30 @@ def test_the_line_format_is_mindspores():
         assert str(np.float32(float(value))) == value
 
 
-@pytest.mark.parametrize("strategy, accumulation, per_print_times", [
-    ("sink", 1, 3), ("sink", 4, 5), ("sink", 2, 1),
-    ("stock", 2, 3),  # Lightning's own strategy and accumulate_grad_batches
-])
+@pytest.mark.parametrize(
+    "strategy, accumulation, per_print_times",
+    [
+        ("sink", 1, 3),
+        ("sink", 4, 5),
+        ("sink", 2, 1),
+        ("stock", 2, 3),  # Lightning's own strategy and accumulate_grad_batches
+    ],
+)
 def test_per_batch_lines_show_each_steps_loss_by_the_print_rule(capsys, strategy, accumulation, per_print_times):
     epochs = 2
     model = RecordingClassifier()
-    reference = reference_losses(copy.deepcopy(model), make_dataset(num_samples=SAMPLES),
-                                 epoch_windows(STEPS_PER_EPOCH, accumulation, epochs))
+    reference = reference_losses(
+        copy.deepcopy(model), make_dataset(num_samples=SAMPLES), epoch_windows(STEPS_PER_EPOCH, accumulation, epochs)
+    )
     if strategy == "sink":
         fit(model, SinkStrategy(accumulation_steps=accumulation), epochs, LossMonitor(per_print_times))
     else:
         fit(model, "auto", epochs, LossMonitor(per_print_times), accumulate_grad_batches=accumulation)
 
     totals = printed_at([1] * (STEPS_PER_EPOCH * epochs), per_print_times)
-    expected = [((t - 1) // STEPS_PER_EPOCH + 1, (t - 1) % STEPS_PER_EPOCH + 1, model.step_losses[t - 1])
-                for t in totals]
+    expected = [
+        ((t - 1) // STEPS_PER_EPOCH + 1, (t - 1) % STEPS_PER_EPOCH + 1, model.step_losses[t - 1]) for t in totals
+    ]
     lines = [line for line in capsys.readouterr().out.splitlines() if LOSS_LINE.match(line)]
     assert lines == [f"epoch: {e} step: {s}, loss is {np.float32(loss.item())!s}" for e, s, loss in expected]
     for (_, _, printed), t in zip(loss_lines("\n".join(lines)), totals):  # vs the plain PyTorch loop
@@ -87,8 +94,9 @@ def test_accumulation_of_three_prints_the_step_loss_within_one_rounding(capsys):
 def test_sink_mode_prints_once_per_sink_with_the_step_within_the_epoch(capsys, per_print_times):
     sink, accumulation, epochs = 5, 2, 6
     model = RecordingClassifier()
-    reference = reference_losses(copy.deepcopy(model), make_dataset(num_samples=SAMPLES),
-                                 [accumulation] * (sink * epochs // accumulation))
+    reference = reference_losses(
+        copy.deepcopy(model), make_dataset(num_samples=SAMPLES), [accumulation] * (sink * epochs // accumulation)
+    )
     fit(model, SinkStrategy(accumulation_steps=accumulation, sink_size=sink), epochs, LossMonitor(per_print_times))
 
     totals = printed_at([sink] * epochs, per_print_times)  # 7 > K: every second sink, as MindSpore
@@ -106,12 +114,15 @@ def test_max_steps_inside_a_sink_prints_the_steps_it_ran(capsys):
 
 
 # ---------------------------------------------------------------------------------------------- NaN / inf losses
-@pytest.mark.parametrize("sink_size, per_print_times, nan_at, detected_after, where", [
-    (None, 1, 5, 6, "epoch: 1 step: 6"),   # checked at every printed line
-    (None, 4, 5, 8, "epoch: 1 step: 6"),   # found at the next print point (step 8), named by its own step
-    (None, 7, 15, 20, "epoch: 2 step: 6"),  # found at the end of epoch 2 (the next print point is step 21)
-    (5, 1, 7, 10, "epoch: 2 step: 3"),     # sink mode: at the end of the sink that produced it
-])
+@pytest.mark.parametrize(
+    "sink_size, per_print_times, nan_at, detected_after, where",
+    [
+        (None, 1, 5, 6, "epoch: 1 step: 6"),  # checked at every printed line
+        (None, 4, 5, 8, "epoch: 1 step: 6"),  # found at the next print point (step 8), named by its own step
+        (None, 7, 15, 20, "epoch: 2 step: 6"),  # found at the end of epoch 2 (the next print point is step 21)
+        (5, 1, 7, 10, "epoch: 2 step: 3"),  # sink mode: at the end of the sink that produced it
+    ],
+)
 def test_nonfinite_loss_raises_naming_epoch_step_and_value(sink_size, per_print_times, nan_at, detected_after, where):
     model = RecordingClassifier(nan_at=nan_at)
     with pytest.raises(NonFiniteLossError, match=f"the loss is nan at {where} .*on_nonfinite='raise'"):
@@ -133,8 +144,9 @@ def test_infinite_loss_is_named_too():
 def test_nonfinite_stop_ends_training_after_the_batch(sink_size, where):
     model = RecordingClassifier(nan_at=5)  # the 6th step
     with pytest.warns(UserWarning, match=f"the loss is nan at {where} .*on_nonfinite='stop'"):
-        trainer = fit(model, SinkStrategy(accumulation_steps=1, sink_size=sink_size), 4,
-                      LossMonitor(on_nonfinite="stop"))
+        trainer = fit(
+            model, SinkStrategy(accumulation_steps=1, sink_size=sink_size), 4, LossMonitor(on_nonfinite="stop")
+        )
     ran = 6 if sink_size is None else 10  # the step's batch, or the whole sink, then stop
     assert len(model.step_losses) == ran and trainer.global_step == ran and trainer.should_stop
 
@@ -151,8 +163,12 @@ def test_nonfinite_stop_and_warn_differ():
 def test_print_schedule_survives_a_checkpoint_resume(tmp_path, capsys, sink_size, per_print_times):
     def run(epochs, callbacks, seed=0, **kwargs):
         strategy = SinkStrategy(accumulation_steps=2, sink_size=sink_size)
-        trainer = quiet_trainer(strategy=strategy, max_epochs=epochs, callbacks=callbacks,
-                                enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks))
+        trainer = quiet_trainer(
+            strategy=strategy,
+            max_epochs=epochs,
+            callbacks=callbacks,
+            enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+        )
         trainer.fit(RecordingClassifier(seed=seed), loader(make_dataset(num_samples=SAMPLES), MICRO), **kwargs)
 
     run(6, [LossMonitor(per_print_times)])
@@ -161,18 +177,23 @@ def test_print_schedule_survives_a_checkpoint_resume(tmp_path, capsys, sink_size
     run(3, [LossMonitor(per_print_times), ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)])
     first_half = loss_lines(capsys.readouterr().out)
     state = torch.load(tmp_path / "last.ckpt", weights_only=False)["callbacks"][
-        f"LossMonitor{{'per_print_times': {per_print_times}}}"]
+        f"LossMonitor{{'per_print_times': {per_print_times}}}"
+    ]
     steps_per_epoch = sink_size or STEPS_PER_EPOCH
     assert state["steps"]["total"] == 3 * steps_per_epoch
-    assert state["last_print_step"] == printed_at([sink_size or 1] * (3 * steps_per_epoch // (sink_size or 1)),
-                                                  per_print_times)[-1]
+    assert (
+        state["last_print_step"]
+        == printed_at([sink_size or 1] * (3 * steps_per_epoch // (sink_size or 1)), per_print_times)[-1]
+    )
     run(6, [LossMonitor(per_print_times)], seed=5, ckpt_path=tmp_path / "last.ckpt")  # weights from the checkpoint
     second_half = loss_lines(capsys.readouterr().out)
     assert first_half + second_half == uninterrupted
     # The test can tell: a schedule restarted from zero at the resume would print other steps.
     batches = [sink_size] * 3 if sink_size else [1] * (3 * STEPS_PER_EPOCH)
-    restarted = [(3 + (t - 1) // steps_per_epoch + 1, (t - 1) % steps_per_epoch + 1)
-                 for t in printed_at(batches, per_print_times)]
+    restarted = [
+        (3 + (t - 1) // steps_per_epoch + 1, (t - 1) % steps_per_epoch + 1)
+        for t in printed_at(batches, per_print_times)
+    ]
     assert [(e, s) for e, s, _ in second_half] != restarted
 
 

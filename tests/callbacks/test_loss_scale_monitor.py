@@ -30,29 +30,34 @@ def line(epoch, step, state):
 @pytest.mark.parametrize("per_print_times", [1, 3])
 def test_per_batch_lines_follow_the_scale_rule(capsys, per_print_times):
     accumulation, epochs = 2, 2
-    lines, trainer = fit(capsys, SinkStrategy(accumulation_steps=accumulation), epochs,
-                         LossScaleMonitor(per_print_times), inf_at=(3, 12))  # updates 2 and 7 overflow
+    lines, trainer = fit(
+        capsys, SinkStrategy(accumulation_steps=accumulation), epochs, LossScaleMonitor(per_print_times), inf_at=(3, 12)
+    )  # updates 2 and 7 overflow
     updates = epochs * STEPS_PER_EPOCH // accumulation
     states = dynamic_scale_rule(updates, {2, 7}, 1024.0, 3)
     printed = range(per_print_times, updates + 1, per_print_times)
-    expected = [line((2 * u - 1) // STEPS_PER_EPOCH + 1, (2 * u - 1) % STEPS_PER_EPOCH + 1, states[u - 1])
-                for u in printed]
+    expected = [
+        line((2 * u - 1) // STEPS_PER_EPOCH + 1, (2 * u - 1) % STEPS_PER_EPOCH + 1, states[u - 1]) for u in printed
+    ]
     assert lines == expected
     assert (trainer.precision_plugin.scale, trainer.precision_plugin.skipped_updates) == states[-1][::2]
 
 
 def test_sink_mode_prints_once_per_sink_with_its_last_update(capsys):
     sink, accumulation, epochs = 4, 2, 3  # two updates per sink
-    lines, _ = fit(capsys, SinkStrategy(accumulation_steps=accumulation, sink_size=sink), epochs, LossScaleMonitor(),
-                   inf_at=(7,))  # update 4, the last of sink 2
+    lines, _ = fit(
+        capsys, SinkStrategy(accumulation_steps=accumulation, sink_size=sink), epochs, LossScaleMonitor(), inf_at=(7,)
+    )  # update 4, the last of sink 2
     states = dynamic_scale_rule(6, {4}, 1024.0, 3)
     assert lines == [line(epoch, sink, states[2 * epoch - 1]) for epoch in (1, 2, 3)]
 
 
 def test_without_a_loss_scale_plugin_is_a_clear_error():
     trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=1), max_epochs=1, callbacks=[LossScaleMonitor()])
-    with pytest.raises(TypeError, match="LossScaleMonitor reads a LossScalePrecision plugin, but the Trainer's"
-                                        " precision plugin is Precision"):
+    with pytest.raises(
+        TypeError,
+        match="LossScaleMonitor reads a LossScalePrecision plugin, but the Trainer's precision plugin is Precision",
+    ):
         trainer.fit(InfAtSteps(), loader(make_dataset(num_samples=SAMPLES), MICRO))
 
 
@@ -66,8 +71,13 @@ def test_print_period_survives_a_checkpoint_resume(tmp_path, capsys):
 
     def run(epochs, callbacks, inf_at=(3,), **kwargs):  # the overflow is in epoch 1
         plugin = LossScalePrecision("32-true", DynamicLossScale(init_scale=1024.0, scale_window=3))
-        trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=2), max_epochs=epochs, plugins=[plugin],
-                                callbacks=callbacks, enable_checkpointing=len(callbacks) > 1)
+        trainer = quiet_trainer(
+            strategy=SinkStrategy(accumulation_steps=2),
+            max_epochs=epochs,
+            plugins=[plugin],
+            callbacks=callbacks,
+            enable_checkpointing=len(callbacks) > 1,
+        )
         trainer.fit(InfAtSteps(inf_at=inf_at), loader(make_dataset(num_samples=SAMPLES), MICRO), **kwargs)
         return [line for line in capsys.readouterr().out.splitlines() if SCALE_LINE.match(line)]
 

@@ -52,8 +52,14 @@ TRAIN_SCRIPT = textwrap.dedent("""
 def test_canonical_import_works_beside_a_user_callbacks_module(tmp_path: Path) -> None:
     (tmp_path / "callbacks.py").write_text(USER_CALLBACKS)
     (tmp_path / "train.py").write_text(TRAIN_SCRIPT)
-    result = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=clean_subprocess_env(),
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "train.py"],
+        cwd=tmp_path,
+        env=clean_subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     lines = [LOSS_LINE.match(line) for line in result.stdout.splitlines()]
     steps = [int(match.group(2)) for match in lines if match]

@@ -58,7 +58,9 @@ def test_one_device_run_is_resharded_to_two_tensor_parallel_shards(tmp_path: Pat
         checkpoint = load_resharded_checkpoint(tmp_path / "tp2" / f"rank_{rank}" / f"ckpt_{rank}.pt")
         for fqn, shard in checkpoint["tensors"].items():
             (chunk,) = layout.tensors[fqn].chunks_of_rank(rank)
-            assert torch.equal(shard, expected[fqn][tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))]), fqn
+            assert torch.equal(
+                shard, expected[fqn][tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))]
+            ), fqn
         # Column-wise first layer: each rank holds half of its rows (and of its moments).
         assert checkpoint["tensors"]["state_dict.net.0.weight"].shape == (8, 8)
         meta = unpickle_carried(checkpoint["extra_files"]["meta.pt"], weights_only=False)
@@ -86,32 +88,39 @@ def test_a_target_layout_that_does_not_fit_raises_and_leaves_nothing(tmp_path: P
 def test_a_missing_target_layout_fails_before_training(tmp_path: Path):
     model = TinyClassifier(**INIT_ARGS)
     with pytest.raises(FileNotFoundError, match="nowhere.json"):
-        quiet_trainer(devices=1, max_epochs=1, callbacks=[ReshardCheckpoint(tmp_path / "nowhere.json", tmp_path / "o")]
-                      ).fit(model, loader(make_dataset(num_samples=8), 4))
+        quiet_trainer(
+            devices=1, max_epochs=1, callbacks=[ReshardCheckpoint(tmp_path / "nowhere.json", tmp_path / "o")]
+        ).fit(model, loader(make_dataset(num_samples=8), 4))
     assert not model.seen_lrs  # no optimizer step ran
 
 
-@pytest.mark.parametrize(("kwargs", "error", "match"), [
-    ({"workers": 0}, ValueError, "workers=0"),
-    ({"workers": True}, ValueError, "workers=True"),
-    ({"ckpt_prefix": "a/b"}, ValueError, "ckpt_prefix='a/b'"),
-    ({"ckpt_prefix": ""}, ValueError, "ckpt_prefix=''"),
-    ({"overwrite": "yes"}, TypeError, "overwrite='yes'"),
-    ({"dst_dir": 3}, TypeError, "dst_dir=3"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"workers": 0}, ValueError, "workers=0"),
+        ({"workers": True}, ValueError, "workers=True"),
+        ({"ckpt_prefix": "a/b"}, ValueError, "ckpt_prefix='a/b'"),
+        ({"ckpt_prefix": ""}, ValueError, "ckpt_prefix=''"),
+        ({"overwrite": "yes"}, TypeError, "overwrite='yes'"),
+        ({"dst_dir": 3}, TypeError, "dst_dir=3"),
+    ],
+)
 def test_bad_arguments_are_named(tmp_path: Path, kwargs, error, match):
     arguments = {"dst_strategy_file": tmp_path / "t.json", "dst_dir": tmp_path / "out", **kwargs}
     with pytest.raises(error, match=match):
         ReshardCheckpoint(**arguments)
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"ckpt_prefix": ".."}, r"ckpt_prefix='\.\.' must be a plain file-name prefix"),
-    ({"ckpt_prefix": "."}, r"ckpt_prefix='\.' must be a plain file-name prefix"),
-    ({"dst_dir": ""}, r"dst_dir='' is empty"),
-    ({"dst_dir": "."}, r"dst_dir='\.' is the working folder"),
-    ({"dst_strategy_file": ""}, r"dst_strategy_file='' is empty"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"ckpt_prefix": ".."}, r"ckpt_prefix='\.\.' must be a plain file-name prefix"),
+        ({"ckpt_prefix": "."}, r"ckpt_prefix='\.' must be a plain file-name prefix"),
+        ({"dst_dir": ""}, r"dst_dir='' is empty"),
+        ({"dst_dir": "."}, r"dst_dir='\.' is the working folder"),
+        ({"dst_strategy_file": ""}, r"dst_strategy_file='' is empty"),
+    ],
+)
 def test_arguments_that_would_fail_only_at_fit_end_are_refused_at_construction(tmp_path: Path, kwargs, match):
     arguments = {"dst_strategy_file": tmp_path / "t.json", "dst_dir": tmp_path / "out", **kwargs}
     with pytest.raises(ValueError, match=match):

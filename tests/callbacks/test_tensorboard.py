@@ -30,9 +30,13 @@ def run(tmp_path: Path, strategy) -> tuple[InfAtSteps, dict[str, list]]:
     model = InfAtSteps(inf_at=(OVERFLOW_STEP,), factor=1e36, step_lr_gamma=0.9)
     plugin = LossScalePrecision("32-true", DynamicLossScale(init_scale=1024.0, scale_window=3))
     trainer = quiet_trainer(
-        strategy=strategy, max_epochs=EPOCHS, logger=True, default_root_dir=tmp_path, log_every_n_steps=1,
-        plugins=[plugin], callbacks=[LossMonitor(3), TimeMonitor(), LossScaleMonitor(),
-                                     LearningRateMonitor(logging_interval="step")],
+        strategy=strategy,
+        max_epochs=EPOCHS,
+        logger=True,
+        default_root_dir=tmp_path,
+        log_every_n_steps=1,
+        plugins=[plugin],
+        callbacks=[LossMonitor(3), TimeMonitor(), LossScaleMonitor(), LearningRateMonitor(logging_interval="step")],
     )
     trainer.fit(model, loader(make_dataset(num_samples=SAMPLES), MICRO))
     events = EventAccumulator(trainer.logger.log_dir)  # the default logger: TensorBoardLogger
@@ -53,8 +57,9 @@ def on_update_axis(totals, steps_per_update: int) -> dict[int, int]:
 def assert_loss_and_times(model, scalars, printed_totals, epoch_end_totals, steps_per_update=1):
     printed = on_update_axis(printed_totals, steps_per_update)
     assert steps(scalars, "loss") == sorted(printed)
-    assert [e.value for e in scalars["loss"]] == [np.float32(model.step_losses[printed[s] - 1].item())
-                                                   for s in sorted(printed)]
+    assert [e.value for e in scalars["loss"]] == [
+        np.float32(model.step_losses[printed[s] - 1].item()) for s in sorted(printed)
+    ]
     for tag in ("time/epoch_ms", "time/step_ms", "time/samples_per_s"):
         assert steps(scalars, tag) == sorted(on_update_axis(epoch_end_totals, steps_per_update))
     for step_ms, throughput in zip(scalars["time/step_ms"], scalars["time/samples_per_s"]):
@@ -126,9 +131,13 @@ def test_the_callbacks_scalars_lie_on_the_self_log_curve(tmp_path, strategy):
         kwargs = {"strategy": SinkStrategy(accumulation_steps=2, sink_size=4 if strategy == "sink_mode" else None)}
     epochs = 5 if strategy == "sink_mode" else 2  # 20 micro-batches: two data passes, or five sinks of 4
     trainer = quiet_trainer(
-        max_epochs=epochs, logger=True, default_root_dir=tmp_path, log_every_n_steps=1,
+        max_epochs=epochs,
+        logger=True,
+        default_root_dir=tmp_path,
+        log_every_n_steps=1,
         plugins=[LossScalePrecision("32-true", DynamicLossScale(init_scale=1024.0))],
-        callbacks=[LossMonitor(4), TimeMonitor(), LossScaleMonitor()], **kwargs,
+        callbacks=[LossMonitor(4), TimeMonitor(), LossScaleMonitor()],
+        **kwargs,
     )
     trainer.fit(LogsItsLoss(), loader(make_dataset(num_samples=SAMPLES), MICRO))
     events = EventAccumulator(trainer.logger.log_dir)

@@ -89,11 +89,15 @@ def test_mid_epoch_validation_is_not_step_time(capsys):
             return loader(make_dataset(num_samples=8), 4)  # 2 batches: 100 ms per validation
 
     monitor, clock = TimeMonitor(), Clock()
-    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=1), max_epochs=1, val_check_interval=2,
-                            callbacks=[monitor, clock])
+    trainer = quiet_trainer(
+        strategy=SinkStrategy(accumulation_steps=1), max_epochs=1, val_check_interval=2, callbacks=[monitor, clock]
+    )
     trainer.fit(Validating(), loader(make_dataset(num_samples=SAMPLES), MICRO))
-    (epoch_ms, step_ms, _), = [tuple(map(float, m.groups()[:2])) + (None,) for m in
-                               map(TIME_LINE.match, capsys.readouterr().out.splitlines()) if m]
+    ((epoch_ms, step_ms, _),) = [
+        tuple(map(float, m.groups()[:2])) + (None,)
+        for m in map(TIME_LINE.match, capsys.readouterr().out.splitlines())
+        if m
+    ]
     epoch = clock.epochs[0]
     wall_ms = (epoch["batch_ends"][-1] - epoch["start"]) * 1e3
     assert wall_ms > 400 and step_ms * 10 < wall_ms - 350  # 4 validations inside the epoch, 100 ms each
@@ -106,10 +110,15 @@ def test_step_count_survives_a_checkpoint_resume(tmp_path):
     first, second = TimeMonitor(), TimeMonitor()
     checkpoints = ModelCheckpoint(dirpath=tmp_path, save_last=True, save_top_k=0)
     data = loader(make_dataset(num_samples=SAMPLES), MICRO)
-    quiet_trainer(strategy=SinkStrategy(accumulation_steps=1), max_epochs=1, enable_checkpointing=True,
-                  callbacks=[first, checkpoints]).fit(RecordingClassifier(), data)
+    quiet_trainer(
+        strategy=SinkStrategy(accumulation_steps=1),
+        max_epochs=1,
+        enable_checkpointing=True,
+        callbacks=[first, checkpoints],
+    ).fit(RecordingClassifier(), data)
     quiet_trainer(strategy=SinkStrategy(accumulation_steps=1), max_epochs=2, callbacks=[second]).fit(
-        RecordingClassifier(), data, ckpt_path=tmp_path / "last.ckpt")
+        RecordingClassifier(), data, ckpt_path=tmp_path / "last.ckpt"
+    )
     steps = SAMPLES // MICRO
     assert (first.steps.total, second.steps.total) == (steps, 2 * steps)  # the logging step runs on
 

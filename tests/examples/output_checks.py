@@ -21,6 +21,9 @@ WEIGHTS_ONLY_UNSET = "`weights_only` was not set"
 
 def unexpected_warnings(output: str) -> list[str]:
     """Warning lines that are not one of Lightning's own notices, and any unset-``weights_only`` save."""
-    found = [match.group(0) for match in WARNING_LINE.finditer(output)
-             if not match.group("message").startswith(LIGHTNING_NOTICES)]
+    found = [
+        match.group(0)
+        for match in WARNING_LINE.finditer(output)
+        if not match.group("message").startswith(LIGHTNING_NOTICES)
+    ]
     return found + [line for line in output.splitlines() if WEIGHTS_ONLY_UNSET in line]

@@ -41,11 +41,26 @@ def plain_test_accuracy(checkpoint: Path) -> float:
 @pytest.mark.slow
 @pytest.mark.skipif(not (SHARED_DATA / "MNIST" / "raw").exists(), reason="MNIST is not next to this checkout")
 def test_small_run_compares_with_stock_and_its_checkpoint_evaluates(tmp_path):
-    done = run_example(tmp_path, "--data-dir", str(SHARED_DATA), "--epochs", "1", "--max-train-samples", "8192",
-                       "--compare-stock", "--out", str(tmp_path / "out"))
+    done = run_example(
+        tmp_path,
+        "--data-dir",
+        str(SHARED_DATA),
+        "--epochs",
+        "1",
+        "--max-train-samples",
+        "8192",
+        "--compare-stock",
+        "--out",
+        str(tmp_path / "out"),
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    reports = dict(re.findall(r"^(lightning_sink|stock_lightning): 64 updates in [0-9.]+ s, test accuracy ([0-9.]+)",
-                              done.stdout, re.MULTILINE))  # 8192 / 32 / 4 = 64 updates each
+    reports = dict(
+        re.findall(
+            r"^(lightning_sink|stock_lightning): 64 updates in [0-9.]+ s, test accuracy ([0-9.]+)",
+            done.stdout,
+            re.MULTILINE,
+        )
+    )  # 8192 / 32 / 4 = 64 updates each
     assert set(reports) == {"lightning_sink", "stock_lightning"}
     sink, stock = float(reports["lightning_sink"]), float(reports["stock_lightning"])
     assert sink > 0.5 and abs(sink - stock) < 0.05  # same recipe, same seed: the same model up to float rounding

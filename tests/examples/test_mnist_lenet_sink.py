@@ -21,15 +21,26 @@ sys.path.insert(0, str(REPO / "examples"))
 from digits import DigitsDataModule  # noqa: E402
 from lenet import LeNet5Classifier  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not (SHARED_DATA / "MNIST" / "raw").exists(), reason="MNIST is not next to this checkout")
+pytestmark = pytest.mark.skipif(
+    not (SHARED_DATA / "MNIST" / "raw").exists(), reason="MNIST is not next to this checkout"
+)
 SAMPLES = 640  # 20 batches of 32 per data pass
 LINE = re.compile(r"^epoch: (\d+) step: (\d+), loss is ([0-9.e+-]+)$", re.MULTILINE)
 
 
 def run_example(tmp_path: Path, *args: str) -> str:
     env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
-    command = [sys.executable, str(REPO / "examples" / "mnist_lenet_sink.py"), "--accelerator", "cpu",
-               "--data-dir", str(SHARED_DATA), "--max-train-samples", str(SAMPLES), *args]
+    command = [
+        sys.executable,
+        str(REPO / "examples" / "mnist_lenet_sink.py"),
+        "--accelerator",
+        "cpu",
+        "--data-dir",
+        str(SHARED_DATA),
+        "--max-train-samples",
+        str(SAMPLES),
+        *args,
+    ]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return done.stdout
@@ -68,11 +79,14 @@ def test_sinks_of_k_batches_continue_the_traversal_across_epochs(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, expected_lines, sinks", [
-    ("pass", [(1, 20), (2, 20)], 2),  # one data pass per sink
-    ("all", [(1, 40)], 1),  # every pass in a single sink
-    ("step", [(epoch, 1) for epoch in range(1, 41)], 40),  # one step per sink
-])
+@pytest.mark.parametrize(
+    "mode, expected_lines, sinks",
+    [
+        ("pass", [(1, 20), (2, 20)], 2),  # one data pass per sink
+        ("all", [(1, 40)], 1),  # every pass in a single sink
+        ("step", [(epoch, 1) for epoch in range(1, 41)], 40),  # one step per sink
+    ],
+)
 def test_mindspores_three_data_sink_modes(tmp_path, mode, expected_lines, sinks):
     stdout = run_example(tmp_path, "--mode", mode, "--epochs", "2")
     assert [(int(epoch), int(step)) for epoch, step, _ in LINE.findall(stdout)] == expected_lines

@@ -21,8 +21,14 @@ def test_sharded_mnist_example_learns_and_its_layout_is_predicted(tmp_path, monk
     from lightning_sink.layout_inference import infer_layout
 
     env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    command = [sys.executable, str(REPO / "examples" / "model_parallel_mnist.py"), "--max-train-samples", "4096",
-               "--checkpoint", str(tmp_path / "mp.ckpt")]
+    command = [
+        sys.executable,
+        str(REPO / "examples" / "model_parallel_mnist.py"),
+        "--max-train-samples",
+        "4096",
+        "--checkpoint",
+        str(tmp_path / "mp.ckpt"),
+    ]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert unexpected_warnings(done.stdout + done.stderr) == []  # e.g. FSDP2's warning about modules returning views

@@ -46,8 +46,9 @@ def test_quickstart_on_sklearn_digits(tmp_path):
     # 1497 samples // 32 = 46 micro-batches per pass, one pass per sink; windows of 4 run on across sinks:
     # 20 x 46 = 920 micro-batches = 230 updates.
     assert "trained 230 updates" in stdout
-    assert re.findall(r"^epoch: (\d+) step: 46, loss is [0-9.e-]+$", stdout, re.MULTILINE) == [str(e) for e in
-                                                                                            range(1, 21)]
+    assert re.findall(r"^epoch: (\d+) step: 46, loss is [0-9.e-]+$", stdout, re.MULTILINE) == [
+        str(e) for e in range(1, 21)
+    ]
     # log_every_n_steps=1: a point per update u at u - 1, as without sinking.
     assert [event.step for event in logged(tmp_path)] == list(range(230))
     assert {event.value for event in logged(tmp_path, "loss_scale")} == {2.0**16}  # fp32: never overflows
@@ -56,8 +57,9 @@ def test_quickstart_on_sklearn_digits(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not (SHARED_DATA / "MNIST" / "raw").exists(), reason="MNIST is not next to this checkout")
 def test_quickstart_on_mnist(tmp_path):
-    stdout = run_quickstart(tmp_path, "--data", "mnist", "--data-dir", str(SHARED_DATA), "--epochs", "1",
-                            "--max-train-samples", "8192")
+    stdout = run_quickstart(
+        tmp_path, "--data", "mnist", "--data-dir", str(SHARED_DATA), "--epochs", "1", "--max-train-samples", "8192"
+    )
     assert f"data: MNIST from {SHARED_DATA}" in stdout
     assert final_accuracy(stdout) > 0.6  # 64 updates; chance is 0.1
     assert "trained 64 updates" in stdout  # 8192 // 32 // 4, one sink

@@ -27,8 +27,9 @@ ARGS = ["--train-samples", "1024", "--test-samples", "1000", "--probe-samples", 
 
 def run_script(*args: str) -> str:
     env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    done = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=500)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=500
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return done.stdout
 
@@ -63,10 +64,12 @@ def full_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 def plain_accuracy(full: dict[str, torch.Tensor]) -> float:
     """Test accuracy of the example's MLP with these full tensors, evaluated by plain PyTorch on the CI test set."""
-    model = nn.Sequential(nn.Flatten(), nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                          nn.Linear(512, 10))
-    model.load_state_dict({name.removeprefix("state_dict.net."): value for name, value in full.items()
-                           if name.startswith("state_dict.")})
+    model = nn.Sequential(
+        nn.Flatten(), nn.Linear(1024, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+    )
+    model.load_state_dict(
+        {name.removeprefix("state_dict.net."): value for name, value in full.items() if name.startswith("state_dict.")}
+    )
     sys.path.insert(0, str(REPO / "examples"))
     try:
         from digits import DigitsDataModule
@@ -103,8 +106,16 @@ def test_inference_accuracy_equals_plain_pytorch_on_the_resharded_weights(exampl
 def convert_each_target_rank(out_dir: Path, *options: str) -> list[str]:
     """The script's per-rank conversion, one process per target rank at once, as a user launches it."""
     env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    workers = [subprocess.Popen([sys.executable, str(SCRIPT), "--out-dir", str(out_dir), *options, "--convert-rank",
-                                 str(rank)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True) for rank in range(4)]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), "--out-dir", str(out_dir), *options, "--convert-rank", str(rank)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(4)
+    ]
     outputs = [worker.communicate(timeout=200)[0] for worker in workers]
     assert [worker.returncode for worker in workers] == [0, 0, 0, 0], outputs
     return outputs
@@ -141,11 +152,15 @@ def pipeline_full_tensors(folder: Path) -> dict[str, torch.Tensor]:
     from lightning_sink.layout import load_layout
 
     merged = load_layout(folder / "merged_layout.json")
-    files = {rank: torch.load(folder / "checkpoints" / f"rank_{rank}" / f"checkpoint_{rank}.pt", weights_only=True)
-             for rank in range(8)}
+    files = {
+        rank: torch.load(folder / "checkpoints" / f"rank_{rank}" / f"checkpoint_{rank}.pt", weights_only=True)
+        for rank in range(8)
+    }
     full = {}
     for fqn, tensor in merged.tensors.items():
-        target = full[fqn] = torch.full(tensor.global_shape, float("nan"), dtype=files[tensor.chunks[0].rank][fqn].dtype)
+        target = full[fqn] = torch.full(
+            tensor.global_shape, float("nan"), dtype=files[tensor.chunks[0].rank][fqn].dtype
+        )
         for chunk in tensor.chunks:
             target[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))] = files[chunk.rank][fqn]
     return full
@@ -154,8 +169,11 @@ def pipeline_full_tensors(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.slow
 def test_pipeline_stage_checkpoints_merge_reshard_and_continue(pipeline_example):
     out, stdout = pipeline_example
-    merged = re.search(r"merged 2 stage layouts: (\d+) tensors on mesh \{'pipeline': 2, 'data_parallel': 2,"
-                       r" 'tensor_parallel': 2\}", stdout)
+    merged = re.search(
+        r"merged 2 stage layouts: (\d+) tensors on mesh \{'pipeline': 2, 'data_parallel': 2,"
+        r" 'tensor_parallel': 2\}",
+        stdout,
+    )
     assert merged, stdout
     end1 = float(re.search(r"stage 1 \(pipeline\) end: updates 32 probe loss ([0-9.]+)", stdout).group(1))
     step2, start2 = probe(stdout, "stage 2", "start")

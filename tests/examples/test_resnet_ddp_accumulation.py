@@ -20,8 +20,14 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 @pytest.mark.skipif(not (SHARED_DATA / "MNIST" / "raw").exists(), reason="MNIST is not next to this checkout")
 def test_small_run_on_two_processes(tmp_path):
     env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    command = [sys.executable, str(REPO / "examples" / "resnet_ddp_accumulation.py"), "--data-dir", str(SHARED_DATA),
-               "--accelerator", "cpu"]
+    command = [
+        sys.executable,
+        str(REPO / "examples" / "resnet_ddp_accumulation.py"),
+        "--data-dir",
+        str(SHARED_DATA),
+        "--accelerator",
+        "cpu",
+    ]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     # 192 samples over 2 ranks in micro-batches of 8: 12 per rank, one sink (one data pass), 2 windows of 6.

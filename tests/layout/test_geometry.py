@@ -41,7 +41,10 @@ def test_uneven_shards_follow_torch_chunk(extent: int):
 def test_replicate_gives_every_rank_the_whole_tensor_and_mixed_dims_tile():
     chunks = chunks_for_placements((4, 6), MESH_2X2, [Replicate(), Shard(1)])
     assert {(c.rank, c.offsets, c.sizes) for c in chunks} == {
-        (0, (0, 0), (4, 3)), (1, (0, 3), (4, 3)), (2, (0, 0), (4, 3)), (3, (0, 3), (4, 3))
+        (0, (0, 0), (4, 3)),
+        (1, (0, 3), (4, 3)),
+        (2, (0, 0), (4, 3)),
+        (3, (0, 3), (4, 3)),
     }
 
 

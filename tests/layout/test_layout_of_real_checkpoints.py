@@ -99,8 +99,9 @@ def test_meta_tensors_under_a_fake_process_group_predict_the_same_layout(checkpo
 
         local_shape, _ = compute_local_shape_and_global_offset(shape, mesh, parsed)
         local = torch.empty(local_shape, dtype=meta.dtype, device="meta")
-        flat[name] = DTensor.from_local(local, mesh, parsed, run_check=False, shape=torch.Size(shape),
-                                        stride=meta.stride())
+        flat[name] = DTensor.from_local(
+            local, mesh, parsed, run_check=False, shape=torch.Size(shape), stride=meta.stride()
+        )
     state = _nest(flat)
     state["meta"] = dict(NON_TENSOR_STATE)
     assert layout_from_state_dict(state) == load_layout(checkpoint)

@@ -20,13 +20,25 @@ from lightning_sink.layout import (
 
 def two_rank_layout() -> Layout:
     weight = TensorLayout(
-        role="parameter", global_shape=(5, 2), dtype="float32", placements=("Shard(0)",),
+        role="parameter",
+        global_shape=(5, 2),
+        dtype="float32",
+        placements=("Shard(0)",),
         chunks=(Chunk(0, (0, 0), (3, 2)), Chunk(1, (3, 0), (2, 2))),
     )
-    step = TensorLayout(role="optimizer_state", global_shape=(), dtype="float32", placements=("Replicate()",),
-                        chunks=(Chunk(0, (), ()), Chunk(1, (), ())))
-    return Layout(world_size=2, mesh=MeshLayout.one_dimensional(2), tensors={"w": weight, "step": step},
-                  non_tensor_state={"meta.epoch": "carried"})
+    step = TensorLayout(
+        role="optimizer_state",
+        global_shape=(),
+        dtype="float32",
+        placements=("Replicate()",),
+        chunks=(Chunk(0, (), ()), Chunk(1, (), ())),
+    )
+    return Layout(
+        world_size=2,
+        mesh=MeshLayout.one_dimensional(2),
+        tensors={"w": weight, "step": step},
+        non_tensor_state={"meta.epoch": "carried"},
+    )
 
 
 def test_round_trip_through_a_file(tmp_path: Path):
@@ -60,7 +72,10 @@ def edit(path: Path, change) -> None:
         (lambda d: d["tensors"]["w"]["chunks"][1].update(offsets=[2, 0]), "tensor 'w': chunks overlap"),
         (lambda d: d["tensors"]["w"]["chunks"][1].update(sizes=[1, 2]), "tensor 'w': chunks cover 8 of 10"),
         (lambda d: d["tensors"]["w"]["chunks"][1].update(sizes=[3, 2]), "tensor 'w': chunk of rank 1 .* out of bounds"),
-        (lambda d: d["tensors"]["w"]["chunks"][1].update(rank=2), "tensor 'w': chunk rank 2 is outside the world size 2"),
+        (
+            lambda d: d["tensors"]["w"]["chunks"][1].update(rank=2),
+            "tensor 'w': chunk rank 2 is outside the world size 2",
+        ),
         (lambda d: d["tensors"]["w"].update(global_shape=[5]), "tensor 'w': chunk of rank 0 has offsets"),
         (lambda d: d["tensors"]["w"].update(placements=["Partial()"]), "tensor 'w': unknown placement 'Partial\\(\\)'"),
         (lambda d: d["tensors"]["w"].update(placements=["Shard(0)", "Shard(1)"]), "tensor 'w': 2 placements"),
@@ -90,16 +105,22 @@ def test_replicas_may_repeat_a_chunk_but_not_partially_overlap():
     from lightning_sink.layout import validate_layout
 
     layout = two_rank_layout()
-    replicated = TensorLayout(role="buffer", global_shape=(4,), dtype="int64", placements=("Replicate()",),
-                              chunks=(Chunk(0, (0,), (4,)), Chunk(1, (0,), (4,))))
+    replicated = TensorLayout(
+        role="buffer",
+        global_shape=(4,),
+        dtype="int64",
+        placements=("Replicate()",),
+        chunks=(Chunk(0, (0,), (4,)), Chunk(1, (0,), (4,))),
+    )
     validate_layout(Layout(layout.world_size, layout.mesh, {"r": replicated}))
 
 
 def test_save_refuses_an_invalid_layout_and_keeps_the_old_file(tmp_path: Path):
     path = save_layout(two_rank_layout(), tmp_path / "layout.json")
     before = path.read_text()
-    broken = TensorLayout(role="parameter", global_shape=(4,), dtype="float32", placements=None,
-                          chunks=(Chunk(0, (0,), (3,)),))
+    broken = TensorLayout(
+        role="parameter", global_shape=(4,), dtype="float32", placements=None, chunks=(Chunk(0, (0,), (3,)),)
+    )
     with pytest.raises(ValueError, match="tensor 'x': chunks cover 3 of 4"):
         save_layout(Layout(2, MeshLayout.one_dimensional(2), {"x": broken}), path)
     assert path.read_text() == before

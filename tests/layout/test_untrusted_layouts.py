@@ -80,14 +80,19 @@ def test_brackets_inside_strings_do_not_count_as_depth(tmp_path: Path, valid: di
 def test_a_shape_no_tensor_can_have_is_refused(tmp_path: Path, valid: dict):
     valid["tensors"]["w"]["global_shape"] = [2**40, 2**40]
     valid["tensors"]["w"]["chunks"] = [{"rank": 0, "offsets": [0, 0], "sizes": [2**40, 2**40]}]
-    with pytest.raises(ValueError, match=r"absurd.json.*tensor 'w'.*global_shape \[1099511627776, 1099511627776\] is"
-                                         r" 4835703278458516698824704 bytes"):
+    with pytest.raises(
+        ValueError,
+        match=r"absurd.json.*tensor 'w'.*global_shape \[1099511627776, 1099511627776\] is"
+        r" 4835703278458516698824704 bytes",
+    ):
         load_layout(write(tmp_path, valid, "absurd.json"))
 
 
 def brute_force_overlap(boxes) -> bool:
-    return any(all(max(a, b) < min(a + sa, b + sb) for a, sa, b, sb in zip(x[0], x[1], y[0], y[1]))
-               for x, y in itertools.combinations(boxes, 2))
+    return any(
+        all(max(a, b) < min(a + sa, b + sb) for a, sa, b, sb in zip(x[0], x[1], y[0], y[1]))
+        for x, y in itertools.combinations(boxes, 2)
+    )
 
 
 @pytest.mark.parametrize("dims", [1, 2, 3])

@@ -32,8 +32,9 @@ SPEC_3 = {
 @pytest.fixture(scope="session")
 def source_8(tmp_path_factory) -> Path:
     """8 ranks on a 4x2 mesh."""
-    return save_dcp_checkpoint(tmp_path_factory.mktemp("src8") / "ckpt", SPEC_4X2, (4, 2), ("dp", "tp"),
-                               plain_names=PLAIN_4X2)
+    return save_dcp_checkpoint(
+        tmp_path_factory.mktemp("src8") / "ckpt", SPEC_4X2, (4, 2), ("dp", "tp"), plain_names=PLAIN_4X2
+    )
 
 
 @pytest.fixture(scope="session")

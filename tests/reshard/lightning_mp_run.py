@@ -24,7 +24,9 @@ class ShardedMLP(pl.LightningModule):
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        parallelize_module(self, self.device_mesh["tensor_parallel"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        parallelize_module(
+            self, self.device_mesh["tensor_parallel"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+        )
         for layer in (self.fc1, self.fc2):
             fully_shard(layer, mesh=self.device_mesh["data_parallel"])
         fully_shard(self, mesh=self.device_mesh["data_parallel"])
@@ -43,9 +45,16 @@ class ShardedMLP(pl.LightningModule):
 def main(out_dir: str) -> None:
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(32, 8, generator=generator), torch.randint(0, 3, (32,), generator=generator))
-    trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
-                         max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=4,
+        strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2),
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(ShardedMLP(), DataLoader(data, batch_size=4))
     trainer.save_checkpoint(out_dir)
 

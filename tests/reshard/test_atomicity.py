@@ -27,8 +27,14 @@ def rows(fqn, tensor):
 
 def run_killed(src: Path, dst: Path, layout: Path, point: str) -> subprocess.CompletedProcess:
     env = clean_subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "tests.reshard.kill_worker", str(src), str(dst), str(layout), point],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "tests.reshard.kill_worker", str(src), str(dst), str(layout), point],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def visible_state(dst: Path):
@@ -73,8 +79,13 @@ def test_kill_at_a_random_moment(source_3: Path, layouts, tmp_path: Path):
     rng = random.Random(0)
     env = clean_subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     for _ in range(1):
-        process = subprocess.Popen([sys.executable, "-m", "tests.reshard.kill_worker", str(source_3), str(dst), str(five), "wait"],
-                                   cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tests.reshard.kill_worker", str(source_3), str(dst), str(five), "wait"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert process.stdout.readline().strip() == "started"
         time.sleep(rng.uniform(0.0, 0.3))
         process.send_signal(signal.SIGKILL)
@@ -85,8 +96,9 @@ def test_kill_at_a_random_moment(source_3: Path, layouts, tmp_path: Path):
     assert verify_checkpoint(dst).world_size == 5
 
 
-def test_a_second_conversion_into_a_destination_in_use_is_refused_and_the_first_completes(source_8: Path,
-                                                                                         tmp_path: Path):
+def test_a_second_conversion_into_a_destination_in_use_is_refused_and_the_first_completes(
+    source_8: Path, tmp_path: Path
+):
     """Without the guard the second run would clear the first one's staging folder as a leftover of a killed run."""
     import threading
 
@@ -99,8 +111,11 @@ def test_a_second_conversion_into_a_destination_in_use_is_refused_and_the_first_
             resume.wait(timeout=60)
 
     first: dict = {}
-    thread = threading.Thread(target=lambda: first.setdefault(
-        "report", transform_checkpoints(source_8, dst, "ckpt_", None, layout, progress=pause_once)))
+    thread = threading.Thread(
+        target=lambda: first.setdefault(
+            "report", transform_checkpoints(source_8, dst, "ckpt_", None, layout, progress=pause_once)
+        )
+    )
     thread.start()
     try:
         assert paused.wait(timeout=60)

@@ -95,9 +95,15 @@ def widen_w(data: dict) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (widen_w, "does not match DCP checkpoint .*: tensor 'state_dict.w' is \\[10, 4\\] float32 in the checkpoint,"
-                  " \\[10, 5\\] float32 in the layout"),
-        (lambda d: d["tensors"]["state_dict.w"].update(dtype="float16"), "tensor 'state_dict.w' is \\[10, 4\\] float32 in the checkpoint"),
+        (
+            widen_w,
+            "does not match DCP checkpoint .*: tensor 'state_dict.w' is \\[10, 4\\] float32 in the checkpoint,"
+            " \\[10, 5\\] float32 in the layout",
+        ),
+        (
+            lambda d: d["tensors"]["state_dict.w"].update(dtype="float16"),
+            "tensor 'state_dict.w' is \\[10, 4\\] float32 in the checkpoint",
+        ),
         (lambda d: d["tensors"].pop("state_dict.v"), "only in the checkpoint: \\['state_dict.v'\\]"),
         (lambda d: d.update(version=2), "unknown layout schema version 2"),
     ],
@@ -184,7 +190,6 @@ def test_rank_files_are_loaded_without_unpickling_code(tmp_path: Path):
     from lightning_sink.reshard.loading import load_rank_payload
 
     path = tmp_path / "evil.pt"
-    torch.save({"format": "lightning-sink-resharded-rank", "version": 1,
-                "x": NotATensor()}, path)
+    torch.save({"format": "lightning-sink-resharded-rank", "version": 1, "x": NotATensor()}, path)
     with pytest.raises(ValueError, match="evil.pt.*truncated or corrupt.*Weights only load failed"):
         load_rank_payload(path)

@@ -30,11 +30,17 @@ def rows(fqn, tensor):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 3])
-def test_lightning_sharded_checkpoint_reshards_to_dcps_full_values(lightning_checkpoint: Path, tmp_path: Path, ranks: int):
+def test_lightning_sharded_checkpoint_reshards_to_dcps_full_values(
+    lightning_checkpoint: Path, tmp_path: Path, ranks: int
+):
     assert (lightning_checkpoint / ".metadata").is_file() and not (lightning_checkpoint / "layout.json").exists()
     source_layout = layout_from_dcp_metadata(lightning_checkpoint)
     assert source_layout.world_size == 4
-    assert {"state_dict.fc1.weight", "optimizer_0.state.fc1.weight.exp_avg_sq", "optimizer_0.state.fc2.bias.step"} <= set(source_layout.tensors)
+    assert {
+        "state_dict.fc1.weight",
+        "optimizer_0.state.fc1.weight.exp_avg_sq",
+        "optimizer_0.state.fc2.bias.step",
+    } <= set(source_layout.tensors)
     layout = layout_on_mesh(source_layout, MeshLayout.one_dimensional(ranks), rows)
     transform_checkpoints(lightning_checkpoint, tmp_path / "out", "ckpt_", None, layout)
     dcp_to_torch_save(lightning_checkpoint, tmp_path / "full.pt")  # DCP's own offline full load

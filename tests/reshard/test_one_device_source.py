@@ -36,8 +36,12 @@ def one_device_run(tmp_path_factory) -> dict[str, Path]:
     DCP checkpoint of the same final state."""
     folder = tmp_path_factory.mktemp("one_device")
     tp2 = save_layout(infer_layout(TPClassifier, 1, 2, init_args=INIT_ARGS), folder / "tp2.json")
-    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=2), devices=1, max_epochs=2,
-                            callbacks=[ReshardCheckpoint(tp2, folder / "via_callback")])
+    trainer = quiet_trainer(
+        strategy=SinkStrategy(accumulation_steps=2),
+        devices=1,
+        max_epochs=2,
+        callbacks=[ReshardCheckpoint(tp2, folder / "via_callback")],
+    )
     trainer.fit(TinyClassifier(**INIT_ARGS), loader(make_dataset(num_samples=24), 4))
     trainer.save_checkpoint(folder / "last.ckpt")
     return {"ckpt": folder / "last.ckpt", "dcp": folder / "via_callback.source", "tp2": tp2}
@@ -60,7 +64,9 @@ def assert_same_conversion(mine: Path, reference: Path, world_size: int) -> None
         for fqn, shard in a["tensors"].items():
             expected = b["tensors"][fqn]
             assert shard.dtype == expected.dtype and shard.shape == expected.shape, fqn
-            assert torch.equal(shard.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), fqn  # bit for bit
+            assert torch.equal(shard.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), (
+                fqn
+            )  # bit for bit
         assert a["non_tensor_state"] == b["non_tensor_state"] and a["paths"] == b["paths"]
         assert unpickle_carried(a["extra_files"]["meta.pt"]) == unpickle_carried(b["extra_files"]["meta.pt"])
 
@@ -95,8 +101,14 @@ def test_one_target_rank_and_the_cli_take_the_ckpt_file(one_device_run, tmp_path
     mine = load_resharded_checkpoint(tmp_path / "r1.pt")["tensors"]
     reference = load_resharded_checkpoint(tmp_path / "from_dcp" / "rank_1" / "ckpt_1.pt")["tensors"]
     assert set(mine) == set(reference) and all(torch.equal(mine[k], reference[k]) for k in mine)
-    common = ["reshard", "--src-checkpoints-dir", str(one_device_run["ckpt"]), "--dst-strategy-file", str(layout_file),
-              "--no-progress"]
+    common = [
+        "reshard",
+        "--src-checkpoints-dir",
+        str(one_device_run["ckpt"]),
+        "--dst-strategy-file",
+        str(layout_file),
+        "--no-progress",
+    ]
     assert main([*common, "--rank-id", "2", "--list-ranks"]) == 0
     assert json.loads(capsys.readouterr().out) == [0]
     assert main([*common, "--dst-checkpoints-dir", str(tmp_path / "cli"), "--ckpt-prefix", "ckpt_"]) == 0
@@ -126,8 +138,10 @@ class Payload:
 
 
 def test_a_ckpt_naming_code_is_refused_naming_the_file(tmp_path: Path, one_device_run):
-    torch.save({"pytorch-lightning_version": "2.6", "state_dict": {"w": torch.ones(4)}, "evil": Payload()},
-               tmp_path / "evil.ckpt")
+    torch.save(
+        {"pytorch-lightning_version": "2.6", "state_dict": {"w": torch.ones(4)}, "evil": Payload()},
+        tmp_path / "evil.ckpt",
+    )
     with pytest.raises(ValueError, match=r"evil\.ckpt.*Weights only load failed"):
         transform_checkpoints(tmp_path / "evil.ckpt", tmp_path / "out", "ckpt_", None, one_device_run["tp2"])
     assert not (tmp_path / "out").exists()
@@ -143,11 +157,15 @@ def test_a_flipped_byte_in_the_ckpt_is_refused(one_device_run, tmp_path: Path):
     damaged = Path(shutil.copy(one_device_run["ckpt"], tmp_path / "damaged.ckpt"))
     fd = os.open(damaged, os.O_RDWR)
     try:
-        location = locate_tensors(fd, damaged, 0, damaged.stat().st_size, "probe", ReadStats())["state_dict"]["net.0.weight"]
+        location = locate_tensors(fd, damaged, 0, damaged.stat().st_size, "probe", ReadStats())["state_dict"][
+            "net.0.weight"
+        ]
         at = location.data_offset + 3
         os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x20]), at)
     finally:
         os.close(fd)
-    with pytest.raises(ValueError, match=r"tensor .state_dict.net.0.weight. in checkpoint file .*damaged\.ckpt.*corrupt: CRC-32"):
+    with pytest.raises(
+        ValueError, match=r"tensor .state_dict.net.0.weight. in checkpoint file .*damaged\.ckpt.*corrupt: CRC-32"
+    ):
         transform_checkpoints(damaged, tmp_path / "out", "ckpt_", None, one_device_run["tp2"])
     assert not (tmp_path / "out").exists()

@@ -25,12 +25,21 @@ def test_plain_rank_files_with_a_transposed_tensor_and_a_scalar(tmp_path: Path):
     source = tmp_path / "seed"
     (source / "rank_0").mkdir(parents=True)
     torch.save(full, source / "rank_0" / "checkpoint_0.pt")  # one rank holding everything (MindSpore's layout)
-    tensors = {name: TensorLayout(role="parameter", global_shape=tuple(v.shape), dtype=str(v.dtype).removeprefix("torch."),
-                                  placements=("Replicate()",), chunks=(Chunk(0, (0,) * v.dim(), tuple(v.shape)),))
-               for name, v in full.items()}
+    tensors = {
+        name: TensorLayout(
+            role="parameter",
+            global_shape=tuple(v.shape),
+            dtype=str(v.dtype).removeprefix("torch."),
+            placements=("Replicate()",),
+            chunks=(Chunk(0, (0,) * v.dim(), tuple(v.shape)),),
+        )
+        for name, v in full.items()
+    }
     one = Layout(world_size=1, mesh=MeshLayout.one_dimensional(1), tensors=tensors)
     save_layout(one, source / "layout.json")
-    three = layout_on_mesh(one, MeshLayout.one_dimensional(3), lambda f, t: ["Shard(1)"] if t.global_shape else ["Replicate()"])
+    three = layout_on_mesh(
+        one, MeshLayout.one_dimensional(3), lambda f, t: ["Shard(1)"] if t.global_shape else ["Replicate()"]
+    )
     report = transform_checkpoints(source, tmp_path / "out", "ckpt_", None, three)
     for rank in range(3):
         shards = load_resharded_checkpoint(tmp_path / "out" / f"rank_{rank}" / f"ckpt_{rank}.pt")["tensors"]
@@ -106,9 +115,16 @@ def test_bands_hold_whole_copies_tile_the_shard_and_cut_at_every_source_row_boun
     from lightning_sink.reshard.plan import bands_of, plan_rank
 
     # 8 sources: rows in 4 blocks of 25 (dp), columns in 2 halves (tp); 3 targets: rows 0..33, 34..67, 68..99.
-    one = Layout(world_size=1, mesh=MeshLayout.one_dimensional(1), tensors={
-        "w": TensorLayout("parameter", (100, 10), "float32", ("Replicate()",), (Chunk(0, (0, 0), (100, 10)),))})
-    source = layout_on_mesh(one, MeshLayout((4, 2), ("dp", "tp"), ((0, 1), (2, 3), (4, 5), (6, 7))), lambda f, t: ["Shard(0)", "Shard(1)"])
+    one = Layout(
+        world_size=1,
+        mesh=MeshLayout.one_dimensional(1),
+        tensors={
+            "w": TensorLayout("parameter", (100, 10), "float32", ("Replicate()",), (Chunk(0, (0, 0), (100, 10)),))
+        },
+    )
+    source = layout_on_mesh(
+        one, MeshLayout((4, 2), ("dp", "tp"), ((0, 1), (2, 3), (4, 5), (6, 7))), lambda f, t: ["Shard(0)", "Shard(1)"]
+    )
     target = layout_on_mesh(one, MeshLayout.one_dimensional(3), lambda f, t: ["Shard(0)"])
     for rank in range(3):
         (shard,) = plan_rank(rank, source, target).shards
@@ -121,8 +137,15 @@ def test_bands_hold_whole_copies_tile_the_shard_and_cut_at_every_source_row_boun
                 first = copy.region[0][0] - shard.chunk.offsets[0]
                 assert band.start <= first and first + copy.region[1][0] <= band.stop
         # the source's 25-row blocks cut the target rows: e.g. rank 0 (rows 0..33) is bands 0..24 and 25..33
-        cuts = sorted({0, *(b for b in range(25, 100, 25))} | {shard.chunk.offsets[0], shard.chunk.offsets[0] + shard.chunk.sizes[0]})
-        inside = [c - shard.chunk.offsets[0] for c in cuts if shard.chunk.offsets[0] <= c <= shard.chunk.offsets[0] + shard.chunk.sizes[0]]
+        cuts = sorted(
+            {0, *(b for b in range(25, 100, 25))}
+            | {shard.chunk.offsets[0], shard.chunk.offsets[0] + shard.chunk.sizes[0]}
+        )
+        inside = [
+            c - shard.chunk.offsets[0]
+            for c in cuts
+            if shard.chunk.offsets[0] <= c <= shard.chunk.offsets[0] + shard.chunk.sizes[0]
+        ]
         assert [band.start for band in bands] + [bands[-1].stop] == inside
 
 
@@ -132,10 +155,16 @@ def test_the_memory_budget_caps_workers_by_the_largest_band():
     from lightning_sink.reshard.transform import WORKER_BASELINE_BYTES, worker_count
     from lightning_sink.reshard.writer import write_memory_bytes
 
-    one = Layout(world_size=1, mesh=MeshLayout.one_dimensional(1), tensors={
-        "w": TensorLayout("parameter", (100, 10), "float32", ("Replicate()",), (Chunk(0, (0, 0), (100, 10)),))})
-    source = layout_on_mesh(one, MeshLayout((4, 2), ("dp", "tp"), ((0, 1), (2, 3), (4, 5), (6, 7))),
-                            lambda f, t: ["Shard(0)", "Shard(1)"])
+    one = Layout(
+        world_size=1,
+        mesh=MeshLayout.one_dimensional(1),
+        tensors={
+            "w": TensorLayout("parameter", (100, 10), "float32", ("Replicate()",), (Chunk(0, (0, 0), (100, 10)),))
+        },
+    )
+    source = layout_on_mesh(
+        one, MeshLayout((4, 2), ("dp", "tp"), ((0, 1), (2, 3), (4, 5), (6, 7))), lambda f, t: ["Shard(0)", "Shard(1)"]
+    )
     target = layout_on_mesh(one, MeshLayout.one_dimensional(3), lambda f, t: ["Shard(0)"])
     plans = [plan_rank(rank, source, target) for rank in range(3)]
     # The largest band: one source block of 25 rows x 10 float32 (a shard of 34 rows never sits in memory whole).

@@ -65,8 +65,9 @@ def leftovers(tmp_path: Path, name: str) -> list[Path]:
 
 
 @pytest.mark.parametrize("workers", [None, 1])
-def test_a_flipped_byte_in_a_record_every_target_reads_in_part_is_refused(source: Path, two_ranks, tmp_path: Path,
-                                                                          workers):
+def test_a_flipped_byte_in_a_record_every_target_reads_in_part_is_refused(
+    source: Path, two_ranks, tmp_path: Path, workers
+):
     # Chunk 1 of v holds columns 3..5 of rows 0..3; target rank 1 reads its rows 2..3 and rank 0 rows 0..1.
     path = flip_dcp_element(source, "state_dict.v", (0, 3), element=2 * 3 + 1)  # row 2, read by target rank 1 only
     with pytest.raises(ValueError, match=rf"tensor 'state_dict.v' .*{path.name}.*corrupt: CRC-32"):
@@ -74,14 +75,17 @@ def test_a_flipped_byte_in_a_record_every_target_reads_in_part_is_refused(source
     assert leftovers(tmp_path, "out") == []
 
 
-def test_the_intact_checkpoint_converts_and_every_record_read_in_part_is_checked(source: Path, two_ranks,
-                                                                                 tmp_path: Path):
+def test_the_intact_checkpoint_converts_and_every_record_read_in_part_is_checked(
+    source: Path, two_ranks, tmp_path: Path
+):
     report = transform_checkpoints(source, tmp_path / "out", "ckpt_", None, two_ranks)
     full = full_tensors(SPEC_3, seed=1)
     for rank in range(2):
         shards = torch.load(tmp_path / "out" / f"rank_{rank}" / f"ckpt_{rank}.pt", weights_only=True)["tensors"]
         (chunk,) = two_ranks.tensors["state_dict.v"].chunks_of_rank(rank)
-        assert torch.equal(shards["state_dict.v"], full["state_dict.v"][chunk.offsets[0]:chunk.offsets[0] + chunk.sizes[0]])
+        assert torch.equal(
+            shards["state_dict.v"], full["state_dict.v"][chunk.offsets[0] : chunk.offsets[0] + chunk.sizes[0]]
+        )
     stats = report.stats
     # Every stored non-empty chunk (v: 3, w: 3, b: 2, exp_avg: 3) was checked, read whole or in parts; the
     # payload read stays exactly what is needed, the checks read only the 8-byte data descriptors.
@@ -107,7 +111,9 @@ def test_a_flipped_byte_in_a_rank_file_source_is_refused(source: Path, two_ranks
     rank_file = tmp_path / "mid" / "rank_0" / "ckpt_0.pt"
     fd = os.open(rank_file, os.O_RDWR)
     try:
-        location = locate_tensors(fd, rank_file, 0, rank_file.stat().st_size, "probe", ReadStats())["tensors"]["state_dict.w"]
+        location = locate_tensors(fd, rank_file, 0, rank_file.stat().st_size, "probe", ReadStats())["tensors"][
+            "state_dict.w"
+        ]
         at = location.data_offset + 5
         os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x01]), at)
     finally:

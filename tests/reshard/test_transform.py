@@ -72,7 +72,9 @@ def test_every_target_shard_is_the_slice_of_the_full_tensor(case: str, request, 
     layout = target(source, mesh, rule)
     report = transform_checkpoints(source, tmp_path / "out", "ckpt_", None, layout)
     assert_matches_full_slices(tmp_path / "out", layout, full_tensors(spec, seed))
-    assert verify_checkpoint(tmp_path / "out").world_size == mesh.shape[0] * (mesh.shape[1] if len(mesh.shape) > 1 else 1)
+    assert verify_checkpoint(tmp_path / "out").world_size == mesh.shape[0] * (
+        mesh.shape[1] if len(mesh.shape) > 1 else 1
+    )
     stats = report.stats
     # Exact reads: every source chunk here is row-major, so the payload read is exactly what is needed.
     assert stats.payload_bytes_read == stats.bytes_needed > 0
@@ -132,7 +134,9 @@ def test_rank_list_is_exactly_the_files_a_target_rank_needs(source_8: Path, tmp_
 def test_worker_processes_write_the_same_files(source_8: Path, tmp_path: Path):
     layout = target(source_8, MeshLayout.one_dimensional(3), rows_1d)
     calls: list[tuple[int, int]] = []
-    serial = transform_checkpoints(source_8, tmp_path / "serial", "ckpt_", None, layout, progress=lambda *a: calls.append(a))
+    serial = transform_checkpoints(
+        source_8, tmp_path / "serial", "ckpt_", None, layout, progress=lambda *a: calls.append(a)
+    )
     parallel = transform_checkpoints(source_8, tmp_path / "parallel", "ckpt_", None, layout, workers=2)
     total = sum(c.numel * (2 if t.dtype == "bfloat16" else 4) for t in layout.tensors.values() for c in t.chunks)
     assert calls[-1] == (total, total) and [done for done, _ in calls] == sorted(done for done, _ in calls)
@@ -167,8 +171,11 @@ def test_optimizer_state_can_be_dropped_for_an_inference_target(source_8: Path, 
     full_layout = target(source_8, MeshLayout.one_dimensional(2), rows_1d)
     from lightning_sink.layout import Layout
 
-    weights_only = Layout(full_layout.world_size, full_layout.mesh,
-                          {f: t for f, t in full_layout.tensors.items() if t.role == "parameter"})
+    weights_only = Layout(
+        full_layout.world_size,
+        full_layout.mesh,
+        {f: t for f, t in full_layout.tensors.items() if t.role == "parameter"},
+    )
     transform_checkpoints(source_8, tmp_path / "out", "ckpt_", None, weights_only)
     shards = load_resharded_checkpoint(tmp_path / "out" / "rank_0" / "ckpt_0.pt")["tensors"]
     assert shards and all(fqn.startswith("state_dict.") for fqn in shards)

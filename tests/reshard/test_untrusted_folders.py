@@ -57,11 +57,18 @@ def test_a_manifest_prefix_that_climbs_out_is_refused_before_any_open(tmp_path: 
     elsewhere.mkdir(parents=True)
     (folder / "rank_0").mkdir(parents=True)
     torch.save({"planted": torch.zeros(1)}, elsewhere / "o_0.pt")
-    manifest = {"format": "lightning-sink-reshard-manifest", "version": 1, "files": {},
-                "provenance": {"ckpt_prefix": "../../elsewhere/rank_0/o_", "world_size": 1}}
+    manifest = {
+        "format": "lightning-sink-reshard-manifest",
+        "version": 1,
+        "files": {},
+        "provenance": {"ckpt_prefix": "../../elsewhere/rank_0/o_", "world_size": 1},
+    }
     (folder / "MANIFEST.json").write_text(json.dumps(manifest))
-    with pytest.raises(ValueError, match=r"MANIFEST.json.*provenance.ckpt_prefix='\.\./\.\./elsewhere/rank_0/o_' must be"
-                                         r" a plain file-name prefix"):
+    with pytest.raises(
+        ValueError,
+        match=r"MANIFEST.json.*provenance.ckpt_prefix='\.\./\.\./elsewhere/rank_0/o_' must be"
+        r" a plain file-name prefix",
+    ):
         rank_file(folder, 0)  # what Trainer.fit(ckpt_path=folder) on SinkModelParallelStrategy opens
     with pytest.raises(ValueError, match=r"provenance.ckpt_prefix"):
         verify_checkpoint(folder)
@@ -119,8 +126,7 @@ def test_a_destination_that_is_a_link_is_refused(source_3: Path, two_ranks, tmp_
 
 
 @pytest.mark.slow
-def test_a_destination_named_with_glob_characters_leaves_other_leftovers_alone(source: Path, two_ranks,
-                                                                              tmp_path: Path):
+def test_a_destination_named_with_glob_characters_leaves_other_leftovers_alone(source: Path, two_ranks, tmp_path: Path):
     """Converting into ``ckpt*`` clears only its own leftovers, not ``ckptA``'s (a glob would match them)."""
     others = [tmp_path / ".ckptA.staging-0123abcd", tmp_path / ".ckptA.old-0123abcd"]
     for folder in others:
@@ -139,11 +145,19 @@ def test_a_layout_claiming_more_bytes_than_the_rank_file_is_refused_before_alloc
     source = tmp_path / "src"
     (source / "rank_0").mkdir(parents=True)
     torch.save({"w": torch.zeros(4)}, source / "rank_0" / "model.pt")
-    huge = TensorLayout(role="parameter", global_shape=(10**18,), dtype="float32", placements=("Replicate()",),
-                        chunks=(Chunk(0, (0,), (10**18,)),))
+    huge = TensorLayout(
+        role="parameter",
+        global_shape=(10**18,),
+        dtype="float32",
+        placements=("Replicate()",),
+        chunks=(Chunk(0, (0,), (10**18,)),),
+    )
     layout = Layout(world_size=1, mesh=MeshLayout.one_dimensional(1), tensors={"w": huge})
     save_layout(layout, source / "layout.json")
-    with pytest.raises(ValueError, match=r"model.pt'.*gives rank 0 4000000000000000000 bytes of tensors, the file"
-                                         r" holds only"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.pt'.*gives rank 0 4000000000000000000 bytes of tensors, the file"
+        r" holds only",
+    ):
         transform_checkpoints(source, tmp_path / "out", "ckpt_", None, layout)
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []

@@ -58,12 +58,31 @@ def rows(fqn, tensor):
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc to find the worker processes")
 def test_killing_a_conversion_ends_its_workers(source_3: Path, tmp_path: Path):
-    layout = save_layout(layout_on_mesh(load_layout(source_3), MeshLayout.one_dimensional(4), rows), tmp_path / "l.json")
+    layout = save_layout(
+        layout_on_mesh(load_layout(source_3), MeshLayout.one_dimensional(4), rows), tmp_path / "l.json"
+    )
     env = clean_subprocess_env(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    parent = subprocess.Popen([sys.executable, "-m", "lightning_sink.cli", "reshard", "--src-checkpoints-dir",
-                               str(source_3), "--dst-checkpoints-dir", str(tmp_path / "out"), "--dst-strategy-file",
-                               str(layout), "--workers", "2", "--no-progress"], cwd=ROOT, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "lightning_sink.cli",
+            "reshard",
+            "--src-checkpoints-dir",
+            str(source_3),
+            "--dst-checkpoints-dir",
+            str(tmp_path / "out"),
+            "--dst-strategy-file",
+            str(layout),
+            "--workers",
+            "2",
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     workers: list[int] = []
     try:
         deadline = time.monotonic() + 120

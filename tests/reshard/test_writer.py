@@ -43,9 +43,13 @@ def check_file(path: Path, tensors: dict[str, torch.Tensor], digest: str, size: 
 
 def mixed_tensors() -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(0)
-    return {"w": torch.randn(1000, 300, generator=generator), "b": torch.arange(7, dtype=torch.int64),
-            "step": torch.tensor(3.5, dtype=torch.bfloat16), "empty": torch.empty(0, 4),
-            "v": torch.randn(4097, generator=generator).to(torch.float16)}
+    return {
+        "w": torch.randn(1000, 300, generator=generator),
+        "b": torch.arange(7, dtype=torch.int64),
+        "step": torch.tensor(3.5, dtype=torch.bfloat16),
+        "empty": torch.empty(0, 4),
+        "v": torch.randn(4097, generator=generator).to(torch.float16),
+    }
 
 
 def test_a_file_written_in_bands_loads_as_torch_save_would_and_its_digest_is_the_files(tmp_path: Path):

@@ -130,7 +130,9 @@ def _resume(rank: int, mesh_name: str, source: str, mode: str, out: str) -> None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     losses = train_steps(model, optimizer, mesh, STEPS_BEFORE, STEPS_AFTER)
     params = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
-    exp_avg = {name: s["exp_avg"].full_tensor().clone() for name, s in get_state_dict(model, optimizer)[1]["state"].items()}
+    exp_avg = {
+        name: s["exp_avg"].full_tensor().clone() for name, s in get_state_dict(model, optimizer)[1]["state"].items()
+    }
     if rank == 0:
         torch.save({"losses": losses, "params": params, "exp_avg": exp_avg}, Path(out) / f"result_{mode}.pt")
     dist.barrier()

@@ -25,7 +25,9 @@ def resume_scenario(out_dir: Path, steps: int, partial_window: str, num_samples:
     from tests.strategies.test_sink_strategy import SaveAtBatch
 
     def fit(model, **kwargs):
-        strategy = SinkDDPStrategy(accumulation_steps=steps, partial_window=partial_window, process_group_backend="gloo")
+        strategy = SinkDDPStrategy(
+            accumulation_steps=steps, partial_window=partial_window, process_group_backend="gloo"
+        )
         trainer = quiet_trainer(strategy=strategy, devices=2, max_epochs=epochs, callbacks=kwargs.pop("callbacks", []))
         trainer.fit(model, loader(make_dataset(num_samples=num_samples), MICRO_BATCH), **kwargs)
         return trainer
@@ -37,9 +39,14 @@ def resume_scenario(out_dir: Path, steps: int, partial_window: str, num_samples:
     resumed = TinyClassifier(optimizer="adamw", lr=0.01, seed=7)
     fit(resumed, ckpt_path=ckpt)
     if trainer.global_rank == 0:
-        torch.save({"uninterrupted": torch.cat([p.detach().reshape(-1) for p in uninterrupted.parameters()]),
-                    "resumed": torch.cat([p.detach().reshape(-1) for p in resumed.parameters()]),
-                    "window_position": saver.window_position}, out_dir / "resume.pt")
+        torch.save(
+            {
+                "uninterrupted": torch.cat([p.detach().reshape(-1) for p in uninterrupted.parameters()]),
+                "resumed": torch.cat([p.detach().reshape(-1) for p in resumed.parameters()]),
+                "window_position": saver.window_position,
+            },
+            out_dir / "resume.pt",
+        )
 
 
 def overflow_scenario(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> None:
@@ -52,13 +59,16 @@ def overflow_scenario(out_dir: Path, steps: int, partial_window: str, num_sample
     strategy = SinkDDPStrategy(accumulation_steps=steps, partial_window=partial_window, process_group_backend="gloo")
     trainer = quiet_trainer(strategy=strategy, plugins=[plugin], devices=2, max_epochs=epochs)
     trainer.fit(model, loader(make_dataset(num_samples=num_samples), MICRO_BATCH))
-    state = torch.cat([p.detach().reshape(-1) for p in model.parameters()]
-                      + [plugin.scaler.scale.reshape(1), plugin.scaler.skipped.float().reshape(1)])
+    state = torch.cat(
+        [p.detach().reshape(-1) for p in model.parameters()]
+        + [plugin.scaler.scale.reshape(1), plugin.scaler.skipped.float().reshape(1)]
+    )
     gathered = [torch.empty_like(state) for _ in range(2)]
     dist.all_gather(gathered, state)
     if trainer.global_rank == 0:
-        torch.save({"rank0": gathered[0], "rank1": gathered[1], "global_step": trainer.global_step},
-                   out_dir / "overflow.pt")
+        torch.save(
+            {"rank0": gathered[0], "rank1": gathered[1], "global_step": trainer.global_step}, out_dir / "overflow.pt"
+        )
 
 
 def sink_scenario(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> None:
@@ -71,8 +81,10 @@ def sink_scenario(out_dir: Path, steps: int, partial_window: str, num_samples: i
     gathered = [torch.empty_like(params) for _ in range(2)]
     dist.all_gather(gathered, params)
     if trainer.global_rank == 0:
-        torch.save({"rank0": gathered[0], "rank1": gathered[1], "global_step": trainer.global_step,
-                    "lrs": model.seen_lrs}, out_dir / "sink.pt")
+        torch.save(
+            {"rank0": gathered[0], "rank1": gathered[1], "global_step": trainer.global_step, "lrs": model.seen_lrs},
+            out_dir / "sink.pt",
+        )
 
 
 class LogsPerRank(TinyClassifier):
@@ -115,8 +127,13 @@ def main(out_dir: Path, steps: int, partial_window: str, num_samples: int, epoch
 
 
 if __name__ == "__main__":
-    scenario = {"exactness": main, "resume": resume_scenario, "overflow": overflow_scenario,
-                "sink": sink_scenario, "logging": logging_scenario}[sys.argv[6]]
+    scenario = {
+        "exactness": main,
+        "resume": resume_scenario,
+        "overflow": overflow_scenario,
+        "sink": sink_scenario,
+        "logging": logging_scenario,
+    }[sys.argv[6]]
     scenario(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     # Tear gloo down before the interpreter exits; a live process group can abort the process at exit.
     dist.barrier()

@@ -37,11 +37,22 @@ class SaveAfterBatch(Callback):
 
 
 def fit(model, callbacks=(), plugins=(), ckpt_path=None, **strategy_kwargs):
-    strategy = SinkModelParallelStrategy(data_parallel_size=DP, tensor_parallel_size=TP, accumulation_steps=STEPS,
-                                         process_group_backend="gloo", **strategy_kwargs)
+    strategy = SinkModelParallelStrategy(
+        data_parallel_size=DP,
+        tensor_parallel_size=TP,
+        accumulation_steps=STEPS,
+        process_group_backend="gloo",
+        **strategy_kwargs,
+    )
     checkpointing = any(isinstance(callback, ModelCheckpoint) for callback in callbacks)
-    trainer = quiet_trainer(strategy=strategy, devices=DP * TP, max_epochs=EPOCHS, callbacks=list(callbacks),
-                            plugins=list(plugins), enable_checkpointing=checkpointing)
+    trainer = quiet_trainer(
+        strategy=strategy,
+        devices=DP * TP,
+        max_epochs=EPOCHS,
+        callbacks=list(callbacks),
+        plugins=list(plugins),
+        enable_checkpointing=checkpointing,
+    )
     trainer.fit(model, loader(make_dataset(num_samples=SAMPLES), MICRO_BATCH), ckpt_path=ckpt_path)
     return trainer
 
@@ -63,14 +74,22 @@ def train_scenario(out_dir: Path) -> None:
     resumed = fit(resumed_model, ckpt_path=out_dir / "ckpt")
     resumed_inside_model = TPClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.95, seed=8)
     resumed_inside = fit(resumed_inside_model, ckpt_path=out_dir / "mid")
-    save(out_dir, "train", {
-        "params": final, "at_checkpoint": saver.params, "resumed": full_parameters(resumed_model),
-        "resumed_inside_window": full_parameters(resumed_inside_model),
-        "resumed_inside_window_global_step": resumed_inside.global_step,
-        "global_step": trainer.global_step, "resumed_global_step": resumed.global_step,
-        "per_batch": counter.per_batch, "lrs": model.seen_lrs,
-        "local_shapes": {name: tuple(p.to_local().shape) for name, p in model.named_parameters()},
-    })
+    save(
+        out_dir,
+        "train",
+        {
+            "params": final,
+            "at_checkpoint": saver.params,
+            "resumed": full_parameters(resumed_model),
+            "resumed_inside_window": full_parameters(resumed_inside_model),
+            "resumed_inside_window_global_step": resumed_inside.global_step,
+            "global_step": trainer.global_step,
+            "resumed_global_step": resumed.global_step,
+            "per_batch": counter.per_batch,
+            "lrs": model.seen_lrs,
+            "local_shapes": {name: tuple(p.to_local().shape) for name, p in model.named_parameters()},
+        },
+    )
 
 
 def loss_scale_scenario(out_dir: Path) -> None:
@@ -79,17 +98,24 @@ def loss_scale_scenario(out_dir: Path) -> None:
     model = InjectingTPClassifier(inf_at=(STEPS + 1,), inf_rank=1, optimizer="adamw", lr=0.01)
     plugin = LossScalePrecision("32-true", DynamicLossScale(init_scale=2.0**10))
     trainer = fit(model, callbacks=[counter], plugins=[plugin])
-    save(out_dir, "loss_scale", {"params": full_parameters(model), "global_step": trainer.global_step,
-                                 "scale": plugin.scale, "skipped": plugin.skipped_updates,
-                                 "per_batch": counter.per_batch})
+    save(
+        out_dir,
+        "loss_scale",
+        {
+            "params": full_parameters(model),
+            "global_step": trainer.global_step,
+            "scale": plugin.scale,
+            "skipped": plugin.skipped_updates,
+            "per_batch": counter.per_batch,
+        },
+    )
 
 
 def sink_scenario(out_dir: Path) -> None:
     """Sinks of 5 micro-batches with windows of 3, continuous over data passes."""
     model = TPClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.95)
     trainer = fit(model, sink_size=5)
-    save(out_dir, "sink", {"params": full_parameters(model), "global_step": trainer.global_step,
-                           "lrs": model.seen_lrs})
+    save(out_dir, "sink", {"params": full_parameters(model), "global_step": trainer.global_step, "lrs": model.seen_lrs})
 
 
 def crash_scenario(out_dir: Path) -> None:
@@ -118,8 +144,7 @@ def crash_scenario(out_dir: Path) -> None:
     fit(TPClassifier(optimizer="adamw", lr=0.01), callbacks=[KillDuringSecondSave()])
 
 
-SCENARIOS = {"train": train_scenario, "loss_scale": loss_scale_scenario, "sink": sink_scenario,
-             "crash": crash_scenario}
+SCENARIOS = {"train": train_scenario, "loss_scale": loss_scale_scenario, "sink": sink_scenario, "crash": crash_scenario}
 
 if __name__ == "__main__":
     for scenario in sys.argv[2:]:

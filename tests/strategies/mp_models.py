@@ -39,8 +39,10 @@ class InjectingTPClassifier(InjectingClassifier):
 
 def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter gathered to its global value (a collective: call on every rank)."""
-    return {name: (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().clone()
-            for name, param in module.named_parameters()}
+    return {
+        name: (param.full_tensor() if hasattr(param, "full_tensor") else param).detach().clone()
+        for name, param in module.named_parameters()
+    }
 
 
 def flat(params: dict[str, Any]) -> torch.Tensor:

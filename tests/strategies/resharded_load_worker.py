@@ -53,11 +53,17 @@ class Record(Callback):
 
         optimizer_state = get_optimizer_state_dict(pl_module, trainer.optimizers[0])["state"]
         self.result.update(
-            start_global_step=trainer.global_step, start_epoch=trainer.current_epoch, start_probe=probe_loss(pl_module),
+            start_global_step=trainer.global_step,
+            start_epoch=trainer.current_epoch,
+            start_probe=probe_loss(pl_module),
             params=full_parameters(pl_module),
-            optimizer={f"{name}.{key}": full_tensor(value).clone() for name, state in optimizer_state.items()
-                       for key, value in state.items()},
-            lr=trainer.optimizers[0].param_groups[0]["lr"])
+            optimizer={
+                f"{name}.{key}": full_tensor(value).clone()
+                for name, state in optimizer_state.items()
+                for key, value in state.items()
+            },
+            lr=trainer.optimizers[0].param_groups[0]["lr"],
+        )
 
     def on_train_epoch_end(self, trainer, pl_module):
         self.result["epoch_probes"].append(probe_loss(pl_module))
@@ -80,8 +86,13 @@ class RecordingTPClassifier(TPClassifier):
 
 def fit(dp: int, tp: int, epochs: int, callbacks=(), ckpt_path=None, sink_size=None) -> dict:
     record = Record()
-    strategy = SinkModelParallelStrategy(data_parallel_size=dp, tensor_parallel_size=tp, accumulation_steps=STEPS,
-                                         sink_size=sink_size, process_group_backend="gloo")
+    strategy = SinkModelParallelStrategy(
+        data_parallel_size=dp,
+        tensor_parallel_size=tp,
+        accumulation_steps=STEPS,
+        sink_size=sink_size,
+        process_group_backend="gloo",
+    )
     trainer = quiet_trainer(strategy=strategy, devices=dp * tp, max_epochs=epochs, callbacks=[record, *callbacks])
     model = RecordingTPClassifier(optimizer="adamw", lr=LR, seed=dp * 10 + tp)
     trainer.fit(model, loader(make_dataset(num_samples=SAMPLES), MICRO_BATCH), ckpt_path=ckpt_path)
@@ -94,8 +105,9 @@ def save(out: Path, name: str, result: dict) -> None:
 
 
 def train(out: Path) -> None:
-    reshard = ReshardCheckpoint(out / "target_dp1_tp2.json", out / "resharded_dp1_tp2", ckpt_prefix="ckpt_",
-                                src_dir=out / "stage1")
+    reshard = ReshardCheckpoint(
+        out / "target_dp1_tp2.json", out / "resharded_dp1_tp2", ckpt_prefix="ckpt_", src_dir=out / "stage1"
+    )
     result = fit(2, 2, epochs=2, callbacks=[reshard])
     result["bytes_written"] = sum(r.bytes_written for r in reshard.report.ranks) if reshard.report else None
     save(out, "stage1", result)

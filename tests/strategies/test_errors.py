@@ -18,7 +18,9 @@ def test_accumulation_steps_must_be_a_positive_int(strategy_cls, bad):
 
 
 def test_partial_window_must_be_known():
-    with pytest.raises(ValueError, match=r"partial_window='sometimes' is not valid: choose one of 'scale', 'drop', 'carry'"):
+    with pytest.raises(
+        ValueError, match=r"partial_window='sometimes' is not valid: choose one of 'scale', 'drop', 'carry'"
+    ):
         SinkStrategy(accumulation_steps=2, partial_window="sometimes")
 
 
@@ -59,7 +61,9 @@ def test_manual_optimization_without_accumulation_runs_as_stock_lightning():
 
 def test_device_that_does_not_match_the_accelerator():
     # Lightning's accelerator connector sees the strategy's device and refuses at construction.
-    with pytest.raises(MisconfigurationException, match=r"GPU parallel_devices set through SinkStrategy.*accelerator set to cpu"):
+    with pytest.raises(
+        MisconfigurationException, match=r"GPU parallel_devices set through SinkStrategy.*accelerator set to cpu"
+    ):
         quiet_trainer(strategy=SinkStrategy(accumulation_steps=2, device="cuda:0"), max_epochs=1)
 
 

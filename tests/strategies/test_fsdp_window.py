@@ -24,8 +24,7 @@ def micro_batches():
     return [torch.randn(4, 8, generator=generator) for _ in range(3)]
 
 
-@pytest.mark.parametrize("policy", [None, MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                                reduce_dtype=torch.float32)])
+@pytest.mark.parametrize("policy", [None, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)])
 def test_partial_sums_are_the_unreduced_gradient_sums_and_can_be_restored(policy):
     mesh = one_rank_mesh()
     torch.manual_seed(0)

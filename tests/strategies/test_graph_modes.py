@@ -52,16 +52,20 @@ def test_graph_mode_must_be_known():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_cuda_graph_without_cuda_says_what_to_use_instead():
-    with pytest.raises(ValueError, match=r"graph_mode='cuda_graph' .* CUDA is not available here: use "
-                                         r"graph_mode='compile'"):
+    with pytest.raises(
+        ValueError,
+        match=r"graph_mode='cuda_graph' .* CUDA is not available here: use "
+        r"graph_mode='compile'",
+    ):
         SinkStrategy(sink_size=4, graph_mode="cuda_graph")
 
 
 @needs_cuda
 def test_cuda_graph_on_the_cpu_of_a_cuda_machine_is_an_error():
     model = TinyClassifier()
-    trainer = quiet_trainer(strategy=SinkStrategy(sink_size=4, graph_mode="cuda_graph"), accelerator="cpu",
-                            max_epochs=1)
+    trainer = quiet_trainer(
+        strategy=SinkStrategy(sink_size=4, graph_mode="cuda_graph"), accelerator="cpu", max_epochs=1
+    )
     with pytest.raises(ValueError, match="needs the model on a CUDA device, but this run trains on cpu"):
         trainer.fit(model, shuffled_loader(make_dataset(num_samples=SAMPLES)))
 

@@ -61,8 +61,10 @@ def loop_state(trainer) -> dict[str, Any]:
     """The optimizer progress (zero-grad and step counters) and the scheduler progress, as the checkpoint's
     ``loops["fit_loop"]`` holds them (``FitLoop.state_dict()`` is what Lightning saves there)."""
     state = trainer.fit_loop.state_dict()
-    return {"optimizer": state["epoch_loop.automatic_optimization.optim_progress"],
-            "schedulers": state["epoch_loop.scheduler_progress"]}
+    return {
+        "optimizer": state["epoch_loop.automatic_optimization.optim_progress"],
+        "schedulers": state["epoch_loop.scheduler_progress"],
+    }
 
 
 def update_totals(trainer) -> dict[str, Any]:
@@ -335,22 +337,42 @@ def test_explicit_accumulation_steps_and_a_scheduler_is_a_clear_error():
 
 # ---------------------------------------------------------------------------------------------- 9. hook order
 _MODULE_HOOKS = sorted(
-    name for name, value in {**vars(pl.core.hooks.ModelHooks), **vars(pl.LightningModule)}.items()
-    if inspect.isfunction(value) and (name.startswith("on_") or name in (
-        "training_step", "validation_step", "optimizer_step", "optimizer_zero_grad", "backward",
-        "configure_gradient_clipping", "lr_scheduler_step", "setup", "teardown", "configure_model",
-        "transfer_batch_to_device"))
+    name
+    for name, value in {**vars(pl.core.hooks.ModelHooks), **vars(pl.LightningModule)}.items()
+    if inspect.isfunction(value)
+    and (
+        name.startswith("on_")
+        or name
+        in (
+            "training_step",
+            "validation_step",
+            "optimizer_step",
+            "optimizer_zero_grad",
+            "backward",
+            "configure_gradient_clipping",
+            "lr_scheduler_step",
+            "setup",
+            "teardown",
+            "configure_model",
+            "transfer_batch_to_device",
+        )
+    )
 )
-_CALLBACK_HOOKS = sorted(name for name, value in vars(Callback).items()
-                         if inspect.isfunction(value) and (name.startswith("on_") or name in ("setup", "teardown")))
+_CALLBACK_HOOKS = sorted(
+    name
+    for name, value in vars(Callback).items()
+    if inspect.isfunction(value) and (name.startswith("on_") or name in ("setup", "teardown"))
+)
 
 
 def recording(cls: type, calls: list[str]) -> type:
     """A subclass of the LightningModule ``cls`` that appends ``m.<hook>`` to ``calls`` for every hook."""
+
     def wrap(name: str):
         def hook(self, *args, **kwargs):
             calls.append(f"m.{name}")
             return getattr(super(recorded, self), name)(*args, **kwargs)
+
         return hook
 
     recorded = type(f"Recording{cls.__name__}", (cls,), {name: wrap(name) for name in _MODULE_HOOKS})
@@ -394,9 +416,18 @@ def test_hook_sequence_of_a_fit_is_stocks():
     assert loop_state(sink_trainer) == loop_state(stock_trainer)
 
 
-_STEP_HOOKS = {"training_step", "on_before_zero_grad", "optimizer_zero_grad", "on_before_backward", "backward",
-               "on_after_backward", "optimizer_step", "on_before_optimizer_step", "configure_gradient_clipping",
-               "lr_scheduler_step"}
+_STEP_HOOKS = {
+    "training_step",
+    "on_before_zero_grad",
+    "optimizer_zero_grad",
+    "on_before_backward",
+    "backward",
+    "on_after_backward",
+    "optimizer_step",
+    "on_before_optimizer_step",
+    "configure_gradient_clipping",
+    "lr_scheduler_step",
+}
 
 
 def _per_batch(calls: list[str]) -> list[list[str]]:
@@ -418,10 +449,12 @@ def test_sink_hook_rule_batch_hooks_per_sink_step_hooks_per_micro_batch_and_upda
     run exactly as stock Lightning runs them for those K batches: zero-grad hooks at each window's first
     micro-batch, backward hooks per micro-batch, optimizer_step (around the window's last micro-batch),
     on_before_optimizer_step and the step LR schedulers per update."""
-    stock_calls, stock, stock_trainer = recorded_fit("auto", accumulate_grad_batches=2, max_epochs=1,
-                                                     limit_val_batches=0)
-    sink_calls, sink, sink_trainer = recorded_fit(SinkStrategy(accumulation_steps=2, sink_size=4), max_epochs=2,
-                                                  limit_val_batches=0)
+    stock_calls, stock, stock_trainer = recorded_fit(
+        "auto", accumulate_grad_batches=2, max_epochs=1, limit_val_batches=0
+    )
+    sink_calls, sink, sink_trainer = recorded_fit(
+        SinkStrategy(accumulation_steps=2, sink_size=4), max_epochs=2, limit_val_batches=0
+    )
     stock_batches, sink_batches = _per_batch(stock_calls), _per_batch(sink_calls)
     assert len(stock_batches) == 8 and len(sink_batches) == 2
     assert sink_batches == [sum(stock_batches[:4], []), sum(stock_batches[4:], [])]

@@ -38,8 +38,9 @@ def runs(tmp_path_factory) -> Path:
     launch(out, "train")
     train_one_device(out)
     train_one_device_sink_mode(out)
-    transform_checkpoints(out / "stage1", out / "resharded_dp2_tp1", "ckpt_", None,
-                          infer_layout(TPClassifier, 2, 1, init_args=INIT_ARGS))
+    transform_checkpoints(
+        out / "stage1", out / "resharded_dp2_tp1", "ckpt_", None, infer_layout(TPClassifier, 2, 1, init_args=INIT_ARGS)
+    )
     launch(out, "resume")
     return out
 
@@ -50,8 +51,12 @@ def train_one_device_sink_mode(out: Path) -> None:
     from lightning_sink.callbacks import ReshardCheckpoint
     from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
 
-    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=worker.STEPS, sink_size=4), devices=1, max_epochs=2,
-                            callbacks=[ReshardCheckpoint(out / "target_dp1_tp2.json", out / "resharded_sink")])
+    trainer = quiet_trainer(
+        strategy=SinkStrategy(accumulation_steps=worker.STEPS, sink_size=4),
+        devices=1,
+        max_epochs=2,
+        callbacks=[ReshardCheckpoint(out / "target_dp1_tp2.json", out / "resharded_sink")],
+    )
     trainer.fit(TinyClassifier(**INIT_ARGS), loader(make_dataset(num_samples=worker.SAMPLES), worker.MICRO_BATCH))
     assert trainer.global_step == 4
 
@@ -64,15 +69,26 @@ def train_one_device(out: Path) -> None:
     from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
 
     model = TinyClassifier(**INIT_ARGS)
-    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=worker.STEPS), devices=1, max_epochs=2,
-                            callbacks=[ReshardCheckpoint(out / "target_dp1_tp2.json", out / "resharded_single")])
+    trainer = quiet_trainer(
+        strategy=SinkStrategy(accumulation_steps=worker.STEPS),
+        devices=1,
+        max_epochs=2,
+        callbacks=[ReshardCheckpoint(out / "target_dp1_tp2.json", out / "resharded_single")],
+    )
     trainer.fit(model, loader(make_dataset(num_samples=worker.SAMPLES), worker.MICRO_BATCH))
     optimizer = trainer.optimizers[0]
     reference = {f"state_dict.{name}": p.detach().clone() for name, p in model.named_parameters()}
-    reference.update({f"optimizer_0.state.{name}.{key}": value.clone() for name, p in model.named_parameters()
-                      for key, value in optimizer.state[p].items()})
-    torch.save({"tensors": reference, "global_step": trainer.global_step, "end_probe": worker.probe_loss(model)},
-               out / "single.pt")
+    reference.update(
+        {
+            f"optimizer_0.state.{name}.{key}": value.clone()
+            for name, p in model.named_parameters()
+            for key, value in optimizer.state[p].items()
+        }
+    )
+    torch.save(
+        {"tensors": reference, "global_step": trainer.global_step, "end_probe": worker.probe_loss(model)},
+        out / "single.pt",
+    )
 
 
 def full_reference(runs: Path) -> dict[str, torch.Tensor]:
@@ -132,8 +148,9 @@ def test_reshard_checkpoint_output_is_verified_slices_of_the_full_tensors(runs: 
             assert torch.equal(shard, expected), (rank, fqn)
         assert checkpoint["extra_files"]["meta.pt"] == (runs / "stage1" / "meta.pt").read_bytes()
     stage1 = torch.load(runs / "stage1.pt", weights_only=True)
-    assert stage1["bytes_written"] == sum((runs / "resharded_dp1_tp2" / f"rank_{r}" / f"ckpt_{r}.pt").stat().st_size
-                                          for r in range(2))
+    assert stage1["bytes_written"] == sum(
+        (runs / "resharded_dp1_tp2" / f"rank_{r}" / f"ckpt_{r}.pt").stat().st_size for r in range(2)
+    )
 
 
 @pytest.mark.slow

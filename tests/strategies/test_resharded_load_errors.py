@@ -28,8 +28,9 @@ INIT_ARGS = {"optimizer": "adamw", "lr": 0.01}
 
 def resharded(tmp_path: Path, name: str, strategy: SinkStrategy, batches: int, **trainer_kwargs) -> Path:
     layout = save_layout(infer_layout(TPClassifier, 1, 2, init_args=INIT_ARGS), tmp_path / "tp2.json")
-    trainer = quiet_trainer(strategy=strategy, devices=1, callbacks=[ReshardCheckpoint(layout, tmp_path / name)],
-                            **trainer_kwargs)
+    trainer = quiet_trainer(
+        strategy=strategy, devices=1, callbacks=[ReshardCheckpoint(layout, tmp_path / name)], **trainer_kwargs
+    )
     trainer.fit(TinyClassifier(**INIT_ARGS), loader(make_dataset(num_samples=4 * batches), 4))
     return tmp_path / name
 
@@ -80,7 +81,10 @@ def test_the_files_mesh_must_be_the_runs_mesh(tmp_path: Path):
     with pytest.raises(ValueError, match=r"rank_0/checkpoint_0\.pt") as error:
         check_layout_matches_mesh(layout, other, 2, file)
     message = str(error.value)
-    assert "{'data_parallel': 1, 'tensor_parallel': 2}" in message and "{'data_parallel': 2, 'tensor_parallel': 1}" in message
+    assert (
+        "{'data_parallel': 1, 'tensor_parallel': 2}" in message
+        and "{'data_parallel': 2, 'tensor_parallel': 1}" in message
+    )
 
 
 def test_a_rank_beyond_the_resharded_world_is_refused(tmp_path: Path):

@@ -66,8 +66,10 @@ def saved_folder(tmp_path: Path) -> tuple[Path, Model, torch.optim.Optimizer]:
     folder = tmp_path / "ckpt"
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"state_dict": get_model_state_dict(model), "optimizer_0": get_optimizer_state_dict(model, optimizer)},
-                 checkpoint_id=folder)
+        dcp.save(
+            {"state_dict": get_model_state_dict(model), "optimizer_0": get_optimizer_state_dict(model, optimizer)},
+            checkpoint_id=folder,
+        )
     torch.save({"epoch": 1, "global_step": 1}, folder / "meta.pt")
     return folder, model, optimizer
 
@@ -98,8 +100,11 @@ def test_a_crafted_non_tensor_value_runs_no_code(tmp_path: Path):
     folder, _model, _optimizer = saved_folder(tmp_path)
     marker = tmp_path / "code_ran"
     metadata = read_dcp_metadata(folder)
-    fqn = next(fqn for fqn, item in metadata.state_dict_metadata.items()
-               if isinstance(item, BytesStorageMetadata) and fqn.startswith("optimizer_0.param_groups"))
+    fqn = next(
+        fqn
+        for fqn, item in metadata.state_dict_metadata.items()
+        if isinstance(item, BytesStorageMetadata) and fqn.startswith("optimizer_0.param_groups")
+    )
     payload = io.BytesIO()
     torch.save(PlantsAFolder(marker), payload)
     data_file = folder / metadata.storage_data[MetadataIndex(fqn)].relative_path

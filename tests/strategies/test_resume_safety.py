@@ -18,8 +18,9 @@ class Save(Callback):
 
     def _save(self, trainer):
         trainer.save_checkpoint(self.path)
-        self.window_position = trainer.strategy._accumulator.micro_steps if isinstance(trainer.strategy, SinkStrategy) \
-            else None
+        self.window_position = (
+            trainer.strategy._accumulator.micro_steps if isinstance(trainer.strategy, SinkStrategy) else None
+        )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.fit_loop.total_batch_idx == self.at_batch:
@@ -40,22 +41,37 @@ def save_sink_checkpoint(tmp_path, strategy_kwargs, epochs, **save):
 CHANGES = [
     # (saved with, resumed with, where, the changed argument)
     (dict(accumulation_steps=4), dict(accumulation_steps=2), dict(at_batch=1), "accumulation_steps", 4, 2),
-    (dict(accumulation_steps=4, sink_size=3), dict(accumulation_steps=4, sink_size=5), dict(at_epoch_end=0),
-     "sink_size", 3, 5),
+    (
+        dict(accumulation_steps=4, sink_size=3),
+        dict(accumulation_steps=4, sink_size=5),
+        dict(at_epoch_end=0),
+        "sink_size",
+        3,
+        5,
+    ),
     (dict(accumulation_steps=4), dict(accumulation_steps=4, sink_size=3), dict(at_batch=1), "sink_size", None, 3),
-    (dict(accumulation_steps=4, partial_window="carry"), dict(accumulation_steps=4, partial_window="scale"),
-     dict(at_epoch_end=0), "partial_window", "carry", "scale"),
+    (
+        dict(accumulation_steps=4, partial_window="carry"),
+        dict(accumulation_steps=4, partial_window="scale"),
+        dict(at_epoch_end=0),
+        "partial_window",
+        "carry",
+        "scale",
+    ),
 ]
 
 
 @pytest.mark.parametrize("saved, resumed, where, name, old, new", CHANGES)
-def test_resuming_inside_a_window_with_other_settings_names_both_values(tmp_path, saved, resumed, where, name, old,
-                                                                         new):
+def test_resuming_inside_a_window_with_other_settings_names_both_values(
+    tmp_path, saved, resumed, where, name, old, new
+):
     saver = save_sink_checkpoint(tmp_path, saved, epochs=2, **where)
     assert saver.window_position not in (None, 0), "the checkpoint must be taken inside a window"
     trainer = quiet_trainer(strategy=SinkStrategy(**resumed), max_epochs=3)
-    message = rf"saved.ckpt: the checkpoint was saved inside an accumulation window .* with {name}={old!r}, but this" \
-              rf" run has {name}={new!r}"
+    message = (
+        rf"saved.ckpt: the checkpoint was saved inside an accumulation window .* with {name}={old!r}, but this"
+        rf" run has {name}={new!r}"
+    )
     with pytest.raises(ValueError, match=message):
         trainer.fit(TinyClassifier(), loader(DATASET, 4), ckpt_path=saver.path)
 
@@ -85,8 +101,9 @@ def test_stock_lightning_resumes_a_sink_checkpoint_at_a_window_boundary_as_its_o
     stock = quiet_trainer(accumulate_grad_batches=2, max_epochs=3, callbacks=[stock_saver])
     stock.fit(stock_model, loader(DATASET, 4))
     from_stock = TinyClassifier()
-    quiet_trainer(accumulate_grad_batches=2, max_epochs=3).fit(from_stock, loader(DATASET, 4),
-                                                              ckpt_path=stock_saver.path)
+    quiet_trainer(accumulate_grad_batches=2, max_epochs=3).fit(
+        from_stock, loader(DATASET, 4), ckpt_path=stock_saver.path
+    )
     assert resumed.global_step == stock.global_step == 15
     # The first epoch's updates sum gradients in another order (fp32 window buffer): equal up to rounding.
     torch.testing.assert_close(flat(stock_resumed), flat(stock_model), rtol=1e-5, atol=1e-6)
@@ -99,8 +116,9 @@ def test_stock_lightning_resumes_a_mid_window_sink_checkpoint_as_its_own_mid_win
     saver = save_sink_checkpoint(tmp_path, dict(accumulation_steps=2), epochs=1, at_batch=4)
     assert saver.window_position == 1
     stock_saver = Save(tmp_path / "stock.ckpt", at_batch=4)
-    quiet_trainer(accumulate_grad_batches=2, max_epochs=1, callbacks=[stock_saver]).fit(TinyClassifier(),
-                                                                                      loader(DATASET, 4))
+    quiet_trainer(accumulate_grad_batches=2, max_epochs=1, callbacks=[stock_saver]).fit(
+        TinyClassifier(), loader(DATASET, 4)
+    )
     steps = {}
     for name, path in (("from_sink", saver.path), ("from_stock", stock_saver.path)):
         trainer = quiet_trainer(accumulate_grad_batches=2, max_epochs=2)

@@ -61,8 +61,11 @@ def make_loader(kind: str):
 
 def fit(mode: str, kind: str, model: TinyClassifier, ckpt_path: Path | None = None, callbacks=()):
     settings = MODES[mode]
-    strategy = SinkStrategy(accumulation_steps=STEPS, partial_window=settings.get("partial_window", "scale"),
-                            sink_size=settings.get("sink_size"))
+    strategy = SinkStrategy(
+        accumulation_steps=STEPS,
+        partial_window=settings.get("partial_window", "scale"),
+        sink_size=settings.get("sink_size"),
+    )
     trainer = quiet_trainer(strategy=strategy, max_epochs=settings["epochs"], callbacks=list(callbacks))
     trainer.fit(model, make_loader(kind), ckpt_path=ckpt_path)
     return trainer
@@ -85,11 +88,19 @@ def uninterrupted(mode: str, kind: str) -> tuple[torch.Tensor, int]:
 
 # Lightning batches are micro-batches without sinks (10 per epoch) and sinks of 4 micro-batches with them.
 POINTS = {
-    "no_sink": {"mid_window_first_epoch": dict(at_batch=4), "window_boundary_mid_epoch": dict(at_batch=5),
-                "epoch_boundary": dict(at_epoch_end=0), "mid_window_later_epoch": dict(at_batch=13),
-                "mid_window_third_epoch": dict(at_batch=24)},
-    "sink": {"mid_window_first_pass": dict(at_epoch_end=1), "window_boundary_mid_pass": dict(at_epoch_end=2),
-             "pass_boundary": dict(at_epoch_end=4), "later_pass": dict(at_epoch_end=5)},
+    "no_sink": {
+        "mid_window_first_epoch": dict(at_batch=4),
+        "window_boundary_mid_epoch": dict(at_batch=5),
+        "epoch_boundary": dict(at_epoch_end=0),
+        "mid_window_later_epoch": dict(at_batch=13),
+        "mid_window_third_epoch": dict(at_batch=24),
+    },
+    "sink": {
+        "mid_window_first_pass": dict(at_epoch_end=1),
+        "window_boundary_mid_pass": dict(at_epoch_end=2),
+        "pass_boundary": dict(at_epoch_end=4),
+        "later_pass": dict(at_epoch_end=5),
+    },
 }
 CASES = [(mode, point) for mode in POINTS for point in POINTS[mode]]
 

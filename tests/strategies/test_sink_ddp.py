@@ -22,15 +22,26 @@ from tests.helpers import (
 MICRO_BATCH, WORLD = 4, 2
 
 
-def launch(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int, scenario: str,
-           torchrun: bool = False) -> None:
+def launch(
+    out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int, scenario: str, torchrun: bool = False
+) -> None:
     """Lightning's own launcher re-runs the command for rank 1; with ``torchrun`` both ranks come from torchrun."""
-    run_launched("tests.strategies.ddp_worker", out_dir, steps, partial_window, num_samples, epochs, scenario,
-                 torchrun=WORLD if torchrun else None, timeout=180)
+    run_launched(
+        "tests.strategies.ddp_worker",
+        out_dir,
+        steps,
+        partial_window,
+        num_samples,
+        epochs,
+        scenario,
+        torchrun=WORLD if torchrun else None,
+        timeout=180,
+    )
 
 
-def run_workers(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int,
-                torchrun: bool = False) -> dict:
+def run_workers(
+    out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int, torchrun: bool = False
+) -> dict:
     launch(out_dir, steps, partial_window, num_samples, epochs, "exactness", torchrun)
     summary = json.loads((out_dir / "summary.json").read_text())
     summary.update(torch.load(out_dir / "result.pt"))
@@ -38,8 +49,9 @@ def run_workers(out_dir: Path, steps: int, partial_window: str, num_samples: int
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("partial_window, num_samples, torchrun", [("scale", 96, False), ("carry", 80, False),
-                                                                    ("drop", 88, True)])
+@pytest.mark.parametrize(
+    "partial_window, num_samples, torchrun", [("scale", 96, False), ("carry", 80, False), ("drop", 88, True)]
+)
 def test_ddp_equals_global_batch_and_reduces_once_per_window(tmp_path, partial_window, num_samples, torchrun):
     steps, epochs = 4, 2
     result = run_workers(tmp_path, steps, partial_window, num_samples, epochs, torchrun)

@@ -96,9 +96,12 @@ def test_epoch_and_step_values_equal_lightnings_reductions_of_the_plain_loops_lo
 def test_the_logger_gets_a_row_per_update_with_its_loss(tmp_path, graph_mode):
     model = TinyClassifier(lr=0.05)
     reference = plain_losses(copy.deepcopy(model), passes=4)
-    trainer = quiet_trainer(strategy=SinkStrategy(sink_size=3, graph_mode=graph_mode), max_epochs=8,
-                            log_every_n_steps=1,
-                            logger=CSVLogger(tmp_path, name="run", version=0))
+    trainer = quiet_trainer(
+        strategy=SinkStrategy(sink_size=3, graph_mode=graph_mode),
+        max_epochs=8,
+        log_every_n_steps=1,
+        logger=CSVLogger(tmp_path, name="run", version=0),
+    )
     trainer.fit(model, DataLoader(make_dataset(num_samples=SAMPLES), batch_size=MICRO))
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as file:
         rows = [row for row in csv.DictReader(file) if row["train_loss"]]
@@ -121,7 +124,15 @@ def test_lightning_is_called_at_most_twice_per_key_per_sink(monkeypatch):
     trainer.fit(Reductions(), DataLoader(make_dataset(num_samples=SAMPLES), batch_size=MICRO))
     # per sink: each reduced key twice (its earlier steps, its last step); the Metric on every micro-step
     assert {name: calls.count(name) for name in calls} == {
-        "mean": 4, "sum": 4, "doubled_sum": 4, "max": 4, "min": 4, "micro_batch": 4, "given_size": 4, "metric": 100}
+        "mean": 4,
+        "sum": 4,
+        "doubled_sum": 4,
+        "max": 4,
+        "min": 4,
+        "micro_batch": 4,
+        "given_size": 4,
+        "metric": 100,
+    }
 
 
 def test_a_logging_module_has_no_host_sync_inside_a_sink():
@@ -130,11 +141,13 @@ def test_a_logging_module_has_no_host_sync_inside_a_sink():
 
     counter = SyncCounter()
     # prefetch_depth=2: the loader's own CPU work (a sampler's tolist()) then runs in its thread, not counted
-    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=2, sink_size=8, prefetch_depth=2),
-                            max_epochs=2, callbacks=[counter])
+    trainer = quiet_trainer(
+        strategy=SinkStrategy(accumulation_steps=2, sink_size=8, prefetch_depth=2), max_epochs=2, callbacks=[counter]
+    )
     sink_syncs = count_syncs_per_sink(trainer, counter)
-    trainer.fit(TinyClassifier(optimizer="adamw_fused"), DataLoader(make_dataset(num_samples=SAMPLES),
-                                                                     batch_size=MICRO))
+    trainer.fit(
+        TinyClassifier(optimizer="adamw_fused"), DataLoader(make_dataset(num_samples=SAMPLES), batch_size=MICRO)
+    )
     assert sink_syncs == [0, 0]
 
 
@@ -166,5 +179,6 @@ class OwnLog(TinyClassifier):
 def test_a_module_with_its_own_log_is_called_on_every_micro_step():
     model = OwnLog()
     quiet_trainer(strategy=SinkStrategy(sink_size=5), max_epochs=2).fit(
-        model, DataLoader(make_dataset(num_samples=SAMPLES), batch_size=MICRO))
+        model, DataLoader(make_dataset(num_samples=SAMPLES), batch_size=MICRO)
+    )
     assert model.own_calls == 10

@@ -57,8 +57,9 @@ def test_sinks_traverse_the_data_continuously_and_match_the_plain_loop(prefetch_
     model = TinyClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.9)
     reference = copy.deepcopy(model)
     per_sink = PerSink()
-    trainer = fit_sinks(model, sink_size=7, steps=3, epochs=5, prefetch_depth=prefetch_depth,
-                        callbacks=[per_sink])  # 35 micro-batches
+    trainer = fit_sinks(
+        model, sink_size=7, steps=3, epochs=5, prefetch_depth=prefetch_depth, callbacks=[per_sink]
+    )  # 35 micro-batches
     windows = windows_of(continuous_micro_batches(35), 3)  # 11 updates; windows span sinks and passes
     lrs = reference_train(reference, make_dataset(num_samples=SAMPLES), windows)
     assert trainer.global_step == 11
@@ -73,9 +74,14 @@ def test_sinks_traverse_the_data_continuously_and_match_the_plain_loop(prefetch_
 
 def test_a_loader_shuffled_by_its_own_generator_keeps_the_plain_loops_order():
     """Regression: checking the loader once with iter() drew from its generator and shifted every pass's order."""
+
     def generator_loader():
-        return DataLoader(make_dataset(num_samples=SAMPLES), batch_size=MICRO, shuffle=True,
-                          generator=torch.Generator().manual_seed(5))
+        return DataLoader(
+            make_dataset(num_samples=SAMPLES),
+            batch_size=MICRO,
+            shuffle=True,
+            generator=torch.Generator().manual_seed(5),
+        )
 
     model = TinyClassifier(optimizer="sgd", lr=0.05)
     reference = copy.deepcopy(model)
@@ -160,8 +166,9 @@ class Stream(IterableDataset):
 @pytest.mark.parametrize("sink_size, expected_lengths", [(4, [4, 4, 4]), (-1, [10, 10, 10])])
 def test_iterable_dataset_without_length(sink_size, expected_lengths):
     per_sink = PerSink()
-    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=2, sink_size=sink_size), max_epochs=3,
-                            callbacks=[per_sink])
+    trainer = quiet_trainer(
+        strategy=SinkStrategy(accumulation_steps=2, sink_size=sink_size), max_epochs=3, callbacks=[per_sink]
+    )
     trainer.fit(TinyClassifier(), DataLoader(Stream(), batch_size=None))
     assert [len(out["losses"]) for out in per_sink.outputs] == expected_lengths
     assert trainer.global_step == sum(expected_lengths) // 2
@@ -178,6 +185,7 @@ def count_syncs_per_sink(trainer, counter) -> list[int]:
         finally:
             counter._phase = None
             sink_syncs.append(counter._count - before)
+
     trainer.strategy._run_sink = counted_sink
     return sink_syncs
 
@@ -188,8 +196,9 @@ def test_no_host_sync_inside_a_sink():
     counter = SyncCounter()
     model = Unlogged(optimizer="adamw_fused", lr=0.01)
     # prefetch_depth=2: the loader's own CPU work (a sampler's tolist()) then runs in its thread, not counted
-    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=2, sink_size=8, prefetch_depth=2),
-                            max_epochs=2, callbacks=[counter])
+    trainer = quiet_trainer(
+        strategy=SinkStrategy(accumulation_steps=2, sink_size=8, prefetch_depth=2), max_epochs=2, callbacks=[counter]
+    )
     sink_syncs = count_syncs_per_sink(trainer, counter)
     trainer.fit(model, shuffled_loader(make_dataset(num_samples=SAMPLES)))
     assert sink_syncs == [0, 0] and trainer.global_step == 8
@@ -217,8 +226,9 @@ def test_accumulation_and_loss_scaling_inside_sinks(optimizer):
     plugin = LossScalePrecision("32-true", DynamicLossScale(init_scale=2.0**10))
     trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=3, sink_size=5), plugins=[plugin], max_epochs=4)
     trainer.fit(model, shuffled_loader(make_dataset(num_samples=SAMPLES)))  # 20 micro-batches: 6 windows
-    lrs = reference_train(reference, make_dataset(num_samples=SAMPLES), windows_of(continuous_micro_batches(20), 3),
-                          skip={1})
+    lrs = reference_train(
+        reference, make_dataset(num_samples=SAMPLES), windows_of(continuous_micro_batches(20), 3), skip={1}
+    )
     assert trainer.global_step == 6 and plugin.skipped_updates == 1 and plugin.scale == 2.0**9
     # on_before_optimizer_step sees every window; the schedule holds on the skipped one (window 1).
     assert model.seen_lrs[1] == model.seen_lrs[2]
@@ -228,7 +238,9 @@ def test_accumulation_and_loss_scaling_inside_sinks(optimizer):
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, "3", True])
 def test_sink_size_must_be_valid(bad):
-    with pytest.raises(ValueError, match=rf"sink_size={bad!r} is not valid: pass an int >= 1 \(micro-batches per sink\), -1"):
+    with pytest.raises(
+        ValueError, match=rf"sink_size={bad!r} is not valid: pass an int >= 1 \(micro-batches per sink\), -1"
+    ):
         SinkStrategy(sink_size=bad)
 
 

@@ -34,8 +34,9 @@ def reference_windows() -> list[list[int]]:
     return ddp_reference_windows(worker.SAMPLES, worker.MICRO_BATCH, worker.STEPS, worker.EPOCHS, "scale", worker.DP)
 
 
-def reference_params(windows: list[list[int]], skip: set[int] = frozenset(),
-                     step_lr_gamma: float | None = 0.95) -> tuple[torch.Tensor, list[float]]:
+def reference_params(
+    windows: list[list[int]], skip: set[int] = frozenset(), step_lr_gamma: float | None = 0.95
+) -> tuple[torch.Tensor, list[float]]:
     """A plain PyTorch loop on the unsharded model: one AdamW step per window on the mean loss of its samples."""
     model = TPClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=step_lr_gamma)
     optimizer = make_optimizer("adamw", model.parameters(), 0.01)
@@ -63,15 +64,20 @@ def test_equals_the_global_batch_reference_and_reduces_once_per_window(runs):
     assert result["lrs"] == pytest.approx(lrs, rel=1e-12)
     assert relative_error(flat(result["params"]), expected) <= 1e-5
     # The parameters really are sharded: Linear(8,16) column-wise over tp=2 then rows over dp=2, and so on.
-    assert result["local_shapes"] == {"net.0.weight": (4, 8), "net.0.bias": (4,), "net.2.weight": (2, 8),
-                                      "net.2.bias": (2,)}
+    assert result["local_shapes"] == {
+        "net.0.weight": (4, 8),
+        "net.0.bias": (4,),
+        "net.2.weight": (2, 8),
+        "net.2.bias": (2,),
+    }
     # Communication: no gradient reduction in accumulate batches; in each update batch one reduce-scatter per FSDP
     # parameter group (each gradient is reduced exactly once per window), and no all-reduce.
     per_batch = result["per_batch"]
     assert [batch["updates"] for batch in per_batch] == [0, 0, 1] * 4
     groups = TPClassifier.FSDP_GROUPS_WITH_PARAMETERS
-    assert [batch["reduce_scatter_single"] + batch["reduce_scatter_tensor"] for batch in per_batch] == \
-        [groups * batch["updates"] for batch in per_batch]
+    assert [batch["reduce_scatter_single"] + batch["reduce_scatter_tensor"] for batch in per_batch] == [
+        groups * batch["updates"] for batch in per_batch
+    ]
     assert all(batch["all_reduce"] == 0 for batch in per_batch)
 
 
@@ -155,8 +161,11 @@ def test_layout_file_describes_the_dcp_checkpoint(runs):
     from lightning_sink.layout import load_layout, read_dcp_metadata
 
     layout = load_layout(runs / "ckpt" / "layout.json")  # validates: chunks tile every tensor, ranks in range
-    assert (layout.world_size, layout.mesh.shape, layout.mesh.dim_names) == (4, (2, 2), ("data_parallel",
-                                                                                       "tensor_parallel"))
+    assert (layout.world_size, layout.mesh.shape, layout.mesh.dim_names) == (
+        4,
+        (2, 2),
+        ("data_parallel", "tensor_parallel"),
+    )
     assert layout.mesh.ranks == ((0, 1), (2, 3))
     metadata = read_dcp_metadata(runs / "ckpt")
     tensor_keys = {key for key, value in metadata.state_dict_metadata.items() if hasattr(value, "chunks")}
@@ -167,8 +176,7 @@ def test_layout_file_describes_the_dcp_checkpoint(runs):
     # strided placement FSDP2 + TP produce puts tp rank 1's rows 8..15 after tp rank 0's 0..7.
     weight = layout.tensors["state_dict.net.0.weight"]
     assert weight.placements == ("_StridedShard(0,sf=2)", "Shard(0)")
-    assert {chunk.rank: chunk.offsets for chunk in weight.chunks} == {0: (0, 0), 1: (8, 0), 2: (4, 0),
-                                                                      3: (12, 0)}
+    assert {chunk.rank: chunk.offsets for chunk in weight.chunks} == {0: (0, 0), 1: (8, 0), 2: (4, 0), 3: (12, 0)}
     assert layout.tensors["state_dict.net.2.weight"].placements == ("Shard(0)", "Shard(1)")
     assert layout.tensors["optimizer_0.state.net.0.weight.exp_avg"].role == "optimizer_state"
 
@@ -211,8 +219,24 @@ def test_inferred_layout_equals_the_layout_a_real_run_writes(runs, tmp_path):
     init_args = {"optimizer": "adamw", "lr": 0.01, "step_lr_gamma": 0.95}
     assert infer_layout(TPClassifier, worker.DP, worker.TP, init_args=init_args) == written
     # `lightning-sink layout`, with the class path, writes the same file.
-    assert main(["layout", "--model", "tests.strategies.mp_models.TPClassifier", "--init-args", json.dumps(init_args),
-                 "--data-parallel-size", "2", "--tensor-parallel-size", "2", "--output", str(tmp_path / "p.json")]) == 0
+    assert (
+        main(
+            [
+                "layout",
+                "--model",
+                "tests.strategies.mp_models.TPClassifier",
+                "--init-args",
+                json.dumps(init_args),
+                "--data-parallel-size",
+                "2",
+                "--tensor-parallel-size",
+                "2",
+                "--output",
+                str(tmp_path / "p.json"),
+            ]
+        )
+        == 0
+    )
     assert load_layout(tmp_path / "p.json") == written
 
 
@@ -236,12 +260,18 @@ def fit_in_process(model, tmp_path: Path, callbacks=(), ckpt_path=None, **strate
     """One process (a 1 x 1 mesh, gloo): the same code paths without a launch, for the cases that need no peers."""
     from lightning_sink import SinkModelParallelStrategy
 
-    strategy = SinkModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1, process_group_backend="gloo",
-                                         **strategy_kwargs)
-    trainer = quiet_trainer(strategy=strategy, devices=1, max_epochs=2, callbacks=list(callbacks),
-                            limit_train_batches=5, default_root_dir=tmp_path)
-    trainer.fit(model, worker.loader(make_dataset(num_samples=worker.SAMPLES), worker.MICRO_BATCH),
-                ckpt_path=ckpt_path)
+    strategy = SinkModelParallelStrategy(
+        data_parallel_size=1, tensor_parallel_size=1, process_group_backend="gloo", **strategy_kwargs
+    )
+    trainer = quiet_trainer(
+        strategy=strategy,
+        devices=1,
+        max_epochs=2,
+        callbacks=list(callbacks),
+        limit_train_batches=5,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, worker.loader(make_dataset(num_samples=worker.SAMPLES), worker.MICRO_BATCH), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -286,12 +316,25 @@ def test_lightning_cli_class_path_config(tmp_path):
 
     from lightning_sink import SinkModelParallelStrategy
 
-    config = {"trainer": {
-        "strategy": {"class_path": "lightning_sink.SinkModelParallelStrategy",
-                     "init_args": {"data_parallel_size": 1, "tensor_parallel_size": 1, "accumulation_steps": 4,
-                                   "process_group_backend": "gloo"}},
-        "accelerator": "cpu", "devices": 1, "max_epochs": 1, "logger": False, "enable_checkpointing": False,
-        "enable_progress_bar": False}}
+    config = {
+        "trainer": {
+            "strategy": {
+                "class_path": "lightning_sink.SinkModelParallelStrategy",
+                "init_args": {
+                    "data_parallel_size": 1,
+                    "tensor_parallel_size": 1,
+                    "accumulation_steps": 4,
+                    "process_group_backend": "gloo",
+                },
+            },
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_epochs": 1,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+        }
+    }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     cli = LightningCLI(CliTPClassifier, args=["fit", "--config", str(path)], save_config_callback=None)
@@ -308,8 +351,9 @@ def test_cuda_nccl_single_device_equals_the_reference(tmp_path):
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model = TPClassifier(optimizer="adamw", lr=0.01)
-    strategy = SinkModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1, accumulation_steps=3,
-                                         process_group_backend="nccl")
+    strategy = SinkModelParallelStrategy(
+        data_parallel_size=1, tensor_parallel_size=1, accumulation_steps=3, process_group_backend="nccl"
+    )
     trainer = quiet_trainer(strategy=strategy, accelerator="cuda", devices=1, max_epochs=1, default_root_dir=tmp_path)
     trainer.fit(model, worker.loader(make_dataset(num_samples=worker.SAMPLES), worker.MICRO_BATCH))
     trainer.save_checkpoint(tmp_path / "ckpt")

@@ -176,8 +176,9 @@ def test_model_checkpoint_every_n_train_steps_counts_updates(tmp_path):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
-    fit_sink(TinyClassifier(), make_dataset(num_samples=64), steps=4, epochs=1, callbacks=[every],
-             enable_checkpointing=True)
+    fit_sink(
+        TinyClassifier(), make_dataset(num_samples=64), steps=4, epochs=1, callbacks=[every], enable_checkpointing=True
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step=2.ckpt", "step=4.ckpt"]
 
 
@@ -191,8 +192,9 @@ def test_bf16_true_run_accumulates_in_fp32():
             grads_seen.append([p.grad.clone() for p in module.parameters()])
 
     model = TinyClassifier(optimizer="sgd", lr=0.0)
-    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=64), precision="bf16-true", max_epochs=1,
-                            callbacks=[Grab()])
+    trainer = quiet_trainer(
+        strategy=SinkStrategy(accumulation_steps=64), precision="bf16-true", max_epochs=1, callbacks=[Grab()]
+    )
     trainer.fit(model, loader(dataset, 2))
     assert len(grads_seen) == 1 and all(g.dtype == torch.bfloat16 for g in grads_seen[0])
     # Reference: the same bf16 model's per-micro-batch gradients summed in float64; and, for contrast, the
@@ -236,8 +238,10 @@ def test_overridden_backward_and_clipping_hooks_are_still_called():
     assert relative_error(flat_params(model), flat_params(reference)) <= 1e-6
 
 
-@pytest.mark.parametrize("steps, scaled, store", [(1, False, "SingleStepGradients"), (4, False, "GradientAccumulator"),
-                                                  (1, True, "GradientAccumulator")])
+@pytest.mark.parametrize(
+    "steps, scaled, store",
+    [(1, False, "SingleStepGradients"), (4, False, "GradientAccumulator"), (1, True, "GradientAccumulator")],
+)
 def test_a_window_of_one_micro_step_needs_no_buffer_unless_its_loss_is_scaled(steps, scaled, store):
     """N=1 on one process: the micro-step's own gradients go to the optimizer (as a plain loop's); a loss scale
     still needs the fp32 buffer to unscale and check for overflow. Either way the result is the reference's."""

@@ -53,8 +53,9 @@ def scalars(log_dir: str) -> dict[str, dict[int, list[float]]]:
 def fit(tmp_path: Path, name: str, strategy, log_every_n_steps: int | None, **trainer_kwargs):
     logger = TensorBoardLogger(tmp_path, name=name, version=0)
     kwargs = {} if log_every_n_steps is None else {"log_every_n_steps": log_every_n_steps}
-    trainer = quiet_trainer(strategy=strategy, logger=logger, callbacks=[LearningRateMonitor(log_momentum=True)],
-                            **kwargs, **trainer_kwargs)
+    trainer = quiet_trainer(
+        strategy=strategy, logger=logger, callbacks=[LearningRateMonitor(log_momentum=True)], **kwargs, **trainer_kwargs
+    )
     trainer.fit(LogsOnStepAndEpoch(lr=0.05, step_lr_gamma=0.97), loader(make_dataset(num_samples=SAMPLES), MICRO))
     return trainer, scalars(logger.log_dir)
 
@@ -82,8 +83,9 @@ STEP_TAGS = ["train_loss", "accuracy_step", "lr_seen", "lr-SGD", "lr-SGD-momentu
 def test_sinks_of_eight_updates_write_the_stock_runs_points(tmp_path, log_every_n_steps):
     """The reported case: sink_size=32 with N=4 is 8 updates per sink; 64 updates in all."""
     _, stock = stock_run(tmp_path, log_every_n_steps, max_epochs=4)
-    trainer, sink = fit(tmp_path, "sink", SinkStrategy(sink_size=32, accumulation_steps=STEPS), log_every_n_steps,
-                        max_epochs=8)
+    trainer, sink = fit(
+        tmp_path, "sink", SinkStrategy(sink_size=32, accumulation_steps=STEPS), log_every_n_steps, max_epochs=8
+    )
     assert trainer.global_step == 64
     assert sorted(stock["train_loss"]) == [u - 1 for u in range(1, 65) if u % log_every_n_steps == 0]
     assert_same_points(sink, stock, STEP_TAGS)
@@ -104,8 +106,14 @@ def test_sinks_that_end_inside_a_window_write_the_stock_runs_points(tmp_path, lo
     """sink_size=6 with N=4: sinks end inside windows (windows run on across sinks), Lightning sees 1 or 2 updates
     per sink; every update still gets its point with its own values."""
     _, stock = stock_run(tmp_path, log_every_n_steps, max_steps=30, max_epochs=-1)
-    trainer, sink = fit(tmp_path, "sink", SinkStrategy(sink_size=6, accumulation_steps=STEPS), log_every_n_steps,
-                        max_steps=30, max_epochs=-1)
+    trainer, sink = fit(
+        tmp_path,
+        "sink",
+        SinkStrategy(sink_size=6, accumulation_steps=STEPS),
+        log_every_n_steps,
+        max_steps=30,
+        max_epochs=-1,
+    )
     assert trainer.global_step == 30
     assert_same_points(sink, stock, STEP_TAGS)
 
@@ -115,8 +123,7 @@ def test_the_default_log_every_n_steps_writes_without_a_warning(tmp_path):
     """Lightning's default log_every_n_steps=50 (not set by the user): the points are written, nothing warns."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer, sink = fit(tmp_path, "sink", SinkStrategy(sink_size=32, accumulation_steps=STEPS), None,
-                            max_epochs=8)
+        trainer, sink = fit(tmp_path, "sink", SinkStrategy(sink_size=32, accumulation_steps=STEPS), None, max_epochs=8)
     assert trainer.log_every_n_steps == 50
     assert [str(w.message) for w in caught if "log_every_n_steps" in str(w.message)] == []
     assert sorted(sink["train_loss"]) == sorted(sink["lr-SGD"]) == [49]
@@ -131,8 +138,11 @@ def test_a_module_with_its_own_log_is_warned_about_an_unaligned_log_every_n_step
     """Its self.log is not recorded per micro-step, so its values reach the logger once per sink."""
     logger = TensorBoardLogger(tmp_path, name="run", version=0)
     trainer = quiet_trainer(strategy=SinkStrategy(sink_size=8), logger=logger, log_every_n_steps=3, max_epochs=1)
-    with pytest.warns(UserWarning, match=r"Trainer\(log_every_n_steps=3\), for a LightningModule that overrides `log`,"
-                                         r" is checked at the end of each sink only"):
+    with pytest.warns(
+        UserWarning,
+        match=r"Trainer\(log_every_n_steps=3\), for a LightningModule that overrides `log`,"
+        r" is checked at the end of each sink only",
+    ):
         trainer.fit(OverridesLog(), loader(make_dataset(num_samples=32), MICRO))
 
 
@@ -143,8 +153,13 @@ def test_the_loggers_get_the_values_of_the_updates_in_one_read_back(tmp_path):
 
     counter = SyncCounter()
     logger = TensorBoardLogger(tmp_path, name="run", version=0)
-    trainer = quiet_trainer(strategy=SinkStrategy(sink_size=8, accumulation_steps=2, prefetch_depth=2),
-                            logger=logger, log_every_n_steps=1, max_epochs=2, callbacks=[counter])
+    trainer = quiet_trainer(
+        strategy=SinkStrategy(sink_size=8, accumulation_steps=2, prefetch_depth=2),
+        logger=logger,
+        log_every_n_steps=1,
+        max_epochs=2,
+        callbacks=[counter],
+    )
     reads_per_sink = count_syncs_per_sink(trainer, counter)  # the sink and its flush
     trainer.fit(TinyClassifier(), loader(make_dataset(num_samples=64), MICRO))
     assert reads_per_sink == [1, 1]
@@ -156,8 +171,9 @@ def test_values_match_a_plain_loop(tmp_path):
     model = TinyClassifier(lr=0.05)
     reference = copy.deepcopy(model)
     logger = TensorBoardLogger(tmp_path, name="run", version=0)
-    trainer = quiet_trainer(strategy=SinkStrategy(sink_size=6, accumulation_steps=2), logger=logger,
-                            log_every_n_steps=1, max_epochs=2)
+    trainer = quiet_trainer(
+        strategy=SinkStrategy(sink_size=6, accumulation_steps=2), logger=logger, log_every_n_steps=1, max_epochs=2
+    )
     dataset = make_dataset(num_samples=48)
     trainer.fit(model, loader(dataset, MICRO))
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
@@ -167,7 +183,7 @@ def test_values_match_a_plain_loop(tmp_path):
         optimizer.zero_grad()
         for micro in range(2):
             start = (2 * update + micro) * MICRO
-            loss = F.cross_entropy(reference(x[start:start + MICRO]), y[start:start + MICRO])
+            loss = F.cross_entropy(reference(x[start : start + MICRO]), y[start : start + MICRO])
             (loss / 2).backward()
         last_losses.append(loss.item())
         optimizer.step()

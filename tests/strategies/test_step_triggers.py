@@ -18,8 +18,12 @@ from tests.strategies.test_sink_loop import SAMPLES, PerSink, continuous_micro_b
 def fit_with(callbacks, sink_size, steps, epochs, **kwargs):
     model = TinyClassifier(optimizer="sgd", lr=0.05)
     initial = copy.deepcopy(model)
-    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=steps, sink_size=sink_size),
-                            max_epochs=epochs, callbacks=callbacks, **kwargs)
+    trainer = quiet_trainer(
+        strategy=SinkStrategy(accumulation_steps=steps, sink_size=sink_size),
+        max_epochs=epochs,
+        callbacks=callbacks,
+        **kwargs,
+    )
     trainer.fit(model, shuffled_loader(make_dataset(num_samples=SAMPLES)))
     return trainer, initial
 
@@ -34,8 +38,9 @@ def saved_steps(directory) -> dict[int, dict[str, torch.Tensor]]:
 
 def reference_after(initial, updates: int, steps: int) -> torch.Tensor:
     reference = copy.deepcopy(initial)
-    reference_train(reference, make_dataset(num_samples=SAMPLES), windows_of(continuous_micro_batches(updates * steps),
-                                                                            steps))
+    reference_train(
+        reference, make_dataset(num_samples=SAMPLES), windows_of(continuous_micro_batches(updates * steps), steps)
+    )
     return torch.cat([p.detach().flatten() for p in reference.parameters()])
 
 
@@ -50,10 +55,12 @@ def flat_state(state_dict) -> torch.Tensor:
         (4, 1, 2, [4, 8, 12, 16]),  # 4 updates per sink, n divides 4: every sink end, the first after each multiple
     ],
 )
-def test_model_checkpoint_every_n_train_steps_fires_by_the_documented_rule(tmp_path, sink_size, steps, every_n,
-                                                                          expected_steps):
-    checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=every_n, save_top_k=-1,
-                                 save_on_train_epoch_end=False)
+def test_model_checkpoint_every_n_train_steps_fires_by_the_documented_rule(
+    tmp_path, sink_size, steps, every_n, expected_steps
+):
+    checkpoint = ModelCheckpoint(
+        dirpath=tmp_path, filename="{step}", every_n_train_steps=every_n, save_top_k=-1, save_on_train_epoch_end=False
+    )
     _trainer, initial = fit_with([checkpoint], sink_size, steps, epochs=4, enable_checkpointing=True)
     saved = saved_steps(tmp_path)
     assert sorted(saved) == expected_steps
@@ -63,8 +70,11 @@ def test_model_checkpoint_every_n_train_steps_fires_by_the_documented_rule(tmp_p
 
 def test_an_unaligned_every_n_train_steps_warns_with_the_valid_choices(tmp_path):
     checkpoint = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
-    with pytest.warns(UserWarning, match=r"ModelCheckpoint\(every_n_train_steps=3\) is checked at the end of each sink"
-                                         r" only, and every sink makes 2 updates .* Use a multiple or a divisor of 2"):
+    with pytest.warns(
+        UserWarning,
+        match=r"ModelCheckpoint\(every_n_train_steps=3\) is checked at the end of each sink"
+        r" only, and every sink makes 2 updates .* Use a multiple or a divisor of 2",
+    ):
         fit_with([checkpoint], sink_size=4, steps=2, epochs=1, enable_checkpointing=True)
 
 
@@ -86,8 +96,9 @@ def test_lightnings_one_batch_epoch_logging_warning_is_not_raised_in_sink_mode(t
     counts updates, so Lightning's "(1) is smaller than the logging interval" would be wrong."""
     import warnings
 
-    trainer = quiet_trainer(strategy=SinkStrategy(sink_size=10), max_epochs=2, log_every_n_steps=10,
-                            logger=CSVLogger(tmp_path, name="run"))
+    trainer = quiet_trainer(
+        strategy=SinkStrategy(sink_size=10), max_epochs=2, log_every_n_steps=10, logger=CSVLogger(tmp_path, name="run")
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(TinyClassifier(), shuffled_loader(make_dataset(num_samples=SAMPLES)))

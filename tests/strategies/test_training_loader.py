@@ -12,8 +12,17 @@ from lightning_sink import SinkStrategy
 from lightning_sink.sink_data import SinkLoader
 from tests.helpers import TinyClassifier, make_dataset, quiet_trainer
 
-ATTRIBUTES = ("batch_size", "dataset", "sampler", "batch_sampler", "drop_last", "num_workers", "generator",
-              "persistent_workers", "collate_fn")
+ATTRIBUTES = (
+    "batch_size",
+    "dataset",
+    "sampler",
+    "batch_sampler",
+    "drop_last",
+    "num_workers",
+    "generator",
+    "persistent_workers",
+    "collate_fn",
+)
 
 
 def fitted(strategy, data_loader, **kwargs):
@@ -46,10 +55,21 @@ def test_drop_shortens_the_epoch_as_lightnings_limit_train_batches_would(limit):
     # 11 batches per epoch (after the limit: 11, 8, 9), windows of 4: "drop" trains 8 per epoch.
     dataset = make_dataset(num_samples=44)
     sink_batches, stock_batches = BatchIndices(), BatchIndices()
-    sink = fitted(SinkStrategy(accumulation_steps=4, partial_window="drop"), DataLoader(dataset, batch_size=4),
-                  max_epochs=2, limit_train_batches=limit, callbacks=[sink_batches])
-    stock = fitted("auto", DataLoader(dataset, batch_size=4), max_epochs=2, limit_train_batches=8,
-                   accumulate_grad_batches=4, callbacks=[stock_batches])
+    sink = fitted(
+        SinkStrategy(accumulation_steps=4, partial_window="drop"),
+        DataLoader(dataset, batch_size=4),
+        max_epochs=2,
+        limit_train_batches=limit,
+        callbacks=[sink_batches],
+    )
+    stock = fitted(
+        "auto",
+        DataLoader(dataset, batch_size=4),
+        max_epochs=2,
+        limit_train_batches=8,
+        accumulate_grad_batches=4,
+        callbacks=[stock_batches],
+    )
     assert sink_batches.seen == stock_batches.seen
     assert [index for _, index, _ in sink_batches.seen] == list(range(8)) * 2
     assert sink.global_step == stock.global_step == 4
@@ -77,8 +97,11 @@ def _worker_processes() -> list:
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["auto", "sink_accumulating", "sink_sinking"])
 def test_persistent_workers_are_shut_down_at_fit_end_as_with_stock_lightning(strategy):
-    strategies = {"auto": "auto", "sink_accumulating": SinkStrategy(accumulation_steps=2),
-                  "sink_sinking": SinkStrategy(accumulation_steps=2, sink_size=3)}
+    strategies = {
+        "auto": "auto",
+        "sink_accumulating": SinkStrategy(accumulation_steps=2),
+        "sink_sinking": SinkStrategy(accumulation_steps=2, sink_size=3),
+    }
     data_loader = DataLoader(make_dataset(num_samples=24), batch_size=4, num_workers=2, persistent_workers=True)
     assert not _worker_processes()
     alive = {}
