@@ -92,6 +92,14 @@ class DataPosition:
         self._start_states: dict[int, list[Tensor]] = {}
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Lightning deep-copies loops (and with them the trainer and its strategy); a lock cannot be copied.
+        return {key: value for key, value in vars(self).items() if key != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        vars(self).update(state)
+        self._lock = threading.Lock()
+
     # ------------------------------------------------------------------ a pass
     def start_pass(self) -> int:
         """A new pass starts; returns how many batches of it were already trained before a resume."""

@@ -134,3 +134,15 @@ def test_without_the_recorded_generator_state_the_resume_diverges(tmp_path):
     trainer = fit("no_sink", "generator", resumed, ckpt_path=tmp_path / "without.ckpt")
     assert trainer.global_step == global_step
     assert not torch.equal(flat(resumed), reference)
+
+
+def test_a_strategy_can_be_deep_copied_as_lightning_copies_loops():
+    import copy
+
+    from lightning_sink import SinkStrategy
+
+    strategy = SinkStrategy(accumulation_steps=2)
+    strategy._data_position.advance(3)
+    copied = copy.deepcopy(strategy)
+    assert copied._data_position.state_dict() == strategy._data_position.state_dict()
+    copied._data_position.next_pass()  # its lock works
