@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 
+from lightning_sink.layout import MeshLayout, layout_on_mesh
+from lightning_sink.layout.io import load_layout
 from tests.dcp_runs import save_dcp_checkpoint
 
 # Lightning-style keys; a 4x2 (data x tensor parallel) mesh: FSDP2+TP strided rows, column shards, uneven
@@ -41,3 +44,21 @@ def source_8(tmp_path_factory) -> Path:
 def source_3(tmp_path_factory) -> Path:
     """3 ranks on a 1-D mesh, each rank writing two storage files (DCP's thread_count=2)."""
     return save_dcp_checkpoint(tmp_path_factory.mktemp("src3") / "ckpt", SPEC_3, (3,), ("dp",), seed=1, thread_count=2)
+
+
+def rows(fqn, tensor):
+    """Placement for ``layout_on_mesh``: tensors split by rows, scalars replicated."""
+    return ["Shard(0)"] if tensor.global_shape else ["Replicate()"]
+
+
+@pytest.fixture
+def source(source_3: Path, tmp_path: Path) -> Path:
+    """A private copy of the 3-rank checkpoint (``state_dict.v`` is [4, 9] float64, three column chunks), free to
+    damage."""
+    return Path(shutil.copytree(source_3, tmp_path / "src"))
+
+
+@pytest.fixture
+def two_ranks(source_3: Path):
+    """Rows in two halves: each target rank reads 2 of the 4 rows of every ``state_dict.v`` chunk."""
+    return layout_on_mesh(load_layout(source_3), MeshLayout.one_dimensional(2), rows)

@@ -16,13 +16,10 @@ from lightning_sink.layout import MeshLayout, layout_on_mesh, load_layout, save_
 from lightning_sink.reshard import transform_checkpoints, verify_checkpoint
 from lightning_sink.reshard.manifest import read_manifest
 from tests.conftest import clean_subprocess_env
+from tests.reshard.conftest import rows
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def rows(fqn, tensor):
-    return ["Shard(0)"] if tensor.global_shape else ["Replicate()"]
 
 
 def run_killed(src: Path, dst: Path, layout: Path, point: str) -> subprocess.CompletedProcess:

@@ -15,7 +15,7 @@ from lightning_sink.layout import MeshLayout, layout_on_mesh, load_layout, save_
 from lightning_sink.reshard import load_resharded_checkpoint
 from tests.conftest import clean_subprocess_env
 from tests.dcp_runs import full_tensors
-from tests.reshard.conftest import SPEC_3
+from tests.reshard.conftest import SPEC_3, rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,10 +30,6 @@ def cli(*args: str) -> subprocess.CompletedProcess:
         text=True,
         timeout=300,
     )
-
-
-def rows(fqn, tensor):
-    return ["Shard(0)"] if tensor.global_shape else ["Replicate()"]
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from lightning_sink.layout import (
     save_layout,
 )
 from tests.conftest import clean_subprocess_env
+from tests.reshard.conftest import rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -50,10 +51,6 @@ def assert_one_error_line(done: subprocess.CompletedProcess, *fragments: str) ->
     assert len(lines) == 1 and lines[0].startswith("error: "), done.stderr
     for fragment in fragments:
         assert fragment in lines[0], (fragment, lines[0])
-
-
-def rows(fqn, tensor):
-    return ["Shard(0)"] if tensor.global_shape else ["Replicate()"]
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -12,23 +11,9 @@ import torch
 from lightning_sink.layout import MeshLayout, layout_on_mesh, load_layout, save_layout
 from lightning_sink.layout.dcp_metadata import read_dcp_metadata
 from lightning_sink.reshard import load_resharded_checkpoint, transform_checkpoints, verify_checkpoint
+from tests.reshard.conftest import rows
 
 pytestmark = pytest.mark.slow
-
-
-def rows(fqn, tensor):
-    return ["Shard(0)"] if tensor.global_shape else ["Replicate()"]
-
-
-@pytest.fixture
-def source(source_3: Path, tmp_path: Path) -> Path:
-    """A private copy of the 3-rank checkpoint, free to damage."""
-    return Path(shutil.copytree(source_3, tmp_path / "src"))
-
-
-@pytest.fixture
-def two_ranks(source_3: Path):
-    return layout_on_mesh(load_layout(source_3), MeshLayout.one_dimensional(2), rows)
 
 
 def convert(source: Path, layout, dst: Path, **kwargs):

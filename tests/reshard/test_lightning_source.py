@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from lightning_sink.layout import MeshLayout, layout_from_dcp_metadata, layout_on_mesh
 from lightning_sink.reshard import load_resharded_checkpoint, transform_checkpoints, unpickle_carried
 from tests.distributed import run_launched
+from tests.reshard.conftest import rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,10 +23,6 @@ def lightning_checkpoint(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("lightning") / "model_parallel.ckpt"
     run_launched(ROOT / "tests" / "reshard" / "lightning_mp_run.py", out, cwd=out.parent, timeout=400)
     return out
-
-
-def rows(fqn, tensor):
-    return ["Shard(0)"] if tensor.global_shape else ["Replicate()"]
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from lightning_sink.reshard import (
     verify_checkpoint,
 )
 from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
+from tests.reshard.conftest import rows
 from tests.strategies.mp_models import TPClassifier
 
 pytestmark = pytest.mark.slow
@@ -45,10 +46,6 @@ def one_device_run(tmp_path_factory) -> dict[str, Path]:
     trainer.fit(TinyClassifier(**INIT_ARGS), loader(make_dataset(num_samples=24), 4))
     trainer.save_checkpoint(folder / "last.ckpt")
     return {"ckpt": folder / "last.ckpt", "dcp": folder / "via_callback.source", "tp2": tp2}
-
-
-def rows(fqn, tensor):
-    return ["Shard(0)"] if tensor.global_shape else ["Replicate()"]
 
 
 def targets(run: dict[str, Path], tmp_path: Path) -> dict[int, Path]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 
 import pytest
@@ -21,25 +20,9 @@ from lightning_sink.reshard import (
     verify_checkpoint,
 )
 from tests.dcp_runs import full_tensors
-from tests.reshard.conftest import SPEC_3
+from tests.reshard.conftest import SPEC_3, rows
 
 pytestmark = pytest.mark.slow
-
-
-def rows(fqn, tensor):
-    return ["Shard(0)"] if tensor.global_shape else ["Replicate()"]
-
-
-@pytest.fixture
-def source(source_3: Path, tmp_path: Path) -> Path:
-    """A private copy of the 3-rank checkpoint (``state_dict.v`` is [4, 9] float64, three column chunks)."""
-    return Path(shutil.copytree(source_3, tmp_path / "src"))
-
-
-@pytest.fixture
-def two_ranks(source_3: Path):
-    """Rows in two halves: each target rank reads 2 of the 4 rows of every ``state_dict.v`` chunk."""
-    return layout_on_mesh(load_layout(source_3), MeshLayout.one_dimensional(2), rows)
 
 
 def flip_dcp_element(folder: Path, fqn: str, chunk_offsets: tuple[int, ...], element: int) -> Path:

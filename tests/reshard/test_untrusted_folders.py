@@ -19,26 +19,10 @@ from lightning_sink.layout import (
     Layout,
     MeshLayout,
     TensorLayout,
-    layout_on_mesh,
-    load_layout,
     save_layout,
 )
 from lightning_sink.reshard import transform_checkpoints, verify_checkpoint
 from lightning_sink.strategies.resharded_load import rank_file
-
-
-def rows(fqn, tensor):
-    return ["Shard(0)"] if tensor.global_shape else ["Replicate()"]
-
-
-@pytest.fixture
-def source(source_3: Path, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(source_3, tmp_path / "src"))
-
-
-@pytest.fixture
-def two_ranks(source_3: Path):
-    return layout_on_mesh(load_layout(source_3), MeshLayout.one_dimensional(2), rows)
 
 
 def outside_copy(path: Path, tmp_path: Path) -> Path:

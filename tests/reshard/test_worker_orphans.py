@@ -18,6 +18,7 @@ import pytest
 
 from lightning_sink.layout import MeshLayout, layout_on_mesh, load_layout, save_layout
 from tests.conftest import clean_subprocess_env
+from tests.reshard.conftest import rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,10 +50,6 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state not in ("Z", "X")
-
-
-def rows(fqn, tensor):
-    return ["Shard(0)"] if tensor.global_shape else ["Replicate()"]
 
 
 @pytest.mark.slow
