@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
 
 __all__ = [
     "DataPosition",
@@ -28,6 +29,8 @@ __all__ = [
     "capture_generator_states",
     "restore_generator_states",
     "set_sampler_epoch",
+    "set_stale_sampler_epoch",
+    "has_reproducible_order",
     "is_stateful_loader",
 ]
 
@@ -67,6 +70,44 @@ def set_sampler_epoch(loader: Any, epoch: int) -> None:
         sampler = getattr(owner, "sampler", None)
         if callable(getattr(sampler, "set_epoch", None)):
             sampler.set_epoch(epoch)
+
+
+def set_stale_sampler_epoch(loader: Any, epoch: int) -> None:
+    """``set_epoch(epoch)`` on the loader's (batch) samplers whose epoch is not ``epoch`` yet.
+
+    For a pass about to start: Lightning sets the epoch only after it has created the pass's first iterator, too late
+    for loader workers (they copy the sampler when the iterator is created) and for batches a resume skips. A sampler
+    that does not show its ``epoch`` is taken to be at 0, where a fresh one starts, so a fresh fit sees only
+    Lightning's own calls."""
+    for owner in (loader, getattr(loader, "batch_sampler", None)):
+        sampler = getattr(owner, "sampler", None)
+        if callable(getattr(sampler, "set_epoch", None)) and getattr(sampler, "epoch", 0) != epoch:
+            sampler.set_epoch(epoch)
+
+
+def _index_sampler(loader: DataLoader) -> Any:
+    """What decides the order of a ``DataLoader``'s indices: its sampler, or a custom batch sampler."""
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is None or isinstance(batch_sampler, BatchSampler):
+        return batch_sampler.sampler if batch_sampler is not None else loader.sampler
+    return batch_sampler
+
+
+def has_reproducible_order(loader: Any) -> bool:
+    """Whether a pass over ``loader`` yields the same batches in the same order again once the generators it drew
+    from are restored and its sampler's epoch is set: a ``DataLoader`` over a map-style dataset whose sampler is
+    sequential, a ``DistributedSampler`` (seed and epoch), or one that shuffles with a generator of its own.
+
+    Any other loader (``shuffle=True`` without ``generator=``, a custom iterable, an ``IterableDataset``) may yield
+    another order on a second pass, so skipping the batches an interrupted pass had trained would not resume it."""
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset):
+        return False
+    sampler = _index_sampler(loader)
+    if isinstance(sampler, SequentialSampler):
+        return True
+    if type(sampler) is DistributedSampler:  # (Lightning's DistributedSamplerWrapper draws from the sampler it wraps)
+        return True
+    return isinstance(getattr(sampler, "generator", None), torch.Generator)
 
 
 def is_stateful_loader(loader: Any) -> bool:
@@ -140,6 +181,11 @@ class DataPosition:
         if states:  # absent for loaders without generators, so their state stays two counters
             state["pass_start_generators"] = [generator_state.clone() for generator_state in states]
         return state
+
+    def cancel_resume(self) -> None:
+        """The loader cannot be resumed exactly: nothing of the checkpoint's position is applied to it."""
+        self._pending_skip = 0
+        self._pending_generator_states = None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.pass_index = int(state.get("pass_index", 0))

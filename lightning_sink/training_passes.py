@@ -12,6 +12,11 @@ workers down at the end of fit). This class adds, at the points where Lightning 
 - ``batch_trained``: counts the batch; after the last batch of a pass the generators' states are those the next
   pass starts from (nothing else draws from the loader's generators in between), so they are noted then.
 
+Only a loader whose order a second pass reproduces (``has_reproducible_order``: a ``DataLoader`` that is sequential,
+uses a ``DistributedSampler``, or shuffles with a generator of its own) is resumed this way. Any other is left to
+Lightning, as with its own strategies: it restores a loader that has ``state_dict``/``load_state_dict`` and replays
+any other from its first batch, warning that the loader is not resumable.
+
 A loader that saves its own position (torchdata's ``StatefulDataLoader``) is resumed the same way. Lightning still
 saves its state in the checkpoint (a stock strategy can resume from it), but restoring that state resumes the
 interrupted pass only: torchdata 0.11 then draws the next pass's permutation from another generator state than the
@@ -27,7 +32,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 
 from lightning_sink import _lightning_compat as compat
-from lightning_sink.data import DataPosition, capture_generator_states, is_stateful_loader, set_sampler_epoch
+from lightning_sink.data import (
+    DataPosition,
+    capture_generator_states,
+    has_reproducible_order,
+    is_stateful_loader,
+    set_stale_sampler_epoch,
+)
 
 __all__ = ["TrainingPasses", "batches_per_epoch"]
 
@@ -39,13 +50,28 @@ def batches_per_epoch(length: int, limit: int | float) -> int:
     return int(length * limit)
 
 
-def _ignore_not_resumable_warning() -> None:
-    # Lightning warns that a plain loader cannot resume mid-epoch; the strategy resumes it (skip_trained_batches).
-    warnings.filterwarnings(
-        "ignore",
-        message=r"You're resuming from a checkpoint that ended before the epoch ended",
-        category=PossibleUserWarning,
-    )
+class _NotResumableWarningIgnored:
+    """Lightning warns that a loader without ``state_dict`` cannot resume mid-epoch when its epoch loop restarts,
+    after ``on_train_start``; for a loader the strategy resumes itself the warning is wrong. It is ignored from
+    ``on_train_start`` until the first training batch, and nowhere else."""
+
+    def __init__(self) -> None:
+        self._scope: warnings.catch_warnings | None = None
+
+    def start(self) -> None:
+        self.stop()
+        self._scope = warnings.catch_warnings()
+        self._scope.__enter__()
+        warnings.filterwarnings(
+            "ignore",
+            message=r"You're resuming from a checkpoint that ended before the epoch ended",
+            category=PossibleUserWarning,
+        )
+
+    def stop(self) -> None:
+        if self._scope is not None:
+            self._scope.__exit__(None, None, None)
+            self._scope = None
 
 
 class TrainingPasses:
@@ -56,16 +82,22 @@ class TrainingPasses:
         self.loader: Any = None
         self._trainer: pl.Trainer | None = None
         self._user_limit: int | float | None = None  # trainer.limit_train_batches as given, while "drop" sets it
+        self._not_resumable_warning = _NotResumableWarningIgnored()
+        self._reproducible = True  # every loader taken in this fit so far
 
     def take_loader(self, trainer: pl.Trainer, loader: Any, whole_windows_of: int | None) -> None:
         """The loader Lightning is about to iterate (``whole_windows_of=N``: ``partial_window="drop"``)."""
         self.loader, self._trainer = loader, trainer
         if whole_windows_of:
             self._limit_to_whole_windows(trainer, loader, whole_windows_of)
+        # With several loaders (a CombinedLoader) all must be reproducible: the skip fetches from all of them.
+        self._reproducible = self._reproducible and has_reproducible_order(loader)
+        if not self._reproducible:
+            self.position.cancel_resume()  # Lightning resumes the data, as with its own strategies
+            return
         if is_stateful_loader(loader):
             compat.forget_saved_loader_states(trainer)
-        # Lightning sets the epoch only after creating the first iterator of a fit; workers read it at creation.
-        set_sampler_epoch(loader, trainer.current_epoch)
+        set_stale_sampler_epoch(loader, trainer.current_epoch)
         self.position.begin_pass(loader, self.position.pass_index)
 
     def _limit_to_whole_windows(self, trainer: pl.Trainer, loader: Any, steps: int) -> None:
@@ -89,13 +121,16 @@ class TrainingPasses:
         skip = self.position.start_pass()
         if skip == 0:
             return
-        _ignore_not_resumable_warning()
+        self._not_resumable_warning.start()
         available = compat.skip_training_batches(trainer, skip)
         if available < skip:
             raise ValueError(
                 f"Cannot resume: the checkpoint was saved after {skip} batches of the current pass, but the training"
                 f" loader now yields only {available}. Resume with the same data and batch size."
             )
+
+    def first_batch_started(self) -> None:
+        self._not_resumable_warning.stop()
 
     def batch_trained(self, last_of_pass: bool) -> None:
         self.position.advance()
@@ -107,6 +142,8 @@ class TrainingPasses:
 
     def release(self) -> None:
         """At the end of fit: give ``trainer.limit_train_batches`` back its own value."""
+        self._not_resumable_warning.stop()
         if self._user_limit is not None and self._trainer is not None:
             self._trainer.limit_train_batches = self._user_limit
         self._user_limit, self._trainer, self.loader = None, None, None
+        self._reproducible = True

@@ -75,18 +75,14 @@ __all__ = ["StepEngineMixin", "CHECKPOINT_KEY"]
 
 
 def _loss_of(output: STEP_OUTPUT) -> Tensor | None:
-    """The loss in a ``training_step`` output, or ``None`` (the micro-batch is skipped, as in Lightning)."""
-    if type(output) is Tensor:  # the common case first: an ABC isinstance check costs ~0.5 us a call
+    """The loss in a ``training_step`` output, or ``None`` (the micro-batch is skipped, as in Lightning).
+
+    An output without a loss raises Lightning's own ``MisconfigurationException``, as its closure does."""
+    if type(output) is Tensor or isinstance(output, Tensor):  # the type check first: isinstance costs ~0.5 us
         return output
-    if output is None:
-        return None
-    loss = output.get("loss") if isinstance(output, Mapping) else output
-    if not isinstance(loss, Tensor):
-        raise ValueError(
-            "training_step must return the loss tensor or a dict with a 'loss' tensor (or None to skip the"
-            f" micro-batch) when a lightning-sink strategy accumulates; it returned {type(output).__name__}."
-        )
-    return loss
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+        return output["loss"]
+    return ClosureResult.from_training_step_output(output).closure_loss  # None, or Lightning's own error
 
 
 def _needs_closure(optimizer: Optimizer) -> bool:
@@ -362,6 +358,7 @@ class StepEngineMixin(WindowCheckpointMixin):
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
         self._sink_updates = 0
+        self._passes.first_batch_started()
         if (
             self._accumulating
             and self.sink_size is None
@@ -401,7 +398,6 @@ class StepEngineMixin(WindowCheckpointMixin):
             output = self._forward(*args, **kwargs)
         else:
             output = self.accumulate_step(*args, **kwargs)
-        _loss_of(output)  # a clear error for an output without a loss, before Lightning's closure reads it
         self._passes.batch_trained(compat.is_last_batch_of_epoch(self._trainer))  # (sinks count their own)
         return output
 

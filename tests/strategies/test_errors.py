@@ -85,14 +85,38 @@ def test_drop_that_would_drop_everything():
         trainer.fit(TinyClassifier(), loader(make_dataset(num_samples=20), 4))
 
 
-def test_training_step_without_a_loss():
-    class NoLoss(TinyClassifier):
-        def training_step(self, batch, batch_idx):
-            return {"accuracy": torch.tensor(1.0)}
+class Returns(TinyClassifier):
+    def __init__(self, output):
+        super().__init__()
+        self.output = output
 
-    trainer = quiet_trainer(strategy=SinkStrategy(accumulation_steps=2), max_epochs=1)
-    with pytest.raises(ValueError, match=r"training_step must return the loss tensor or a dict with a 'loss'"):
-        trainer.fit(NoLoss(), loader(make_dataset(), 4))
+    def training_step(self, batch, batch_idx):
+        return self.output
+
+
+def raised_by(strategy, output) -> BaseException:
+    trainer = quiet_trainer(strategy=strategy, max_epochs=1)
+    with pytest.raises(Exception) as info:
+        trainer.fit(Returns(output), loader(make_dataset(), 4))
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("output", "stock_type"),
+    [
+        (5.0, MisconfigurationException),
+        ({"accuracy": torch.tensor(1.0)}, MisconfigurationException),
+        ({"loss": None}, MisconfigurationException),
+        ({"loss": 5.0}, AttributeError),  # Lightning's closure result calls .detach() on it
+    ],
+    ids=["float", "no-loss-key", "loss-none", "loss-float"],
+)
+def test_training_step_without_a_tensor_loss_raises_as_stock(output, stock_type):
+    stock = raised_by("auto", output)
+    assert type(stock) is stock_type
+    for strategy in (SinkStrategy(), SinkStrategy(accumulation_steps=2), SinkStrategy(accumulation_steps=2, sink_size=4)):
+        sink = raised_by(strategy, output)
+        assert (type(sink), str(sink)) == (type(stock), str(stock)), strategy
 
 
 def test_resume_with_a_different_model_names_the_problem(tmp_path):
