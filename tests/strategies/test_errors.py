@@ -114,7 +114,11 @@ def raised_by(strategy, output) -> BaseException:
 def test_training_step_without_a_tensor_loss_raises_as_stock(output, stock_type):
     stock = raised_by("auto", output)
     assert type(stock) is stock_type
-    for strategy in (SinkStrategy(), SinkStrategy(accumulation_steps=2), SinkStrategy(accumulation_steps=2, sink_size=4)):
+    for strategy in (
+        SinkStrategy(),
+        SinkStrategy(accumulation_steps=2),
+        SinkStrategy(accumulation_steps=2, sink_size=4),
+    ):
         sink = raised_by(strategy, output)
         assert (type(sink), str(sink)) == (type(stock), str(stock)), strategy
 
