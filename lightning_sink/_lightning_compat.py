@@ -12,8 +12,10 @@ from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
+from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
 
@@ -39,7 +41,16 @@ __all__ = [
     "skip_training_batches",
     "shut_down_loader_workers",
     "forget_saved_loader_states",
+    "StrategyRegistry",
+    "single_device",
+    "set_single_device",
+    "model_parallel_sizes",
+    "precision_after_closure",
+    "callback_state_key",
 ]
+
+# The registry a strategy class registers its names in (``Strategy.register_strategies``'s argument).
+StrategyRegistry = _StrategyRegistry
 
 # The file in which Lightning's ModelParallelStrategy keeps the non-tensor part (loops, callbacks, ...) of a DCP folder.
 DCP_METADATA_FILE_NAME: str = _METADATA_FILENAME
@@ -159,8 +170,33 @@ def logging_step_set_to(trainer: pl.Trainer, step: int) -> Iterator[None]:
 
 def run_before_optimizer_step(trainer: pl.Trainer, optimizer: Any) -> None:
     """Call the ``on_before_optimizer_step`` hooks and clip gradients, as Lightning does after its closure."""
-    module = trainer.lightning_module
-    trainer.strategy.precision_plugin._after_closure(module, optimizer)
+    precision_after_closure(trainer.strategy.precision_plugin, trainer.lightning_module, optimizer)
+
+
+def precision_after_closure(plugin: Any, module: pl.LightningModule, optimizer: Any) -> None:
+    """What a Lightning precision plugin does between its closure and the optimizer step: the
+    ``on_before_optimizer_step`` hooks, then gradient clipping."""
+    plugin._after_closure(module, optimizer)
+
+
+def single_device(strategy: Any) -> torch.device:
+    """The device a ``SingleDeviceStrategy`` was built with (its ``root_device``), without asking its accelerator."""
+    return strategy._root_device
+
+
+def set_single_device(strategy: Any, device: torch.device) -> None:
+    """Point a ``SingleDeviceStrategy`` at another device (what ``root_device`` returns)."""
+    strategy._root_device = device
+
+
+def model_parallel_sizes(strategy: Any) -> tuple[int | str, int | str]:
+    """``ModelParallelStrategy(data_parallel_size=..., tensor_parallel_size=...)`` as given (``"auto"`` or an int)."""
+    return strategy._data_parallel_size, strategy._tensor_parallel_size
+
+
+def callback_state_key(callback: Any, **settings: Any) -> str:
+    """Lightning's state key format for a callback: its class name and the settings that tell instances apart."""
+    return callback._generate_state_key(**settings)
 
 
 def call_lightning_module_hook(trainer: pl.Trainer, name: str, *args: Any) -> Any:

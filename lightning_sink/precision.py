@@ -21,6 +21,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_sink import _lightning_compat as compat
 from lightning_sink.loss_scale import DynamicLossScale, FixedLossScale, LossScaler
 
 __all__ = ["LossScalePrecision", "PRECISIONS"]
@@ -175,7 +176,7 @@ class LossScalePrecision(Precision):
         found_inf = self.scaler.found_inf
         found_inf.zero_()
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, self.scaler.scale.reciprocal())
-        self._after_closure(model, optimizer)
+        compat.precision_after_closure(self, model, optimizer)  # on_before_optimizer_step hooks, clipping
         result = self.step_or_skip(optimizer, found_inf, **kwargs)
         self.update_scale(found_inf)
         return result

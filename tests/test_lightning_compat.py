@@ -6,6 +6,7 @@ import inspect
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
@@ -208,3 +209,58 @@ def test_shut_down_loader_workers_is_lightnings_end_of_fit_shutdown():
     workers = data_loader._iterator._workers
     compat.shut_down_loader_workers(data_loader)
     assert data_loader._iterator is None and not any(worker.is_alive() for worker in workers)
+
+
+def test_single_device_strategy_keeps_its_device_where_the_compat_layer_reads_and_writes_it():
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    strategy = SingleDeviceStrategy(device="cpu")
+    assert compat.single_device(strategy) == torch.device("cpu") == strategy.root_device
+    compat.set_single_device(strategy, torch.device("meta"))
+    assert strategy.root_device == torch.device("meta")
+
+
+def test_model_parallel_strategy_keeps_its_sizes_where_the_compat_layer_reads_them():
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    assert compat.model_parallel_sizes(ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=3)) == (2, 3)
+    assert compat.model_parallel_sizes(ModelParallelStrategy()) == ("auto", "auto")
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_precision_after_closure_runs_the_before_optimizer_step_hooks_then_clips():
+    calls = []
+
+    class Recording(TinyClassifier):
+        def on_before_optimizer_step(self, optimizer):
+            calls.append(("hook", float(self.net[0].weight.grad.norm())))
+
+    class Probe(Callback):
+        def on_train_start(self, trainer, pl_module):
+            pl_module.net[0].weight.grad = torch.full_like(pl_module.net[0].weight, 10.0)
+            compat.precision_after_closure(trainer.precision_plugin, pl_module, trainer.optimizers[0])
+            calls.append(("clipped", float(pl_module.net[0].weight.grad.norm())))
+            raise _Stop
+
+    trainer = quiet_trainer(max_steps=1, gradient_clip_val=1.0, callbacks=[Probe()])
+    with pytest.raises(_Stop):
+        trainer.fit(Recording(), loader(make_dataset(), 4))
+    assert calls[0][0] == "hook" and calls[0][1] > 1.0
+    assert calls[1] == ("clipped", pytest.approx(1.0))
+
+
+def test_callback_state_key_is_lightnings_format():
+    assert compat.callback_state_key(ModelCheckpoint(), per_print_times=3) == "ModelCheckpoint{'per_print_times': 3}"
+    checkpoint = ModelCheckpoint(monitor="loss", every_n_epochs=2)
+    settings = dict(monitor="loss", mode="min", every_n_train_steps=0, every_n_epochs=2, train_time_interval=None)
+    assert compat.callback_state_key(checkpoint, **settings) == checkpoint.state_key
+
+
+def test_strategy_registry_is_the_one_strategies_register_in():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert isinstance(StrategyRegistry, compat.StrategyRegistry)
+    assert "sink" in StrategyRegistry

@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_sink import _lightning_compat as compat
 from lightning_sink.callbacks._progress import StepCounter, UpdateAxis, batch_losses, is_sink, log_scalars
 
 __all__ = ["LossMonitor", "NonFiniteLossError", "format_loss", "ON_NONFINITE"]
@@ -112,7 +113,7 @@ class LossMonitor(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(per_print_times=self.per_print_times)
+        return compat.callback_state_key(self, per_print_times=self.per_print_times)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

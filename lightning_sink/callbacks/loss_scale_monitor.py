@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_sink import LossScalePrecision, SinkDDPStrategy, SinkStrategy
+from lightning_sink import _lightning_compat as compat
 from lightning_sink.callbacks._progress import StepCounter, log_scalars
 
 __all__ = ["LossScaleMonitor"]
@@ -51,7 +52,7 @@ class LossScaleMonitor(Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(per_print_times=self.per_print_times)
+        return compat.callback_state_key(self, per_print_times=self.per_print_times)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

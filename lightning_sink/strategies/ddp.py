@@ -6,7 +6,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
@@ -81,7 +80,7 @@ class SinkDDPStrategy(StepEngineMixin, DDPStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: compat.StrategyRegistry) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="Two-step-program gradient accumulation on DDP (lightning-sink)"
         )

@@ -11,7 +11,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
@@ -171,7 +170,7 @@ class SinkModelParallelStrategy(StepEngineMixin, ModelParallelStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: compat.StrategyRegistry) -> None:
         strategy_registry.register(
             cls.strategy_name,
             cls,
@@ -179,8 +178,9 @@ class SinkModelParallelStrategy(StepEngineMixin, ModelParallelStrategy):
         )
 
     def __repr__(self) -> str:
+        data_parallel_size, tensor_parallel_size = compat.model_parallel_sizes(self)
         return (
-            f"SinkModelParallelStrategy(data_parallel_size={self._data_parallel_size!r},"
-            f" tensor_parallel_size={self._tensor_parallel_size!r}, accumulation_steps={self.accumulation_steps},"
+            f"SinkModelParallelStrategy(data_parallel_size={data_parallel_size!r},"
+            f" tensor_parallel_size={tensor_parallel_size!r}, accumulation_steps={self.accumulation_steps},"
             f" partial_window={self.partial_window!r})"
         )

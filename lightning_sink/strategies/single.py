@@ -8,9 +8,9 @@ from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
-from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from typing_extensions import override
 
+from lightning_sink import _lightning_compat as compat
 from lightning_sink.strategies.config import SinkConfig, validate_device
 from lightning_sink.strategies.engine import StepEngineMixin
 
@@ -68,7 +68,7 @@ class SinkStrategy(StepEngineMixin, SingleDeviceStrategy):
     # fills it in when ``device=None``, so that the strategy follows ``Trainer(accelerator=..., devices=...)``.
     @property
     def parallel_devices(self) -> list[torch.device] | None:
-        return [self._root_device] if self._explicit_device else None
+        return [compat.single_device(self)] if self._explicit_device else None
 
     @parallel_devices.setter
     def parallel_devices(self, devices: list[torch.device | int | str]) -> None:
@@ -77,7 +77,7 @@ class SinkStrategy(StepEngineMixin, SingleDeviceStrategy):
                 f"SinkStrategy runs on one device but the Trainer asks for {len(devices)} ({devices}); use"
                 " strategy='sink_ddp' (SinkDDPStrategy) for several devices."
             )
-        self._root_device = torch.device(devices[0])
+        compat.set_single_device(self, torch.device(devices[0]))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -86,7 +86,7 @@ class SinkStrategy(StepEngineMixin, SingleDeviceStrategy):
 
     @classmethod
     @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: compat.StrategyRegistry) -> None:
         strategy_registry.register(
             cls.strategy_name, cls, description="Two-step-program gradient accumulation on one device (lightning-sink)"
         )
