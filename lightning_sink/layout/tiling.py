@@ -39,8 +39,8 @@ class TilingFault:
 
 
 def tiling_fault(boxes: Sequence[Box], shape: Sequence[int]) -> TilingFault | None:
-    """None when the distinct non-empty ``boxes`` cover each element of ``shape`` exactly once, else the first
-    fault in lexicographic order of elements."""
+    """None when the distinct non-empty ``boxes`` cover each element of ``shape`` exactly once; else the first
+    element (in lexicographic order) covered otherwise, or the first box that ends inside in too many dims."""
     if math.prod(shape) == 0:
         return None  # in-bounds boxes of an empty tensor are empty
     counts: Counter[tuple[int, ...]] = Counter({tuple(0 for _ in shape): -1})  # minus the tensor's own corner
