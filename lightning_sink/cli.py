@@ -17,6 +17,8 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from lightning_sink.cli_parser import OneLineErrorParser
+
 __all__ = ["Command", "COMMANDS", "main", "parse_size"]
 
 
@@ -232,7 +234,7 @@ COMMANDS: list[Command] = [
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-sink", description="lightning-sink command-line tools")
+    parser = OneLineErrorParser(prog="lightning-sink", description="lightning-sink command-line tools")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)

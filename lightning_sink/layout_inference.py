@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
 from lightning_sink import _lightning_compat as compat
+from lightning_sink.cli_parser import OneLineErrorParser
 from lightning_sink.layout import Layout, save_layout
 from lightning_sink.strategies.atomic_dcp import checkpoint_layout
 
@@ -174,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``lightning-sink layout``: write the predicted layout file for a target mesh."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="lightning-sink layout",
         description="Predict the layout (strategy) file of a SinkModelParallelStrategy run without launching it.",
     )
