@@ -87,7 +87,7 @@ def _positive_int(text: str) -> int:
 
 
 def _file_prefix(text: str) -> str:
-    from lightning_sink._fs import check_file_prefix
+    from lightning_sink.checkpoint_format.fs import check_file_prefix
 
     try:
         return check_file_prefix(text, "--ckpt-prefix")

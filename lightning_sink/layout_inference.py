@@ -23,8 +23,8 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
 from lightning_sink import _lightning_compat as compat
+from lightning_sink.checkpoint_format.dcp_folder import checkpoint_layout
 from lightning_sink.layout import Layout, save_layout
-from lightning_sink.strategies.atomic_dcp import checkpoint_layout
 
 __all__ = ["infer_layout", "configure_parser", "run", "main"]
 

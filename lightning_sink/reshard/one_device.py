@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from lightning_sink.checkpoint_format.dcp_folder import LIGHTNING_META_FILE
 from lightning_sink.layout.io import load_layout
 from lightning_sink.layout.schema import Chunk, Layout, MeshLayout, TensorLayout
 from lightning_sink.reshard.reader import (
@@ -37,9 +38,9 @@ from lightning_sink.reshard.reader import (
     TensorLocation,
     locate_tensors,
 )
-from lightning_sink.reshard.source import LIGHTNING_META_FILE, Source
+from lightning_sink.reshard.source import Source
 
-__all__ = ["OneDeviceSource", "is_lightning_checkpoint"]
+__all__ = ["OneDeviceSource", "is_lightning_checkpoint", "is_lightning_file"]
 
 _LIGHTNING_TENSOR_KEYS = ("state_dict", "optimizer_states")
 
@@ -50,6 +51,18 @@ def is_lightning_checkpoint(loaded: Any) -> bool:
         and "pytorch-lightning_version" in loaded
         and isinstance(loaded.get("state_dict"), dict)
     )
+
+
+def is_lightning_file(path: Path) -> bool:
+    """A Lightning checkpoint (read on the meta device: its structure only)."""
+    fds = FileCache()
+    try:
+        loaded = locate_tensors(
+            fds.fd(path), path, 0, os.path.getsize(path), f"checkpoint file {str(path)!r}", ReadStats()
+        )
+    finally:
+        fds.close()
+    return is_lightning_checkpoint(loaded)
 
 
 class OneDeviceSource(Source):
