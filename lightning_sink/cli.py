@@ -200,7 +200,7 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 
 def _configure_layout(parser: argparse.ArgumentParser) -> None:
-    from lightning_sink.layout_inference import configure_parser
+    from lightning_sink.layout_arguments import configure_parser
 
     configure_parser(parser)
 
