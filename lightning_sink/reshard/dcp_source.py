@@ -19,6 +19,7 @@ from lightning_sink.layout.dcp_metadata import (
 )
 from lightning_sink.layout.io import load_layout, resolve_layout_path
 from lightning_sink.layout.schema import Chunk, Layout
+from lightning_sink.reshard.carried_integrity import check_archive_bytes
 from lightning_sink.reshard.reader import ReadStats, TensorLocation, locate_tensors
 from lightning_sink.reshard.source import Source, own_layout_file
 
@@ -104,7 +105,8 @@ class DcpSource(Source):
         return location
 
     def non_tensor_state(self, stats: ReadStats) -> dict[str, bytes]:
-        """DCP's non-tensor leaves, as the raw ``torch.save`` bytes DCP stored (never unpickled here)."""
+        """DCP's non-tensor leaves, as the raw ``torch.save`` bytes DCP stored (never unpickled here; their records'
+        CRC-32s checked)."""
         carried = {}
         for fqn, item in self.metadata.state_dict_metadata.items():
             if not isinstance(item, BytesStorageMetadata):
@@ -121,13 +123,16 @@ class DcpSource(Source):
             if len(data) != info.length:
                 raise ValueError(f"{self.description}: file {str(path)!r} is truncated: {fqn!r} is cut short")
             stats.header_bytes_read += len(data)
+            check_archive_bytes(data, f"{self.description}: non-tensor item {fqn!r} in file {str(path)!r}")
             carried[fqn] = data
         return carried
 
     def extra_files(self) -> dict[str, bytes]:
         if not os.path.lexists(self.folder / LIGHTNING_META_FILE):
             return {}
-        return {LIGHTNING_META_FILE: read_inside(self.folder, LIGHTNING_META_FILE, self.description)}
+        data = read_inside(self.folder, LIGHTNING_META_FILE, self.description)
+        check_archive_bytes(data, f"{self.description}: {str(self.folder / LIGHTNING_META_FILE)!r}")
+        return {LIGHTNING_META_FILE: data}
 
 
 def _check_layout_matches_storage(declared: Layout, storage: Layout, layout_name: str, folder: str) -> None:

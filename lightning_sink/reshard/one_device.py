@@ -32,6 +32,7 @@ import torch
 from lightning_sink.checkpoint_format.dcp_folder import LIGHTNING_META_FILE
 from lightning_sink.layout.io import load_layout
 from lightning_sink.layout.schema import Chunk, Layout, MeshLayout, TensorLayout
+from lightning_sink.reshard.carried_integrity import check_untensored_records
 from lightning_sink.reshard.reader import (
     FileCache,
     ReadStats,
@@ -97,6 +98,10 @@ class OneDeviceSource(Source):
             f"{path.name}:{stat.st_size}:{stat.st_mtime_ns};".encode() + layout.to_json().encode()
         ).hexdigest()
         super().__init__(what, layout, {0: path}, fingerprint, paths)
+        # The values carried from this file are re-saved from its pickle (and any storages outside the tensors
+        # copied): their records are checked here, the copied tensors' as they are read.
+        offsets = {location.data_offset for location in self.locations.values()}
+        self.verify_bytes_read += check_untensored_records(path, offsets, what)
 
     def locate(self, chunk: Chunk, fqn: str, stats: ReadStats, fds) -> TensorLocation:
         return self.locations[fqn]

@@ -122,15 +122,19 @@ class RankFilesSource(Source):
         return dataclasses.replace(location, what=f"tensor {fqn!r} in rank file {str(path)!r}")
 
     def non_tensor_state(self, stats: ReadStats) -> dict[str, bytes]:
+        """The carried values of the first rank's file (its whole SHA-256 checked first: they are copied as is)."""
+        first = min(self.files)
+        self._check_digest(self.files[first])
         fds = FileCache()
         try:
-            first = min(self.files)
             return dict(self._entries(first, stats, fds).get("non_tensor_state", {}))
         finally:
             fds.close()
 
     def extra_files(self) -> dict[str, bytes]:
-        return dict(read_rank_file_header(self.files[min(self.files)]).get("extra_files", {}))
+        path = self.files[min(self.files)]
+        self._check_digest(path)
+        return dict(read_rank_file_header(path).get("extra_files", {}))
 
 
 def rank_files_in(folder: Path) -> dict[int, Path]:
