@@ -2,33 +2,64 @@
 
 ``import lightning_sink`` must make ``Trainer(strategy="sink")`` work, whichever of the two packages a script
 imports first, without importing Lightning itself: the ``lightning-sink reshard`` and ``verify`` commands need no
-Lightning, and importing it (with torchmetrics) costs them seconds of start-up and hundreds of MiB. So when
-Lightning is not loaded yet, a finder on ``sys.meta_path`` waits for ``lightning.pytorch`` to be imported and
-registers the strategies right after that package has run; it finds nothing itself and removes itself on first use.
+Lightning, and importing it (with torchmetrics) costs them seconds of start-up and hundreds of MiB. So:
+
+- the names are registered with a factory that imports the strategy class when Lightning builds a strategy by name;
+  registering imports nothing of this package, so it can happen in the middle of any import (a script's first
+  Lightning import may come from inside ``lightning_sink.precision``, whose names the strategies need);
+- when Lightning is not loaded yet, a finder on ``sys.meta_path`` waits for ``lightning.pytorch`` to be imported and
+  registers right after that package has run; it finds nothing itself and removes itself on first use.
+
+``STRATEGY_NAMES`` repeats what the classes' own ``register_strategies`` say; a test keeps the two equal.
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.machinery import ModuleSpec
 from types import ModuleType
+from typing import Any
 
-__all__ = ["register_strategies", "register_when_lightning_loads"]
+__all__ = ["STRATEGY_NAMES", "register_strategies", "register_when_lightning_loads"]
 
 _LIGHTNING = "lightning.pytorch"
 
+# registry name -> (class in lightning_sink.strategies, description, init params)
+STRATEGY_NAMES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "sink": ("SinkStrategy", "Two-step-program gradient accumulation on one device (lightning-sink)", {}),
+    "sink_ddp": ("SinkDDPStrategy", "Two-step-program gradient accumulation on DDP (lightning-sink)", {}),
+    "sink_ddp_spawn": (
+        "SinkDDPStrategy",
+        "SinkDDPStrategy with spawned processes (lightning-sink)",
+        {"start_method": "spawn"},
+    ),
+    "sink_model_parallel": (
+        "SinkModelParallelStrategy",
+        "Two-step-program gradient accumulation on FSDP2 + tensor parallelism (lightning-sink)",
+        {},
+    ),
+}
+
+
+def _factory(class_name: str) -> Callable[..., Any]:
+    def build(**init_params: Any) -> Any:
+        from lightning_sink import strategies
+
+        return getattr(strategies, class_name)(**init_params)
+
+    build.__qualname__ = build.__name__ = f"lightning_sink.strategies.{class_name}"
+    return build
+
 
 def register_strategies() -> None:
-    """Add ``sink``, ``sink_ddp``, ``sink_ddp_spawn`` and ``sink_model_parallel`` to Lightning's registry."""
+    """Add ``STRATEGY_NAMES`` to Lightning's registry (names already there are left as they are)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_sink.strategies import SinkDDPStrategy, SinkModelParallelStrategy, SinkStrategy
-
-    for strategy in (SinkStrategy, SinkDDPStrategy, SinkModelParallelStrategy):
-        if strategy.strategy_name not in StrategyRegistry:
-            strategy.register_strategies(StrategyRegistry)
+    for name, (class_name, description, init_params) in STRATEGY_NAMES.items():
+        if name not in StrategyRegistry:
+            StrategyRegistry.register(name, _factory(class_name), description=description, **init_params)
 
 
 def register_when_lightning_loads() -> None:
@@ -40,8 +71,8 @@ def register_when_lightning_loads() -> None:
 
 
 class _AfterLightningLoads(importlib.abc.MetaPathFinder):
-    """Asks the other finders for ``lightning.pytorch``'s spec and makes its loader register the strategies after
-    running the package."""
+    """Asks the other finders for ``lightning.pytorch``'s spec and makes its loader register the strategy names
+    after running the package."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None

@@ -88,19 +88,41 @@ def test_reshard_does_not_import_lightning(one_device: tuple[Path, Path], tmp_pa
         "import lightning_sink\nimport lightning.pytorch as pl",
         "import lightning.pytorch as pl\nimport lightning_sink",
         "import lightning_sink\nimport lightning as L\npl = L.pytorch",
+        "from lightning_sink import SinkStrategy\nimport lightning.pytorch as pl",
+        "from lightning_sink import LossScalePrecision\nimport lightning.pytorch as pl",
+        "from lightning_sink.callbacks import LossMonitor\nimport lightning.pytorch as pl",
     ],
-    ids=["sink-first", "lightning-first", "lightning-root"],
+    ids=["sink-first", "lightning-first", "lightning-root", "strategy-first", "precision-first", "callbacks-first"],
 )
-def test_importing_the_package_registers_the_strategies_in_either_order(imports: str):
+def test_importing_the_package_registers_the_strategies_in_any_order(imports: str):
+    """Whichever import loads Lightning first, every name is registered and builds its strategy."""
     code = f"""{imports}
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning_sink import SinkDDPStrategy, SinkModelParallelStrategy, SinkStrategy
+from lightning_sink import SinkDDPStrategy, SinkStrategy
 names = ("sink", "sink_ddp", "sink_ddp_spawn", "sink_model_parallel")
 assert all(name in StrategyRegistry for name in names), sorted(StrategyRegistry)
-trainer = pl.Trainer(strategy="sink", logger=False, enable_progress_bar=False, enable_model_summary=False)
-assert type(trainer.strategy) is SinkStrategy, type(trainer.strategy)
+quiet = dict(logger=False, enable_progress_bar=False, enable_model_summary=False)
+assert type(pl.Trainer(strategy="sink", **quiet).strategy) is SinkStrategy
+spawn = pl.Trainer(strategy="sink_ddp_spawn", accelerator="cpu", devices=2, **quiet).strategy
+assert type(spawn) is SinkDDPStrategy and spawn._start_method == "spawn", (type(spawn), spawn._start_method)
 print("registered")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("registered")
+
+
+def test_the_registered_names_are_the_strategies_own():
+    """What ``import lightning_sink`` registers (names, descriptions, arguments) is what each strategy class's own
+    ``register_strategies`` says."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_sink import SinkDDPStrategy, SinkModelParallelStrategy, SinkStrategy
+    from lightning_sink._registration import STRATEGY_NAMES
+
+    own = type(StrategyRegistry)()
+    for strategy in (SinkStrategy, SinkDDPStrategy, SinkModelParallelStrategy):
+        strategy.register_strategies(own)
+    assert {name: (e["strategy"].__name__, e["description"], e["init_params"]) for name, e in own.items()} == (
+        STRATEGY_NAMES
+    )
