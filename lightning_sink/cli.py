@@ -89,7 +89,7 @@ def _positive_int(text: str) -> int:
 
 
 def _file_prefix(text: str) -> str:
-    from lightning_sink._fs import check_file_prefix
+    from lightning_sink.checkpoint_format.fs import check_file_prefix
 
     try:
         return check_file_prefix(text, "--ckpt-prefix")
@@ -202,7 +202,7 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 
 def _configure_layout(parser: argparse.ArgumentParser) -> None:
-    from lightning_sink.layout_inference import configure_parser
+    from lightning_sink.layout_arguments import configure_parser
 
     configure_parser(parser)
 

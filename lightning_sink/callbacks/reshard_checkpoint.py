@@ -40,10 +40,10 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
-from lightning_sink._fs import check_file_prefix
+from lightning_sink.checkpoint_format.dcp_folder import save_dcp_atomically
+from lightning_sink.checkpoint_format.fs import check_file_prefix
 from lightning_sink.layout import load_layout
 from lightning_sink.reshard import ReshardReport, transform_checkpoints, verify_checkpoint
-from lightning_sink.strategies.atomic_dcp import save_dcp_atomically
 
 __all__ = ["ONE_DEVICE_CHECKPOINT", "SOURCES", "ReshardCheckpoint"]
 
