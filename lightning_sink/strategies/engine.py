@@ -136,6 +136,8 @@ class StepEngineMixin(WindowCheckpointMixin):
         self._planned: tuple[int, bool] | None = None
         self._last_update_skipped = False
         self._sink_updates = 0
+        self._counters: compat.UpdateCounters | None = None  # looked up at each sink's start
+        self._store_checked = False  # whether this sink's direct path has checked the trainable set
         self._sink_window_batches = 0  # micro-batches of the open window in sink mode (None-returning ones too)
         self._step_takes_batch_idx = True
 
@@ -554,7 +556,10 @@ class StepEngineMixin(WindowCheckpointMixin):
 
     def _run_micro_steps(self) -> dict[str, Tensor] | None:
         trainer, stream, buffer = self._trainer, self._stream, self._log_buffer
-        max_steps = trainer.max_steps
+        self._counters = compat.UpdateCounters(trainer)
+        self._store_checked = False
+        # the updates this sink may make before max_steps (global_step moves only through this sink's updates)
+        updates_allowed = trainer.max_steps - trainer.global_step if trainer.max_steps != -1 else -1
         # Batches need moving unless the stream's thread already did, or they are for the CPU and no transfer hook
         # runs (a loader's batches are on the CPU already; walking them costs ~10 us a step).
         to_device = stream.copier is None and not (self._hooks.direct_transfer and self.root_device.type == "cpu")
@@ -562,7 +567,7 @@ class StepEngineMixin(WindowCheckpointMixin):
         losses: list[Tensor] = []
         micro_index = 0
         while self.sink_size == -1 or micro_index < self.sink_size:
-            if max_steps != -1 and trainer.global_step >= max_steps:
+            if updates_allowed != -1 and self._sink_updates >= updates_allowed:
                 break
             batch = stream.next()
             if batch is PASS_END:
@@ -595,13 +600,12 @@ class StepEngineMixin(WindowCheckpointMixin):
 
     def _count_sink_update(self, run_update: Callable[[], Any]) -> None:
         """One update, counted as Lightning counts its own; then the step-interval LR schedulers."""
-        trainer = self._trainer
-        compat.record_optimizer_update(trainer, "ready")
+        self._counters.update_ready()
         run_update()
-        compat.record_optimizer_update(trainer, "completed")
+        self._counters.update_completed()
         self._sink_updates += 1
         if self._step_scheduler_configs and not self._last_update_skipped:
-            self._step_lr_schedulers(trainer)
+            self._step_lr_schedulers(self._trainer)
 
     def _sink_micro_step(self, batch: Any, batch_idx: int) -> Tensor | None:
         """One micro-batch with every hook, in Lightning's order: ``training_step``; at a window's first batch
@@ -638,9 +642,13 @@ class StepEngineMixin(WindowCheckpointMixin):
     def _sink_micro_step_direct(self, batch: Any, batch_idx: int) -> Tensor | None:
         """The same micro-step when nobody overrides its hooks: no dispatch, no closure object."""
         if self._sink_window_batches == 0:
-            self._refresh_store()  # parameters unfrozen or param groups added since the last window
+            if not self._store_checked:
+                # Parameters unfrozen or param groups added: that happens in hooks (finetuning callbacks), and none
+                # runs inside a sink on this path, so the first window start of each sink is the one to check.
+                self._refresh_store()
+                self._store_checked = True
             self._accumulator.zero_grad()  # what the default optimizer_zero_grad (set_to_none=True) leaves
-            compat.count_zero_grad(self._trainer)
+            self._counters.zero_grad()
         store = self._accumulator
         self._sink_window_batches += 1
         ends = self._sink_window_batches == self.accumulation_steps
