@@ -88,6 +88,13 @@ def _loss_of(output: STEP_OUTPUT) -> Tensor | None:
     return ClosureResult.from_training_step_output(output).closure_loss  # None, or Lightning's own error
 
 
+def _forget_gradients(optimizer: Optimizer) -> None:
+    """``zero_grad(set_to_none=True)`` without calling the optimizer's own ``zero_grad`` (whose calls users count)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None
+
+
 def _needs_closure(optimizer: Optimizer) -> bool:
     """Whether ``optimizer.step`` requires a closure that re-evaluates the loss (``torch.optim.LBFGS``, ...)."""
     try:
@@ -500,7 +507,7 @@ class StepEngineMixin(WindowCheckpointMixin):
         """``optimizer.step(closure)`` as Lightning's fp32 precision plugin calls it: the optimizer enters its
         ``step``, runs the closure (the window's last micro-batch, then its mean gradient, hooks and clipping),
         then updates, so an optimizer's own ``step`` sees the calls in stock Lightning's order. A window where no
-        ``training_step`` returned a loss leaves ``.grad`` as ``zero_grad`` left it."""
+        ``training_step`` returned a loss has no gradient: ``.grad`` is ``None``, so the step changes nothing."""
         store = self._accumulator
 
         def window_closure() -> Any:
@@ -509,6 +516,8 @@ class StepEngineMixin(WindowCheckpointMixin):
                 ready_window_gradient(
                     store, self._reducer, None, self._window_divisor(), lambda: self._before_optimizer_step(optimizer)
                 )
+            else:
+                _forget_gradients(optimizer)
             return loss
 
         self._last_update_skipped = False
