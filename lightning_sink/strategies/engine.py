@@ -88,6 +88,11 @@ def _loss_of(output: STEP_OUTPUT) -> Tensor | None:
     return ClosureResult.from_training_step_output(output).closure_loss  # None, or Lightning's own error
 
 
+def _draws_own_batches(module: pl.LightningModule) -> bool:
+    """``training_step(dataloader_iter)``: the module fetches its batches, so a step need not be one batch."""
+    return is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
+
+
 def _forget_gradients(optimizer: Optimizer) -> None:
     """``zero_grad(set_to_none=True)`` without calling the optimizer's own ``zero_grad`` (whose calls users count)."""
     for group in optimizer.param_groups:
@@ -223,7 +228,9 @@ class StepEngineMixin(WindowCheckpointMixin):
             self._sink_loader = SinkLoader(dataloader)
             return self._sink_loader
         whole = self.accumulation_steps if self.partial_window == "drop" else None
-        self._passes.take_loader(trainer, dataloader, whole_windows_of=whole)  # generators, "drop" epoch length
+        counts_batches = not _draws_own_batches(trainer.lightning_module)
+        # generators, "drop" epoch length, the resume position
+        self._passes.take_loader(trainer, dataloader, whole_windows_of=whole, counts_batches=counts_batches)
         return dataloader
 
     # ------------------------------------------------------------------ collaborators (chosen by the strategy)
@@ -291,9 +298,7 @@ class StepEngineMixin(WindowCheckpointMixin):
             if self.sink_size is not None
             else f"accumulation_steps={self.accumulation_steps}"
         )
-        if windows and is_param_in_hook_signature(
-            trainer.lightning_module.training_step, "dataloader_iter", explicit=True
-        ):
+        if windows and _draws_own_batches(trainer.lightning_module):
             raise ValueError(
                 f"training_step(dataloader_iter) draws its own batches, but {type(self).__name__}({why}) must see"
                 " every micro-batch to close its windows: take `batch` (and `batch_idx`) instead, or train with"
