@@ -7,9 +7,11 @@ extension points a strategy owns:
 
 1. ``training_step`` calls the LightningModule directly (DDP's reducer never fires; ``graph_mode`` applies);
 2. ``backward`` lets the gradient store prepare ``.grad`` (the fp32 window sum) before backpropagating;
-3. ``optimizer_step`` (reached through the module's ``optimizer_step`` hook and ``optimizer.step(closure)``) runs
-   the closure, then ``finish_window``: one reduction, divide/unscale, ``on_before_optimizer_step`` and
-   clipping, step or skip, loss-scale update.
+3. ``optimizer_step`` (reached through the module's ``optimizer_step`` hook and ``optimizer.step(closure)``) ends
+   the window. Without a loss scale, as Lightning's own precision plugin, it hands ``optimizer.step`` a closure
+   that runs the window's last micro-batch, then readies the mean gradient (one reduction, the division,
+   ``on_before_optimizer_step`` and clipping); with one, as Lightning's mixed precision, it runs the closure,
+   then ``finish_window``: reduction, divide/unscale, the hooks and clipping, step or skip, loss-scale update.
 
 Lightning divides each loss by ``accumulate_grad_batches`` (N); a window of k micro-steps that returned a loss
 is divided by k/N at its end, so every update is the mean over its micro-batches. With sinking (``sink_size``) a
@@ -55,7 +57,7 @@ from lightning_sink.strategies.checkpoint_state import (
 )
 from lightning_sink.strategies.config import SinkConfig
 from lightning_sink.strategies.graph_modes import check_graph_mode_device, step_function
-from lightning_sink.strategies.hooks import HookPlan
+from lightning_sink.strategies.hooks import LIGHTNING_BACKWARD, HookPlan
 from lightning_sink.strategies.resume_check import check_resume_settings
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
 from lightning_sink.strategies.step_triggers import (
@@ -69,6 +71,7 @@ from lightning_sink.window import (
     NoReduction,
     Reducer,
     finish_window,
+    ready_window_gradient,
 )
 
 __all__ = ["StepEngineMixin", "CHECKPOINT_KEY"]
@@ -83,6 +86,18 @@ def _loss_of(output: STEP_OUTPUT) -> Tensor | None:
     if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
         return output["loss"]
     return ClosureResult.from_training_step_output(output).closure_loss  # None, or Lightning's own error
+
+
+def _draws_own_batches(module: pl.LightningModule) -> bool:
+    """``training_step(dataloader_iter)``: the module fetches its batches, so a step need not be one batch."""
+    return is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
+
+
+def _forget_gradients(optimizer: Optimizer) -> None:
+    """``zero_grad(set_to_none=True)`` without calling the optimizer's own ``zero_grad`` (whose calls users count)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None
 
 
 def _needs_closure(optimizer: Optimizer) -> bool:
@@ -129,6 +144,7 @@ class StepEngineMixin(WindowCheckpointMixin):
         self._needs_step_context = True
         self._scaling: LossScalePrecision | None = None
         self._passthrough = False  # N=1, one process, no loss scale, no sink: Lightning's own step, untouched
+        self._in_backward = False
         self._store_params: tuple[int, ...] = ()
         self._in_update = False
         self._skip_backward_now = False
@@ -214,7 +230,9 @@ class StepEngineMixin(WindowCheckpointMixin):
             self._sink_loader = SinkLoader(dataloader)
             return self._sink_loader
         whole = self.accumulation_steps if self.partial_window == "drop" else None
-        self._passes.take_loader(trainer, dataloader, whole_windows_of=whole)  # generators, "drop" epoch length
+        counts_batches = not _draws_own_batches(trainer.lightning_module)
+        # generators, "drop" epoch length, the resume position
+        self._passes.take_loader(trainer, dataloader, whole_windows_of=whole, counts_batches=counts_batches)
         return dataloader
 
     # ------------------------------------------------------------------ collaborators (chosen by the strategy)
@@ -282,9 +300,7 @@ class StepEngineMixin(WindowCheckpointMixin):
             if self.sink_size is not None
             else f"accumulation_steps={self.accumulation_steps}"
         )
-        if windows and is_param_in_hook_signature(
-            trainer.lightning_module.training_step, "dataloader_iter", explicit=True
-        ):
+        if windows and _draws_own_batches(trainer.lightning_module):
             raise ValueError(
                 f"training_step(dataloader_iter) draws its own batches, but {type(self).__name__}({why}) must see"
                 " every micro-batch to close its windows: take `batch` (and `batch_idx`) instead, or train with"
@@ -430,6 +446,17 @@ class StepEngineMixin(WindowCheckpointMixin):
 
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """The store prepares ``.grad`` (the window's fp32 sum), then Lightning's backward with its hooks."""
+        if self._in_backward:
+            # ``Strategy.backward`` was replaced by a wrapper that calls this strategy again (a mock counting
+            # backward calls): run Lightning's own, once, instead of recursing.
+            return LIGHTNING_BACKWARD(self, closure_loss, optimizer, *args, **kwargs)  # type: ignore[arg-type]
+        self._in_backward = True
+        try:
+            return self._window_backward(closure_loss, optimizer, *args, **kwargs)
+        finally:
+            self._in_backward = False
+
+    def _window_backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         if not self._accumulating or self._passthrough:
             return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
         store = self._accumulator
@@ -463,25 +490,59 @@ class StepEngineMixin(WindowCheckpointMixin):
 
     def update_step(self, optimizer: Optimizer, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """The window's last micro-batch (the closure: forward, backward) and the window's update."""
-        self._in_update = True
-        try:
-            loss = closure()
-        finally:
-            self._in_update = False
+        scaling = self._scaling
+        if scaling is None:
+            return self._update_inside_step(optimizer, closure, **kwargs)
+        loss = self._last_micro_step(closure)
         store = self._accumulator
         if store.micro_steps == 0:
-            return loss  # no micro-batch of this window returned a loss: nothing to apply, as with stock
-        # Lightning divided every loss by N; the mean over the k micro-steps (on every rank) divides by k/N more.
-        divisor = store.micro_steps * self._ranks_in_sum() / self._loss_divisor()
-        scaling = self._scaling
+            return loss  # no micro-batch of this window returned a loss: nothing to apply
         found_inf = finish_window(
-            store, self._reducer, scaling, optimizer, divisor, lambda: self._before_optimizer_step(optimizer), **kwargs
+            store,
+            self._reducer,
+            scaling,
+            optimizer,
+            self._window_divisor(),
+            lambda: self._before_optimizer_step(optimizer),
+            **kwargs,
         )
-        skipped = scaling is not None and bool(self._step_scheduler_configs) and scaling.window_overflowed(found_inf)
-        self._last_update_skipped = skipped
-        if scaling is not None:
-            self._log_loss_scale(scaling, found_inf)
+        self._last_update_skipped = bool(self._step_scheduler_configs) and scaling.window_overflowed(found_inf)
+        self._log_loss_scale(scaling, found_inf)
         return loss
+
+    def _update_inside_step(self, optimizer: Optimizer, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """``optimizer.step(closure)`` as Lightning's fp32 precision plugin calls it: the optimizer enters its
+        ``step``, runs the closure (the window's last micro-batch, then its mean gradient, hooks and clipping),
+        then updates, so an optimizer's own ``step`` sees the calls in stock Lightning's order. A window where no
+        ``training_step`` returned a loss has no gradient: ``.grad`` is ``None``, so the step changes nothing."""
+        store = self._accumulator
+
+        def window_closure() -> Any:
+            loss = self._last_micro_step(closure)
+            if store.micro_steps:
+                ready_window_gradient(
+                    store, self._reducer, None, self._window_divisor(), lambda: self._before_optimizer_step(optimizer)
+                )
+            else:
+                _forget_gradients(optimizer)
+            return loss
+
+        self._last_update_skipped = False
+        output = optimizer.step(closure=window_closure, **kwargs)
+        if store.micro_steps:
+            store.end_window()
+        return output
+
+    def _last_micro_step(self, closure: Callable[[], Any]) -> Any:
+        self._in_update = True
+        try:
+            return closure()
+        finally:
+            self._in_update = False
+
+    def _window_divisor(self) -> float:
+        """Lightning divided every loss by N; the mean over the k micro-steps (on every rank) divides by k/N more."""
+        return self._accumulator.micro_steps * self._ranks_in_sum() / self._loss_divisor()
 
     def _ranks_in_sum(self) -> int:
         """Ranks whose gradients the reduced window sums (FSDP2's reduce-scatter averages them already)."""

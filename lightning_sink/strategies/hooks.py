@@ -12,15 +12,19 @@ from dataclasses import dataclass
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_sink.precision import LossScalePrecision
 
-__all__ = ["HookPlan"]
+__all__ = ["HookPlan", "LIGHTNING_BACKWARD"]
 
 _TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 # Precision plugins whose pre/post_backward and backward only call the hooks and ``module.backward``.
 _PLAIN_PRECISION = (Precision, MixedPrecision, HalfPrecision)
+# Lightning's own ``Strategy.backward``, kept before anything wraps it (``mock.patch.object(Strategy, "backward",
+# wraps=trainer.strategy.backward)`` is a common way to count backward calls).
+LIGHTNING_BACKWARD = Strategy.backward
 
 
 def _used(trainer: pl.Trainer, name: str, module_only: bool = False) -> bool:
@@ -45,6 +49,7 @@ class HookPlan:
             plain_precision
             and not any(_used(trainer, name) for name in ("on_before_backward", "on_after_backward"))
             and not _used(trainer, "backward", module_only=True)
+            and Strategy.backward is LIGHTNING_BACKWARD  # nobody wraps Lightning's backward to watch its calls
         )
         return cls(
             direct_backward=direct_backward,
