@@ -2,15 +2,22 @@
 
 Importing the package registers its strategies with Lightning, so ``Trainer(strategy="sink")``,
 ``Trainer(strategy="sink_ddp")`` and ``Trainer(strategy="sink_model_parallel")`` work and LightningCLI configs can
-name them by ``class_path``.
+name them by ``class_path``. The names below load on first use, and the registration waits until Lightning is
+loaded (see _registration.py): the resharding tools, which need no Lightning, start without it.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+from __future__ import annotations
 
-from lightning_sink.accumulation import GradientAccumulator
-from lightning_sink.loss_scale import DynamicLossScale, FixedLossScale
-from lightning_sink.precision import LossScalePrecision
-from lightning_sink.strategies import SinkDDPStrategy, SinkModelParallelStrategy, SinkStrategy
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lightning_sink._registration import register_when_lightning_loads
+
+if TYPE_CHECKING:
+    from lightning_sink.accumulation import GradientAccumulator
+    from lightning_sink.loss_scale import DynamicLossScale, FixedLossScale
+    from lightning_sink.precision import LossScalePrecision
+    from lightning_sink.strategies import SinkDDPStrategy, SinkModelParallelStrategy, SinkStrategy
 
 __all__ = [
     "SinkStrategy",
@@ -24,11 +31,27 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
+_HOMES = {
+    "SinkStrategy": "lightning_sink.strategies",
+    "SinkDDPStrategy": "lightning_sink.strategies",
+    "SinkModelParallelStrategy": "lightning_sink.strategies",
+    "LossScalePrecision": "lightning_sink.precision",
+    "DynamicLossScale": "lightning_sink.loss_scale",
+    "FixedLossScale": "lightning_sink.loss_scale",
+    "GradientAccumulator": "lightning_sink.accumulation",
+}
 
-def _register_strategies() -> None:
-    for strategy in (SinkStrategy, SinkDDPStrategy, SinkModelParallelStrategy):
-        if strategy.strategy_name not in StrategyRegistry:
-            strategy.register_strategies(StrategyRegistry)
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module 'lightning_sink' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_HOMES[name]), name)
+    globals()[name] = value
+    return value
 
 
-_register_strategies()
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))
+
+
+register_when_lightning_loads()

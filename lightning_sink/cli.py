@@ -17,6 +17,8 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from lightning_sink.cli_parser import OneLineErrorParser
+
 __all__ = ["Command", "COMMANDS", "main", "parse_size"]
 
 
@@ -87,7 +89,7 @@ def _positive_int(text: str) -> int:
 
 
 def _file_prefix(text: str) -> str:
-    from lightning_sink._fs import check_file_prefix
+    from lightning_sink.checkpoint_format.fs import check_file_prefix
 
     try:
         return check_file_prefix(text, "--ckpt-prefix")
@@ -200,7 +202,7 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 
 def _configure_layout(parser: argparse.ArgumentParser) -> None:
-    from lightning_sink.layout_inference import configure_parser
+    from lightning_sink.layout_arguments import configure_parser
 
     configure_parser(parser)
 
@@ -232,7 +234,7 @@ COMMANDS: list[Command] = [
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="lightning-sink", description="lightning-sink command-line tools")
+    parser = OneLineErrorParser(prog="lightning-sink", description="lightning-sink command-line tools")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)

@@ -23,10 +23,12 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
 from lightning_sink import _lightning_compat as compat
+from lightning_sink.checkpoint_format.dcp_folder import checkpoint_layout
+from lightning_sink.cli_parser import OneLineErrorParser
 from lightning_sink.layout import Layout, save_layout
-from lightning_sink.strategies.atomic_dcp import checkpoint_layout
+from lightning_sink.layout_arguments import configure_parser
 
-__all__ = ["infer_layout", "configure_parser", "run", "main"]
+__all__ = ["infer_layout", "run", "main"]
 
 MESH_DIM_NAMES = ("data_parallel", "tensor_parallel")  # Lightning's ModelParallelStrategy names them so
 
@@ -142,16 +144,6 @@ def infer_layout(
         dist.destroy_process_group()
 
 
-def configure_parser(parser: argparse.ArgumentParser) -> None:
-    """The arguments of ``lightning-sink layout``."""
-    parser.add_argument("--model", required=True, help="LightningModule class path, e.g. my_pkg.models.MyModel")
-    parser.add_argument("--init-args", default="{}", help="JSON object of keyword arguments for the model")
-    parser.add_argument("--data-parallel-size", type=int, required=True)
-    parser.add_argument("--tensor-parallel-size", type=int, required=True)
-    parser.add_argument("--no-optimizer", action="store_true", help="parameters only, no optimizer state")
-    parser.add_argument("--output", required=True, help="the layout file to write (atomically)")
-
-
 def run(args: argparse.Namespace) -> int:
     """Predict and write the layout file; bad input raises ``ValueError``/``TypeError`` before anything is written."""
     try:
@@ -174,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``lightning-sink layout``: write the predicted layout file for a target mesh."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="lightning-sink layout",
         description="Predict the layout (strategy) file of a SinkModelParallelStrategy run without launching it.",
     )

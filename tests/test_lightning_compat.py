@@ -131,7 +131,10 @@ def test_model_checkpoint_keeps_every_n_train_steps_where_the_compat_layer_reads
 def test_model_parallel_private_names_still_mean_the_same():
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    assert compat.DCP_METADATA_FILE_NAME == "meta.pt"
+    from lightning_sink.checkpoint_format.dcp_folder import LIGHTNING_META_FILE
+
+    # The checkpoint formats name Lightning's meta.pt without importing Lightning: the two names must agree.
+    assert compat.DCP_METADATA_FILE_NAME == LIGHTNING_META_FILE == "meta.pt"
     assert "_METADATA_FILENAME" in inspect.getsource(ModelParallelStrategy.save_checkpoint)
     assert "lightning_module._device_mesh" in inspect.getsource(ModelParallelStrategy.setup_environment)
     module = TinyClassifier()

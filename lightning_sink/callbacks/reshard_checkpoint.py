@@ -5,10 +5,13 @@ MindSpore's multi-stage recipe (train on 8 cards, transform the checkpoint, fine
 1. the final state is saved as a DCP folder with its layout file in ``src_dir``:
    - a model-parallel run (``SinkModelParallelStrategy``, or Lightning's ``ModelParallelStrategy`` with
      ``save_distributed_checkpoint=True``) saves through ``trainer.save_checkpoint`` on every rank;
-   - a one-device run (``SinkStrategy``, Lightning's single-device strategy) writes the full model and optimizer
-     state as a one-rank DCP folder with the structure a model-parallel run writes
-     (``{"state_dict": get_model_state_dict, "optimizer_0": get_optimizer_state_dict}``, FQN-keyed), so its
-     names match a model-parallel target layout, plus Lightning's metadata (``meta.pt``);
+   - a one-device run (``SinkStrategy``, Lightning's single-device strategy) writes, with ``source="dcp"`` (the
+     default), the full model and optimizer state as a one-rank DCP folder with the structure a model-parallel run
+     writes (``{"state_dict": get_model_state_dict, "optimizer_0": get_optimizer_state_dict}``, FQN-keyed), so
+     its names match a model-parallel target layout, plus Lightning's metadata (``meta.pt``); with
+     ``source="ckpt"``, Lightning's own one-device checkpoint ``src_dir/last.ckpt`` (what stock Lightning resumes
+     from), converted as a one-device source. A ``.ckpt`` keys optimizer state by parameter index, so that choice
+     needs each optimizer to hold the module's parameters in the module's order (checked before training);
 2. global rank 0 converts it with ``transform_checkpoints`` (in this process, or in ``workers`` processes, one target
    rank each) into ``dst_dir/rank_{r}/{ckpt_prefix}{r}.pt`` with a progress bar, while the other ranks wait.
    The engine stages the whole output beside ``dst_dir`` and commits it with one rename, manifest last; converting
@@ -37,12 +40,15 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
-from lightning_sink._fs import check_file_prefix
+from lightning_sink.checkpoint_format.dcp_folder import save_dcp_atomically
+from lightning_sink.checkpoint_format.fs import check_file_prefix
 from lightning_sink.layout import load_layout
 from lightning_sink.reshard import ReshardReport, transform_checkpoints, verify_checkpoint
-from lightning_sink.strategies.atomic_dcp import save_dcp_atomically
 
-__all__ = ["ReshardCheckpoint"]
+__all__ = ["ONE_DEVICE_CHECKPOINT", "SOURCES", "ReshardCheckpoint"]
+
+SOURCES = ("dcp", "ckpt")
+ONE_DEVICE_CHECKPOINT = "last.ckpt"  # in src_dir, with source="ckpt"
 
 
 def _path(name: str, value: object) -> Path:
@@ -63,6 +69,8 @@ class ReshardCheckpoint(Callback):
         workers: None: convert in rank 0's process; k: in k spawned processes (one target rank each).
         src_dir: where the final distributed checkpoint is saved; default ``<dst_dir>.source`` beside ``dst_dir``.
         overwrite: replace a ``dst_dir`` that holds a different checkpoint.
+        source: what a one-device run saves in ``src_dir`` and converts: ``"dcp"``, a one-rank DCP folder
+            (parameter names recorded); ``"ckpt"``, Lightning's ``last.ckpt``. Model-parallel runs save DCP.
     """
 
     def __init__(
@@ -73,6 +81,7 @@ class ReshardCheckpoint(Callback):
         workers: int | None = None,
         src_dir: str | os.PathLike | None = None,
         overwrite: bool = False,
+        source: str = "dcp",
     ) -> None:
         self.dst_strategy_file = _path("dst_strategy_file", dst_strategy_file)
         self.dst_dir = _path("dst_dir", dst_dir)
@@ -93,12 +102,14 @@ class ReshardCheckpoint(Callback):
             raise ValueError(f"workers={workers!r} must be None (convert in rank 0's process) or an int >= 1.")
         if not isinstance(overwrite, bool):
             raise TypeError(f"overwrite={overwrite!r} must be a bool.")
+        if source not in SOURCES:
+            raise ValueError(f"source={source!r} is not one of {list(SOURCES)}.")
         src, dst = self.src_dir.resolve(), self.dst_dir.resolve()
         if src == dst or src in dst.parents or dst in src.parents:
             raise ValueError(
                 f"src_dir={str(self.src_dir)!r} and dst_dir={str(self.dst_dir)!r} must not be or contain one another."
             )
-        self.ckpt_prefix, self.workers, self.overwrite = ckpt_prefix, workers, overwrite
+        self.ckpt_prefix, self.workers, self.overwrite, self.source = ckpt_prefix, workers, overwrite, source
         self.report: ReshardReport | None = None
 
     @override
@@ -111,6 +122,11 @@ class ReshardCheckpoint(Callback):
                 raise ValueError(
                     "ReshardCheckpoint needs distributed (DCP) checkpoints: use"
                     " ModelParallelStrategy(save_distributed_checkpoint=True) or SinkModelParallelStrategy."
+                )
+            if self.source != "dcp":
+                raise ValueError(
+                    f"ReshardCheckpoint(source={self.source!r}) is for one-device runs; a model-parallel run's"
+                    " checkpoint is a DCP folder: pass source='dcp'."
                 )
         elif trainer.world_size != 1:
             raise ValueError(
@@ -127,6 +143,12 @@ class ReshardCheckpoint(Callback):
         self._raise_everywhere(strategy, error, f"reading the target layout {str(self.dst_strategy_file)!r}")
 
     @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.source == "ckpt":  # (optimizers exist from here on; training has not started)
+            for index, optimizer in enumerate(trainer.optimizers):
+                _check_parameter_order(pl_module, optimizer, index)
+
+    @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.interrupted:  # (an exception or a stop signal: the state is not final)
             return
@@ -134,6 +156,10 @@ class ReshardCheckpoint(Callback):
         src = Path(strategy.broadcast(str(self.src_dir)))
         if isinstance(strategy, ModelParallelStrategy):
             trainer.save_checkpoint(src, weights_only=False)  # every rank writes its shards, committed atomically
+        elif self.source == "ckpt":
+            src.mkdir(parents=True, exist_ok=True)
+            src = src / ONE_DEVICE_CHECKPOINT
+            trainer.save_checkpoint(src, weights_only=False)  # Lightning writes a whole file, then renames it
         else:
             _save_one_rank_dcp(trainer, pl_module, src)
         error = None
@@ -174,6 +200,23 @@ class ReshardCheckpoint(Callback):
             shutil.rmtree(self.dst_dir, ignore_errors=True)  # committed but not whole: leave nothing that looks whole
             raise
         return report
+
+
+def _check_parameter_order(module: pl.LightningModule, optimizer: Any, index: int) -> None:
+    """A ``.ckpt`` names optimizer state by position: the one-device source maps position i to the i-th entry of the
+    module's state dict that is not a buffer. Refuse, before training, an optimizer for which that is wrong."""
+    buffers = {name for name, _ in module.named_buffers()}
+    by_position = [name for name in module.state_dict(keep_vars=True) if name not in buffers]
+    name_of = {id(param): name for name, param in module.named_parameters()}
+    held = [name_of.get(id(param), "<not a module parameter>") for g in optimizer.param_groups for param in g["params"]]
+    if held != by_position:
+        first = next((i for i, (a, b) in enumerate(zip(held, by_position)) if a != b), min(len(held), len(by_position)))
+        raise ValueError(
+            f"ReshardCheckpoint(source='ckpt'): optimizer {index} holds {len(held)} parameters, at position {first}"
+            f" {held[first] if first < len(held) else 'none'!r}, where the module's order has"
+            f" {by_position[first] if first < len(by_position) else 'none'!r}; a .ckpt names optimizer state by"
+            " position, so pass source='dcp' (a DCP checkpoint records parameter names)."
+        )
 
 
 class _ProgressBar:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Iterable
 
@@ -10,8 +9,9 @@ import torch
 
 from lightning_sink.layout.geometry import parse_placement
 from lightning_sink.layout.schema import TENSOR_ROLES, Chunk, Layout, MeshLayout, TensorLayout
+from lightning_sink.layout.tiling import MAX_INNER_DIMS, tiling_fault
 
-__all__ = ["MAX_DIMS", "MAX_TENSOR_BYTES", "MAX_WORLD_SIZE", "validate_layout", "torch_dtype"]
+__all__ = ["MAX_DIMS", "MAX_INNER_DIMS", "MAX_TENSOR_BYTES", "MAX_WORLD_SIZE", "validate_layout", "torch_dtype"]
 
 MAX_DIMS = 64  # torch's own limit on a tensor's dims
 MAX_WORLD_SIZE = 2**24  # far beyond any job; bounds the per-rank loops a per-stage layout's stage count could inflate
@@ -153,68 +153,30 @@ def _validate_chunk(chunk: Chunk, shape: tuple[int, ...], world_size: int, where
 
 
 def _validate_tiling(chunks: Iterable[Chunk], shape: tuple[int, ...], where: str) -> None:
-    """Distinct non-empty boxes must not overlap and must cover the tensor; identical boxes are replicas.
-
-    Covering is a volume count; overlap is found by a sweep (``_first_overlap``), in O(n log n) for n boxes of
-    tensors up to 2-D.
-    """
+    """Distinct non-empty boxes must cover each element once; identical boxes are replicas."""
     boxes = sorted({chunk.box for chunk in chunks if chunk.numel > 0})
-    overlap = _first_overlap(boxes)
-    if overlap is not None:
-        (offsets_a, sizes_a), (offsets_b, sizes_b) = overlap
+    fault = tiling_fault(boxes, shape)
+    if fault is None:
+        return
+    if fault.too_complex is not None:
+        offsets, sizes = fault.too_complex
         raise ValueError(
-            f"{where}: chunks overlap: offsets {list(offsets_a)} sizes {list(sizes_a)} and offsets"
-            f" {list(offsets_b)} sizes {list(sizes_b)}"
+            f"{where}: chunk at offsets {list(offsets)} sizes {list(sizes)} ends inside shape {list(shape)} in more"
+            f" than {MAX_INNER_DIMS} dims; at most {MAX_INNER_DIMS} are supported"
         )
-    covered = sum(math.prod(sizes) for _, sizes in boxes)
-    if covered != math.prod(shape):
+    covered, total = sum(math.prod(sizes) for _, sizes in boxes), math.prod(shape)
+    if fault.coverage > 1:
+        (offsets_a, sizes_a), (offsets_b, sizes_b) = fault.boxes
         raise ValueError(
-            f"{where}: chunks cover {covered} of {math.prod(shape)} elements of shape {list(shape)}: they leave a gap"
+            f"{where}: chunks overlap at element {list(fault.point)}: offsets {list(offsets_a)} sizes"
+            f" {list(sizes_a)} and offsets {list(offsets_b)} sizes {list(sizes_b)}"
         )
-
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-def _overlaps(a: Box, b: Box) -> bool:
-    return all(max(oa, ob) < min(oa + sa, ob + sb) for oa, sa, ob, sb in zip(a[0], a[1], b[0], b[1]))
-
-
-def _first_overlap(boxes: list[Box]) -> tuple[Box, Box] | None:
-    """Two distinct boxes that overlap, or None.
-
-    A sweep along dim 0: boxes enter at their first row and leave after their last. While no two boxes have
-    overlapped, the active boxes are disjoint, so for a 2-D tensor their column intervals are disjoint too and
-    a new box can only meet its neighbours in column order (a sorted list, bisected). Higher-dim boxes are
-    compared with every active box.
-    """
-    if not boxes or not boxes[0][0]:
-        return (boxes[0], boxes[1]) if len(boxes) > 1 else None  # 0-d: one box, or the same box twice
-    events = sorted(
-        [(o[0] + s[0], 0, i) for i, (o, s) in enumerate(boxes)] + [(o[0], 1, i) for i, (o, s) in enumerate(boxes)]
+    if covered >= total:  # the sizes add up, so some other element is covered twice
+        raise ValueError(
+            f"{where}: chunks overlap: they hold {covered} elements of shape {list(shape)}'s {total}"
+            f" but leave element {list(fault.point)} uncovered"
+        )
+    raise ValueError(
+        f"{where}: chunks cover {covered} of {total} elements of shape {list(shape)}: they leave a gap"
+        f" at element {list(fault.point)}"
     )
-    active_starts: list[tuple[int, int]] = []  # (first column, box index), sorted; 2-D only
-    active: set[int] = set()
-    for _, entering, index in events:  # leaving (0) sorts before entering (1) at the same row
-        box = boxes[index]
-        if len(box[0]) == 1:
-            if entering and active:
-                return boxes[next(iter(active))], box
-            (active.add if entering else active.discard)(index)
-        elif len(box[0]) == 2:
-            key = (box[0][1], index)
-            if not entering:
-                active_starts.pop(bisect.bisect_left(active_starts, key))
-                continue
-            at = bisect.bisect_left(active_starts, key)
-            for neighbour in active_starts[max(at - 1, 0) : at + 1]:
-                if _overlaps(boxes[neighbour[1]], box):
-                    return boxes[neighbour[1]], box
-            active_starts.insert(at, key)
-        else:
-            if entering:
-                for other in active:
-                    if _overlaps(boxes[other], box):
-                        return boxes[other], box
-            (active.add if entering else active.discard)(index)
-    return None

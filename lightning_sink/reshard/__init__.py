@@ -1,13 +1,9 @@
 """Offline resharding of distributed checkpoints (MindSpore's ``transform_checkpoints`` family) on DCP."""
 
+from lightning_sink.checkpoint_format.live_state import load_into_state_dict, to_dtensors
+from lightning_sink.checkpoint_format.rank_file import load_resharded_checkpoint, unpickle_carried
+from lightning_sink.checkpoint_format.resharded_folder import verify_checkpoint
 from lightning_sink.layout.merge import merge_pipeline_strategies
-from lightning_sink.reshard.loading import (
-    load_into_state_dict,
-    load_resharded_checkpoint,
-    to_dtensors,
-    unpickle_carried,
-)
-from lightning_sink.reshard.manifest import verify_checkpoint
 from lightning_sink.reshard.transform import (
     ReshardReport,
     rank_list_for_transform,

@@ -29,17 +29,19 @@ from typing import Any
 
 import torch
 
+from lightning_sink.checkpoint_format.dcp_folder import LIGHTNING_META_FILE
 from lightning_sink.layout.io import load_layout
 from lightning_sink.layout.schema import Chunk, Layout, MeshLayout, TensorLayout
+from lightning_sink.reshard.carried_integrity import check_untensored_records
 from lightning_sink.reshard.reader import (
     FileCache,
     ReadStats,
     TensorLocation,
     locate_tensors,
 )
-from lightning_sink.reshard.source import LIGHTNING_META_FILE, Source
+from lightning_sink.reshard.source import Source
 
-__all__ = ["OneDeviceSource", "is_lightning_checkpoint"]
+__all__ = ["OneDeviceSource", "is_lightning_checkpoint", "is_lightning_file"]
 
 _LIGHTNING_TENSOR_KEYS = ("state_dict", "optimizer_states")
 
@@ -50,6 +52,18 @@ def is_lightning_checkpoint(loaded: Any) -> bool:
         and "pytorch-lightning_version" in loaded
         and isinstance(loaded.get("state_dict"), dict)
     )
+
+
+def is_lightning_file(path: Path) -> bool:
+    """A Lightning checkpoint (read on the meta device: its structure only)."""
+    fds = FileCache()
+    try:
+        loaded = locate_tensors(
+            fds.fd(path), path, 0, os.path.getsize(path), f"checkpoint file {str(path)!r}", ReadStats()
+        )
+    finally:
+        fds.close()
+    return is_lightning_checkpoint(loaded)
 
 
 class OneDeviceSource(Source):
@@ -84,6 +98,10 @@ class OneDeviceSource(Source):
             f"{path.name}:{stat.st_size}:{stat.st_mtime_ns};".encode() + layout.to_json().encode()
         ).hexdigest()
         super().__init__(what, layout, {0: path}, fingerprint, paths)
+        # The values carried from this file are re-saved from its pickle (and any storages outside the tensors
+        # copied): their records are checked here, the copied tensors' as they are read.
+        offsets = {location.data_offset for location in self.locations.values()}
+        self.verify_bytes_read += check_untensored_records(path, offsets, what)
 
     def locate(self, chunk: Chunk, fqn: str, stats: ReadStats, fds) -> TensorLocation:
         return self.locations[fqn]

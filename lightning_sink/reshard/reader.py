@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_sink._fs import open_nofollow
+from lightning_sink.checkpoint_format.fs import open_nofollow
 from lightning_sink.reshard.integrity import PartCrc, RecordChecks, WholeCrc
 from lightning_sink.reshard.plan import Box
 

@@ -24,18 +24,36 @@ from typing import Any
 
 import torch
 
-from lightning_sink._fs import DiskFullError, check_file_prefix, check_room_for, open_nofollow, remove_leftovers
+from lightning_sink.checkpoint_format.atomic import commit_folder, staging_dir
+from lightning_sink.checkpoint_format.fs import (
+    DiskFullError,
+    check_file_prefix,
+    check_room_for,
+    fsync_dir,
+    open_nofollow,
+    remove_leftovers,
+    sha256_of_file,
+)
+from lightning_sink.checkpoint_format.manifest import Manifest, read_manifest, write_manifest
+from lightning_sink.checkpoint_format.rank_file import (
+    RANK_FILE_FORMAT,
+    RANK_FILE_VERSION,
+    rank_dir_name,
+    rank_file_name,
+    read_rank_file_header,
+    sidecar_path,
+)
+from lightning_sink.layout.dcp_metadata import DCP_METADATA_FILE
 from lightning_sink.layout.io import load_layout, save_layout
-from lightning_sink.layout.schema import Layout
+from lightning_sink.layout.schema import LAYOUT_FILE_NAME, Layout
 from lightning_sink.layout.validation import torch_dtype
 from lightning_sink.reshard.integrity import RecordChecks
-from lightning_sink.reshard.loading import RESHARDED_VERSION, read_rank_file_header
-from lightning_sink.reshard.manifest import Manifest, read_manifest, write_manifest
+from lightning_sink.reshard.open_source import open_source, source_from_files
 from lightning_sink.reshard.plan import RankPlan, band_box, bands_of, plan_rank
 from lightning_sink.reshard.reader import READ_BUFFER_BYTES, FileCache, ReadStats, copy_region
-from lightning_sink.reshard.source import RESHARDED_FORMAT, Source, open_source, source_from_files
+from lightning_sink.reshard.source import Source
 from lightning_sink.reshard.workers import run_in_workers
-from lightning_sink.reshard.writer import StreamedRankFile, fsync_dir, sha256_of_file, write_memory_bytes
+from lightning_sink.reshard.writer import StreamedRankFile, write_memory_bytes
 
 __all__ = [
     "ReshardReport",
@@ -102,7 +120,7 @@ def rank_list_for_transform(
     """
     source_path = Path(src_strategy_file)
     target = _layout(dst_strategy_file, "dst_strategy_file")
-    if (source_path.is_dir() and (source_path / ".metadata").is_file()) or zipfile.is_zipfile(source_path):
+    if (source_path.is_dir() and (source_path / DCP_METADATA_FILE).is_file()) or zipfile.is_zipfile(source_path):
         src = open_source(source_path, None, roles=target).layout  # a DCP folder or a one-device checkpoint
     else:
         src = load_layout(source_path)
@@ -116,8 +134,8 @@ def _shard_bytes(plan: RankPlan) -> int:
 def _payload(plan: RankPlan, source: Source, dst: Layout, stats: ReadStats, provenance: dict) -> dict[str, Any]:
     """What a rank file holds; its tensors are untouched placeholders that ``_fill`` writes band by band."""
     return {
-        "format": RESHARDED_FORMAT,
-        "version": RESHARDED_VERSION,
+        "format": RANK_FILE_FORMAT,
+        "version": RANK_FILE_VERSION,
         "rank": plan.rank,
         "layout": dst.to_json(),
         "tensors": {shard.fqn: torch.empty(shard.chunk.sizes, dtype=torch_dtype(shard.dtype)) for shard in plan.shards},
@@ -276,8 +294,8 @@ def _convert_task(task: dict) -> dict:
     rank, staging, ckpt_prefix = task["rank"], Path(task["staging"]), task["ckpt_prefix"]
     dst = Layout.from_json(task["dst_layout"])
     source = open_source(task["src_dir"], task["src_layout"], roles=dst)
-    relative = f"rank_{rank}/{ckpt_prefix}{rank}.pt"
-    (staging / f"rank_{rank}").mkdir(parents=True, exist_ok=True)
+    relative = rank_file_name(rank, ckpt_prefix)
+    (staging / rank_dir_name(rank)).mkdir(parents=True, exist_ok=True)
     plan = plan_rank(rank, source.layout, dst)
     checks = RecordChecks(set(task["verified_files"]))
     digest, size, stats = _convert_rank(
@@ -298,7 +316,7 @@ def _convert_task(task: dict) -> dict:
 def _prepare_destination(dst: Path, provenance: dict, overwrite: bool) -> None:
     """Refuse a destination holding anything but this same conversion, unless ``overwrite``; clear leftovers of
     killed runs (staging and retired folders are never visible as the destination)."""
-    remove_leftovers(dst.parent, dst.name, ("staging", "old"))
+    remove_leftovers(dst.parent, dst.name, ("staging",))
     if not dst.exists():
         return
     if not dst.is_dir():
@@ -351,18 +369,6 @@ def _exclusive(dst: Path) -> Iterator[None]:
     finally:
         path.unlink(missing_ok=True)
         os.close(fd)
-
-
-def _commit(staging: Path, dst: Path) -> None:
-    """Rename the staging folder into place; a previous output is retired first and removed after."""
-    retired = None
-    if dst.exists():
-        retired = dst.parent / f".{dst.name}.old-{uuid.uuid4().hex[:8]}"
-        os.rename(dst, retired)
-    os.rename(staging, dst)
-    fsync_dir(dst.parent)
-    if retired is not None:
-        shutil.rmtree(retired, ignore_errors=True)
 
 
 def transform_checkpoints(
@@ -441,7 +447,7 @@ def _convert_all(
     progress,
 ) -> ReshardReport:
     """Every target rank into a staging folder, then the manifest, then the rename into place."""
-    staging = dst.parent / f".{dst.name}.staging-{uuid.uuid4().hex[:8]}"
+    staging = staging_dir(dst, f"-{uuid.uuid4().hex[:8]}")  # unique: one conversion's leftovers never match another's
     staging.mkdir()
     report = ReshardReport(dst)
     report.checks.verify_bytes_read += source.verify_bytes_read
@@ -474,15 +480,15 @@ def _convert_all(
             report.ranks.append(result)
         checks.finish(report.checks)  # every record read in parts, before anything is committed
         report.ranks.sort(key=lambda r: r.rank)
-        save_layout(target, staging / "layout.json")
+        save_layout(target, staging / LAYOUT_FILE_NAME)
         files = {r.relative_path: {"sha256": r.sha256, "bytes": r.bytes_written} for r in report.ranks}
-        files["layout.json"] = {
-            "sha256": sha256_of_file(staging / "layout.json"),
-            "bytes": (staging / "layout.json").stat().st_size,
+        files[LAYOUT_FILE_NAME] = {
+            "sha256": sha256_of_file(staging / LAYOUT_FILE_NAME),
+            "bytes": (staging / LAYOUT_FILE_NAME).stat().st_size,
         }
         write_manifest(staging, Manifest(files=files, provenance=provenance))
         fsync_dir(staging)
-        _commit(staging, dst)
+        commit_folder(staging, dst)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -498,8 +504,8 @@ def _run(
         provenance = _provenance(source, target, ckpt_prefix)
         for plan in plans:
             started = time.perf_counter()
-            relative = f"rank_{plan.rank}/{ckpt_prefix}{plan.rank}.pt"
-            (staging / f"rank_{plan.rank}").mkdir()
+            relative = rank_file_name(plan.rank, ckpt_prefix)
+            (staging / rank_dir_name(plan.rank)).mkdir()
             digest, size, stats = _convert_rank(plan, source, target, staging / relative, provenance, checks, advance)
             peak = peak_rss_bytes()
             yield RankResult(plan.rank, relative, digest, size, stats, peak, time.perf_counter() - started)
@@ -566,7 +572,7 @@ def transform_checkpoint_by_rank(
     if out.is_dir() or not out.name:
         raise ValueError(
             f"save_checkpoint_file_name={str(out)!r} is a folder: name the rank file to write (e.g."
-            f" {str(out / f'rank_{rank_id}' / f'checkpoint_{rank_id}.pt')!r})"
+            f" {str(out / rank_file_name(rank_id, 'checkpoint_'))!r})"
         )
     provenance = _provenance(source, target, "")
     if out.exists() and not overwrite:
@@ -582,7 +588,7 @@ def transform_checkpoint_by_rank(
     out.parent.mkdir(parents=True, exist_ok=True)
     _check_room([plan], target, out)
     temp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
-    sidecar = out.with_name(out.name + ".sha256")
+    sidecar = sidecar_path(out)
     try:
         checks = RecordChecks(source.verified_files)
         digest, size, stats = _convert_rank(plan, source, target, temp, provenance, checks)

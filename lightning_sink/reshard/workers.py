@@ -1,9 +1,8 @@
 """Worker processes for ``transform_checkpoints(workers=k)``: one fresh interpreter per target rank.
 
-A worker imports only ``lightning_sink.layout`` and ``lightning_sink.reshard`` (and torch), not the
-``lightning_sink`` package root, which imports Lightning to register strategies: that would cost every worker
-seconds of start-up and a few hundred MiB of memory for nothing. A fresh process per rank also makes its peak
-RSS that rank's own.
+A worker imports the resharding modules and torch, never Lightning (the package root registers the strategies only
+once Lightning is loaded, see _registration.py), so it starts in the time torch takes. A fresh process per rank
+also makes its peak RSS that rank's own.
 """
 
 from __future__ import annotations
@@ -18,15 +17,11 @@ from pathlib import Path
 
 __all__ = ["run_in_workers", "WorkerError"]
 
-# Registers a bare `lightning_sink` package
-# (its __path__ only) so that importing its subpackages does not run lightning_sink/__init__.py; ties the worker's
-# life to its parent's before importing anything slow (torch); then runs one task read from stdin and prints the
-# result as JSON.
+# Imports this very copy of the package (the folder holding it goes first on the path); ties the worker's life to its
+# parent's before importing anything slow (torch); then runs one task read from stdin and prints the result as JSON.
 _BOOTSTRAP = """
-import json, sys, types
-package = types.ModuleType("lightning_sink")
-package.__path__ = [sys.argv[1]]
-sys.modules["lightning_sink"] = package
+import json, sys
+sys.path.insert(0, sys.argv[1])
 from lightning_sink._parent_watch import die_with_parent
 die_with_parent(int(sys.argv[2]))
 from lightning_sink.reshard.transform import worker_main
@@ -39,10 +34,10 @@ class WorkerError(RuntimeError):
 
 
 def _run_one(task: dict) -> dict:
-    package_dir = str(Path(__file__).resolve().parents[1])
+    package_parent = str(Path(__file__).resolve().parents[2])
     environment = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run(
-        [sys.executable, "-c", _BOOTSTRAP, package_dir, str(os.getpid())],
+        [sys.executable, "-c", _BOOTSTRAP, package_parent, str(os.getpid())],
         input=json.dumps(task),
         env=environment,
         capture_output=True,

@@ -33,7 +33,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["StreamedRankFile", "fsync_dir", "sha256_of_file", "write_memory_bytes"]
+from lightning_sink.reshard.reader import ReadStats, TensorLocation, locate_tensors
+
+__all__ = ["StreamedRankFile", "write_memory_bytes"]
 
 ALIGN = 4096  # O_DIRECT wants block-aligned offsets, lengths and memory; a page is a multiple of any block size
 MIN_WINDOW_BYTES = 16 * 2**20
@@ -117,8 +119,6 @@ class StreamedRankFile:
     """
 
     def __init__(self, path: Path, payload: dict[str, Any]) -> None:
-        from lightning_sink.reshard.reader import ReadStats, TensorLocation, locate_tensors
-
         _check_no_tensors_outside(payload)
         self.path = path
         with torch.serialization.skip_data():
@@ -268,20 +268,3 @@ def _check_no_tensors_outside(payload: dict[str, Any]) -> None:
     for key, value in payload.items():
         if key != "tensors":
             visit(value, f"payload[{key!r}]")
-
-
-def sha256_of_file(path: Path, block: int = 1 << 23) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while data := handle.read(block):
-            digest.update(data)
-    return digest.hexdigest()
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename in ``path`` durable."""
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)

@@ -14,17 +14,15 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
+from lightning_sink.checkpoint_format.atomic import check_checkpoint_dir
+from lightning_sink.checkpoint_format.dcp_folder import save_dcp_atomically
+from lightning_sink.checkpoint_format.dcp_load import load_dcp_folder
+from lightning_sink.checkpoint_format.resharded_folder import is_resharded_checkpoint
+from lightning_sink.checkpoint_format.resharded_load import adapt_sink_state, load_resharded_into_strategy
 from lightning_sink.layout.dcp_metadata import DCP_METADATA_FILE
-from lightning_sink.strategies.atomic_dcp import check_checkpoint_dir, save_dcp_atomically
 from lightning_sink.strategies.config import SinkConfig, validate_process_group_backend, validate_timeout
-from lightning_sink.strategies.dcp_load import load_dcp_folder
 from lightning_sink.strategies.engine import CHECKPOINT_KEY, StepEngineMixin
 from lightning_sink.strategies.fsdp_window import FSDPWindow
-from lightning_sink.strategies.resharded_load import (
-    adapt_sink_state,
-    is_resharded_checkpoint,
-    load_resharded_into_strategy,
-)
 from lightning_sink.window import OverflowFlagAllReduce, Reducer
 
 __all__ = ["SinkModelParallelStrategy"]
@@ -150,7 +148,7 @@ class SinkModelParallelStrategy(StepEngineMixin, ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A DCP folder (Lightning's loading), or a ``transform_checkpoints`` output folder: each rank then reads only
-        its own file (see ``resharded_load.py`` for what happens to the window and the data position)."""
+        its own file (see ``checkpoint_format/resharded_load.py`` for what happens to the window and the data position)."""
         path = Path(self.broadcast(str(checkpoint_path)))
         check_checkpoint_dir(path)
         weights_only = True if weights_only is None else weights_only  # untrusted files run no code unless asked

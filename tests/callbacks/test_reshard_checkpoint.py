@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_sink import SinkStrategy
 from lightning_sink.callbacks import ReshardCheckpoint
-from lightning_sink.layout import load_layout, save_layout
+from lightning_sink.layout import MeshLayout, layout_on_mesh, load_layout, save_layout
 from lightning_sink.layout_inference import infer_layout
 from lightning_sink.reshard import load_resharded_checkpoint, unpickle_carried, verify_checkpoint
 from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
@@ -103,6 +103,8 @@ def test_a_missing_target_layout_fails_before_training(tmp_path: Path):
         ({"ckpt_prefix": ""}, ValueError, "ckpt_prefix=''"),
         ({"overwrite": "yes"}, TypeError, "overwrite='yes'"),
         ({"dst_dir": 3}, TypeError, "dst_dir=3"),
+        ({"source": "zip"}, ValueError, r"source='zip' is not one of \['dcp', 'ckpt'\]"),
+        ({"source": None}, ValueError, r"source=None is not one of"),
     ],
 )
 def test_bad_arguments_are_named(tmp_path: Path, kwargs, error, match):
@@ -137,6 +139,85 @@ def test_model_parallel_without_distributed_checkpoints_is_refused(tmp_path: Pat
     trainer = quiet_trainer(strategy=ModelParallelStrategy(save_distributed_checkpoint=False), devices=1)
     with pytest.raises(ValueError, match="save_distributed_checkpoint=True"):
         callback.setup(trainer, TPClassifier(), "fit")
+
+
+def test_a_ckpt_source_on_a_model_parallel_run_is_refused(tmp_path: Path, target_layout: Path):
+    callback = ReshardCheckpoint(target_layout, tmp_path / "out", source="ckpt")
+    trainer = quiet_trainer(strategy=ModelParallelStrategy(save_distributed_checkpoint=True), devices=1)
+    with pytest.raises(ValueError, match=r"source='ckpt'\) is for one-device runs"):
+        callback.setup(trainer, TPClassifier(), "fit")
+
+
+def module_state(model: TinyClassifier, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """The trained module's parameters and AdamW's per-parameter state, under a model-parallel checkpoint's names."""
+    expected = {f"state_dict.{name}": p.detach() for name, p in model.named_parameters()}
+    for name, param in model.named_parameters():
+        for key, value in optimizer.state[param].items():
+            expected[f"optimizer_0.state.{name}.{key}"] = value
+    return expected
+
+
+def assert_shards_are_slices(dst: Path, layout_file: Path, expected: dict[str, torch.Tensor]) -> None:
+    """Each rank file, read by the package's loader, holds the layout's slice of each tensor, bit for bit."""
+    layout = load_layout(layout_file)
+    assert set(layout.tensors) == set(expected)
+    for rank in range(layout.world_size):
+        shards = load_resharded_checkpoint(dst / f"rank_{rank}" / f"checkpoint_{rank}.pt")["tensors"]
+        assert set(shards) == {fqn for fqn, t in layout.tensors.items() if t.chunks_of_rank(rank)}
+        for fqn, shard in shards.items():
+            (chunk,) = layout.tensors[fqn].chunks_of_rank(rank)
+            part = expected[fqn][tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))]
+            assert shard.dtype == part.dtype and shard.shape == part.shape, fqn
+            assert torch.equal(shard.reshape(-1).view(torch.uint8), part.reshape(-1).view(torch.uint8)), fqn
+
+
+def test_a_one_device_run_can_keep_lightnings_own_ckpt_as_the_source(tmp_path: Path, target_layout: Path):
+    """source="ckpt" on stock Lightning's one-device strategy: the kept source is ``last.ckpt``, converted as the
+    CLI converts a one-device file, to 2 tensor-parallel ranks and to 3 uneven row ranks; every shard is the trained
+    module's tensor bit for bit, and stock Lightning resumes from the file."""
+    rows3 = save_layout(
+        layout_on_mesh(
+            load_layout(target_layout),
+            MeshLayout.one_dimensional(3),
+            lambda fqn, tensor: ["Shard(0)"] if tensor.global_shape else ["Replicate()"],
+        ),
+        tmp_path / "rows3.json",
+    )
+    to_tp2 = ReshardCheckpoint(target_layout, tmp_path / "tp2", source="ckpt")
+    to_rows3 = ReshardCheckpoint(rows3, tmp_path / "rows3", source="ckpt")
+    model = TinyClassifier(**INIT_ARGS)
+    trainer = quiet_trainer(devices=1, max_epochs=2, callbacks=[to_tp2, to_rows3])
+    trainer.fit(model, loader(make_dataset(num_samples=24), 4))
+    expected = module_state(model, trainer.optimizers[0])
+    for callback, layout_file in ((to_tp2, target_layout), (to_rows3, rows3)):
+        kept = callback.src_dir / "last.ckpt"
+        assert kept.is_file() and not (callback.src_dir / ".metadata").exists()
+        verify_checkpoint(callback.dst_dir)
+        assert_shards_are_slices(callback.dst_dir, layout_file, expected)
+    meta = load_resharded_checkpoint(tmp_path / "rows3" / "rank_2" / "checkpoint_2.pt")["extra_files"]["meta.pt"]
+    assert unpickle_carried(meta, weights_only=False)["global_step"] == trainer.global_step == 12
+    resumed = TinyClassifier(**{**INIT_ARGS, "seed": 1})  # other initial weights: the file must bring them back
+    resume = quiet_trainer(devices=1, max_epochs=3)
+    resume.fit(resumed, loader(make_dataset(num_samples=24), 4), ckpt_path=to_tp2.src_dir / "last.ckpt")
+    assert resume.global_step == 18 and resumed.seen_lrs  # one more epoch of 6 steps, after the restored 12
+
+
+class FrozenFirstLayer(TinyClassifier):
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.net[2].parameters(), lr=self.lr)
+
+
+def test_a_ckpt_source_whose_optimizer_state_cannot_be_named_is_refused_before_training(
+    tmp_path: Path, target_layout: Path
+):
+    """The first layer frozen: position 0 of the optimizer is the module's 3rd parameter, which a .ckpt cannot say."""
+    model = FrozenFirstLayer(**INIT_ARGS)
+    trainer = quiet_trainer(
+        devices=1, max_epochs=1, callbacks=[ReshardCheckpoint(target_layout, tmp_path / "out", source="ckpt")]
+    )
+    with pytest.raises(ValueError, match=r"optimizer 0 holds 2 parameters, at position 0 'net.2.weight', where the"):
+        trainer.fit(model, loader(make_dataset(num_samples=8), 4))
+    assert not model.seen_lrs and not (tmp_path / "out.source").exists()
 
 
 @pytest.mark.slow

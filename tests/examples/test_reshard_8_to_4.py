@@ -123,8 +123,8 @@ def convert_each_target_rank(out_dir: Path, *options: str) -> list[str]:
 
 @pytest.mark.slow
 def test_per_rank_conversion_writes_what_reshard_checkpoint_wrote(example, tmp_path: Path):
+    from lightning_sink.checkpoint_format.resharded_folder import is_resharded_checkpoint, rank_file_path
     from lightning_sink.reshard import load_resharded_checkpoint
-    from lightning_sink.strategies.resharded_load import is_resharded_checkpoint, rank_file
 
     out, _ = example
     shutil.copytree(out / "stage1", tmp_path / "stage1")
@@ -133,7 +133,7 @@ def test_per_rank_conversion_writes_what_reshard_checkpoint_wrote(example, tmp_p
     assert re.search(r"target rank 0: read source ranks \[[0-9, ]+\]", outputs[0])
     assert is_resharded_checkpoint(tmp_path / "resharded")  # loadable by Trainer.fit(ckpt_path=...) as well
     for rank in range(4):
-        mine = load_resharded_checkpoint(rank_file(tmp_path / "resharded", rank))  # checked against its sidecar
+        mine = load_resharded_checkpoint(rank_file_path(tmp_path / "resharded", rank))  # checked against its sidecar
         theirs = load_resharded_checkpoint(out / "resharded" / f"rank_{rank}" / f"checkpoint_{rank}.pt")
         assert mine["tensors"].keys() == theirs["tensors"].keys()
         for fqn, value in theirs["tensors"].items():

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from lightning_sink.checkpoint_format.manifest import read_manifest
 from lightning_sink.layout import MeshLayout, layout_on_mesh, load_layout, save_layout
 from lightning_sink.reshard import transform_checkpoints, verify_checkpoint
-from lightning_sink.reshard.manifest import read_manifest
 from tests.conftest import clean_subprocess_env
 from tests.reshard.conftest import rows
 

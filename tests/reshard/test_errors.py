@@ -172,7 +172,7 @@ class NotATensor:
 
 def test_rank_files_are_loaded_without_unpickling_code(tmp_path: Path):
     """A rank file carrying a pickled object of an arbitrary class is refused (weights_only=True)."""
-    from lightning_sink.reshard.loading import load_rank_payload
+    from lightning_sink.checkpoint_format.rank_file import load_rank_payload
 
     path = tmp_path / "evil.pt"
     torch.save({"format": "lightning-sink-resharded-rank", "version": 1, "x": NotATensor()}, path)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from lightning_sink.checkpoint_format.resharded_folder import rank_file_path
 from lightning_sink.layout import (
     Chunk,
     Layout,
@@ -22,7 +23,6 @@ from lightning_sink.layout import (
     save_layout,
 )
 from lightning_sink.reshard import transform_checkpoints, verify_checkpoint
-from lightning_sink.strategies.resharded_load import rank_file
 
 
 def outside_copy(path: Path, tmp_path: Path) -> Path:
@@ -53,7 +53,7 @@ def test_a_manifest_prefix_that_climbs_out_is_refused_before_any_open(tmp_path: 
         match=r"MANIFEST.json.*provenance.ckpt_prefix='\.\./\.\./elsewhere/rank_0/o_' must be"
         r" a plain file-name prefix",
     ):
-        rank_file(folder, 0)  # what Trainer.fit(ckpt_path=folder) on SinkModelParallelStrategy opens
+        rank_file_path(folder, 0)  # what Trainer.fit(ckpt_path=folder) on SinkModelParallelStrategy opens
     with pytest.raises(ValueError, match=r"provenance.ckpt_prefix"):
         verify_checkpoint(folder)
 
@@ -112,7 +112,7 @@ def test_a_destination_that_is_a_link_is_refused(source_3: Path, two_ranks, tmp_
 @pytest.mark.slow
 def test_a_destination_named_with_glob_characters_leaves_other_leftovers_alone(source: Path, two_ranks, tmp_path: Path):
     """Converting into ``ckpt*`` clears only its own leftovers, not ``ckptA``'s (a glob would match them)."""
-    others = [tmp_path / ".ckptA.staging-0123abcd", tmp_path / ".ckptA.old-0123abcd"]
+    others = [tmp_path / ".ckptA.staging-0123abcd", tmp_path / ".ckptA.previous"]
     for folder in others:
         folder.mkdir()
         (folder / "keep.txt").write_text("another conversion's")

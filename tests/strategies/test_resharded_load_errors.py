@@ -16,10 +16,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_sink import SinkModelParallelStrategy, SinkStrategy
 from lightning_sink.callbacks import ReshardCheckpoint
+from lightning_sink.checkpoint_format.resharded_folder import rank_file_path
+from lightning_sink.checkpoint_format.resharded_load import adapt_sink_state, check_layout_matches_mesh
 from lightning_sink.layout import save_layout
 from lightning_sink.layout_inference import infer_layout
 from lightning_sink.reshard import load_resharded_checkpoint, transform_checkpoints, unpickle_carried
-from lightning_sink.strategies.resharded_load import adapt_sink_state, check_layout_matches_mesh, rank_file
 from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
 from tests.strategies.mp_models import TPClassifier
 
@@ -36,7 +37,7 @@ def resharded(tmp_path: Path, name: str, strategy: SinkStrategy, batches: int, *
 
 
 def sink_state(folder: Path) -> dict:
-    checkpoint = load_resharded_checkpoint(rank_file(folder, 0))
+    checkpoint = load_resharded_checkpoint(rank_file_path(folder, 0))
     return unpickle_carried(checkpoint["extra_files"]["meta.pt"], weights_only=False)["lightning_sink"]
 
 
@@ -70,7 +71,7 @@ def test_a_checkpoint_at_a_pass_boundary_keeps_its_position(tmp_path: Path):
 
 def test_the_files_mesh_must_be_the_runs_mesh(tmp_path: Path):
     folder = resharded(tmp_path, "end", SinkStrategy(accumulation_steps=2), 4, max_epochs=1)
-    file = rank_file(folder, 0)
+    file = rank_file_path(folder, 0)
     layout = load_resharded_checkpoint(file)["layout"]
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -90,7 +91,7 @@ def test_the_files_mesh_must_be_the_runs_mesh(tmp_path: Path):
 def test_a_rank_beyond_the_resharded_world_is_refused(tmp_path: Path):
     folder = resharded(tmp_path, "end", SinkStrategy(accumulation_steps=2), 4, max_epochs=1)
     with pytest.raises(ValueError, match="made for 2 ranks; this run has rank 3"):
-        rank_file(folder, 3)
+        rank_file_path(folder, 3)
 
 
 class TPClassifierWithTestStep(TPClassifier):

@@ -1,7 +1,7 @@
 """The manifest of a resharded checkpoint folder: every file's SHA-256 and size, and the conversion's provenance.
 
-Written last into the staging folder, so a folder with a valid manifest is complete. ``verify_checkpoint``
-checks integrity (digests) and completeness (one file per target rank, each matching the layout).
+Written last into the staging folder, so a folder with a valid manifest is complete. Reading one checks every
+name in it before it becomes a path (see resharded_folder.py for checking the files themselves).
 """
 
 from __future__ import annotations
@@ -12,10 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_sink._fs import check_file_prefix, check_relative_name, inside, read_inside, sha256_inside
+from lightning_sink.checkpoint_format.fs import check_file_prefix, check_relative_name, read_inside
 from lightning_sink.layout.bounded_json import loads_bounded
-from lightning_sink.layout.io import load_layout
-from lightning_sink.layout.schema import LAYOUT_FILE_NAME
 
 __all__ = [
     "MANIFEST_FILE_NAME",
@@ -25,8 +23,6 @@ __all__ = [
     "read_manifest",
     "write_manifest",
     "safe_relative_path",
-    "verify_checkpoint",
-    "VerifyReport",
 ]
 
 MANIFEST_FILE_NAME = "MANIFEST.json"
@@ -99,50 +95,3 @@ def read_manifest(folder: Path) -> Manifest:
 
 def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    folder: Path
-    world_size: int
-    files_checked: int
-    bytes_checked: int
-
-
-def verify_checkpoint(folder: str | os.PathLike, *, deep: bool = True) -> VerifyReport:
-    """Check a resharded checkpoint folder; raise ValueError/FileNotFoundError naming the first bad file.
-
-    Integrity: every manifest file exists with its size and SHA-256. Completeness: the layout's every rank has
-    its file. ``deep``: each rank file loads with ``weights_only=True`` and its shards match the layout.
-    """
-    from lightning_sink.reshard.loading import check_rank_payload, load_rank_payload
-
-    folder = Path(folder)
-    manifest = read_manifest(folder)
-    total = 0
-    for name, entry in sorted(manifest.files.items()):
-        path = safe_relative_path(name, folder, f"manifest of {str(folder)!r}")
-        if not os.path.lexists(path):
-            raise FileNotFoundError(f"{str(path)!r} is listed in the manifest but missing")
-        digest, size = sha256_inside(folder, name, f"manifest of {str(folder)!r}")  # (no symbolic link followed)
-        if size != entry["bytes"]:
-            raise ValueError(
-                f"{str(path)!r} is {size} bytes, the manifest says {entry['bytes']}: truncated or replaced"
-            )
-        if digest != entry["sha256"]:
-            raise ValueError(f"{str(path)!r}: SHA-256 differs from the manifest: the file is corrupt")
-        total += size
-    layout = load_layout(inside(folder, LAYOUT_FILE_NAME, f"resharded checkpoint {str(folder)!r}"))
-    prefix = manifest.provenance.get("ckpt_prefix", "")
-    for rank in range(layout.world_size):
-        name = f"rank_{rank}/{prefix}{rank}.pt"
-        if name not in manifest.files:
-            raise ValueError(f"{str(folder)!r} is incomplete: no file for target rank {rank} ({name}) in the manifest")
-        if deep:
-            check_rank_payload(
-                load_rank_payload(inside(folder, name, f"manifest of {str(folder)!r}")),
-                layout,
-                rank,
-                str(folder / name),
-            )
-    return VerifyReport(folder, layout.world_size, len(manifest.files), total)

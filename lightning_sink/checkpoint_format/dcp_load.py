@@ -14,9 +14,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_sink import _lightning_compat as compat
-from lightning_sink._fs import inside
 from lightning_sink._torch_compat import MetadataCheckedReader, WeightsOnlyLoadPlanner
+from lightning_sink.checkpoint_format.dcp_folder import LIGHTNING_META_FILE
+from lightning_sink.checkpoint_format.fs import inside
 from lightning_sink.layout.dcp_metadata import read_dcp_metadata
 
 __all__ = ["load_dcp_folder"]
@@ -63,5 +63,5 @@ def load_dcp_folder(
         set_optimizer_state_dict(
             module, optimizer, optim_state_dict=optimizer_state[key], options=StateDictOptions(cpu_offload=True)
         )
-    meta = inside(folder, compat.DCP_METADATA_FILE_NAME, f"checkpoint folder {str(folder)!r}")
+    meta = inside(folder, LIGHTNING_META_FILE, f"checkpoint folder {str(folder)!r}")
     return torch.load(meta, map_location="cpu", weights_only=True if weights_only is None else weights_only)

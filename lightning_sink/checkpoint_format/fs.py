@@ -6,7 +6,8 @@
   ``open_nofollow``): a link planted in a folder could otherwise make a read or a write land anywhere;
 - leftovers of killed runs are matched by exact name, never by glob (``remove_leftovers``): a destination named
   ``ckpt*`` must not match another destination's leftovers;
-- a write is refused before it starts when the bytes cannot fit (``check_room_for``).
+- a write is refused before it starts when the bytes cannot fit (``check_room_for``);
+- whole-file digests (``sha256_of_file``, ``sha256_inside``) and durable renames (``fsync_dir``).
 """
 
 from __future__ import annotations
@@ -25,12 +26,14 @@ __all__ = [
     "check_file_prefix",
     "check_relative_name",
     "check_room_for",
+    "fsync_dir",
     "inside",
     "open_inside",
     "open_nofollow",
     "read_inside",
     "remove_leftovers",
     "sha256_inside",
+    "sha256_of_file",
 ]
 
 _HASH_BLOCK = 1 << 23
@@ -123,6 +126,24 @@ def sha256_inside(folder: Path, name: str, what: str) -> tuple[str, int]:
             digest.update(data)
             size += len(data)
     return digest.hexdigest(), size
+
+
+def sha256_of_file(path: Path) -> str:
+    """SHA-256 hex of a file this process wrote or was handed by path."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while data := handle.read(_HASH_BLOCK):
+            digest.update(data)
+    return digest.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename in ``path`` durable."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 def remove_leftovers(parent: Path, name: str, kinds: Iterable[str]) -> None:

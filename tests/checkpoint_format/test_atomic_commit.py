@@ -8,8 +8,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from lightning_sink.checkpoint_format.atomic import check_checkpoint_dir, previous_dir, staging_dir
+from lightning_sink.checkpoint_format.dcp_folder import save_dcp_atomically
 from lightning_sink.layout import load_layout
-from lightning_sink.strategies.atomic_dcp import check_checkpoint_dir, previous_dir, save_dcp_atomically, staging_dir
 
 
 def save(state, metadata, target):

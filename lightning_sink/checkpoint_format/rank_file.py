@@ -1,4 +1,4 @@
-"""Loading a resharded rank file (digest-checked, ``weights_only=True``) and turning it back into live state.
+"""The rank-file format: one target rank's part of a resharded checkpoint, ``rank_{r}/{prefix}{r}.pt``.
 
 A rank file is a ``torch.save``'d dict::
 
@@ -6,39 +6,60 @@ A rank file is a ``torch.save``'d dict::
      "layout": "<target layout JSON>", "tensors": {fqn: local shard}, "non_tensor_state": {fqn: bytes},
      "extra_files": {"meta.pt": bytes}, "paths": {fqn: [nested keys]}, "provenance": {...}}
 
-Non-tensor state stays the raw ``torch.save`` bytes DCP (or Lightning's ``meta.pt``) held; ``unpickle_carried``
-turns it back into objects, with ``weights_only=True`` by default.
+Its records carry no CRC-32; its integrity is the SHA-256 listed in the folder's ``MANIFEST.json`` (or, for a file
+written alone, in a ``<file>.sha256`` sidecar: ``<hex digest> <bytes>``). Non-tensor state stays the raw
+``torch.save`` bytes DCP (or Lightning's ``meta.pt``) held; ``unpickle_carried`` turns it back into objects, with
+``weights_only=True`` by default.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from lightning_sink.checkpoint_format.fs import sha256_of_file
+from lightning_sink.checkpoint_format.manifest import MANIFEST_FILE_NAME, read_manifest
 from lightning_sink.layout.schema import Layout
 from lightning_sink.layout.validation import torch_dtype
-from lightning_sink.reshard.manifest import MANIFEST_FILE_NAME, read_manifest
-from lightning_sink.reshard.source import RESHARDED_FORMAT
-from lightning_sink.reshard.writer import sha256_of_file
 
 __all__ = [
-    "RESHARDED_VERSION",
+    "RANK_FILE_FORMAT",
+    "RANK_FILE_VERSION",
+    "RANK_DIR_PATTERN",
+    "rank_dir_name",
+    "rank_file_name",
+    "sidecar_path",
+    "expected_digest",
     "load_resharded_checkpoint",
     "load_rank_payload",
     "read_rank_file_header",
     "check_rank_payload",
-    "to_dtensors",
-    "load_into_state_dict",
     "unpickle_carried",
-    "expected_digest",
 ]
 
-RESHARDED_VERSION = 1
+RANK_FILE_FORMAT = "lightning-sink-resharded-rank"
+RANK_FILE_VERSION = 1
+RANK_DIR_PATTERN = re.compile(r"^rank_(\d+)$")
+
+
+def rank_dir_name(rank: int) -> str:
+    return f"rank_{rank}"
+
+
+def rank_file_name(rank: int, prefix: str) -> str:
+    """The rank file's path relative to its checkpoint folder, as the manifest lists it."""
+    return f"{rank_dir_name(rank)}/{prefix}{rank}.pt"
+
+
+def sidecar_path(path: Path) -> Path:
+    """The ``.sha256`` sidecar of a rank file written on its own."""
+    return path.with_name(path.name + ".sha256")
 
 
 def expected_digest(path: Path) -> tuple[str, int] | None:
@@ -49,7 +70,7 @@ def expected_digest(path: Path) -> tuple[str, int] | None:
         entry = manifest.files.get(f"{path.parent.name}/{path.name}")
         if entry is not None:
             return entry["sha256"], entry["bytes"]
-    sidecar = path.with_name(path.name + ".sha256")
+    sidecar = sidecar_path(path)
     if sidecar.is_file():
         digest, _, size = sidecar.read_text().strip().partition(" ")
         return digest, int(size)
@@ -70,23 +91,24 @@ def load_rank_payload(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def read_rank_file_header(path: Path) -> dict[str, Any]:
-    """The rank file's non-tensor parts (layout parsed), reading no tensor data (meta-device load)."""
+    """The rank file's non-tensor parts (layout parsed), reading no tensor data (meta-device load); a ``torch.save``
+    file of another kind gives ``{"layout": None}``."""
     try:
         payload = torch.load(path, map_location="meta", weights_only=True)
     except Exception as error:
         raise ValueError(f"rank file {str(path)!r} is truncated or corrupt: {error}") from None
-    if not isinstance(payload, dict) or payload.get("format") != RESHARDED_FORMAT:
+    if not isinstance(payload, dict) or payload.get("format") != RANK_FILE_FORMAT:
         return {"layout": None}
     _check_header(payload, path)
     return {**payload, "layout": Layout.from_json(payload["layout"]), "tensors": None}
 
 
 def _check_header(payload: Any, path: Path) -> None:
-    if not isinstance(payload, dict) or payload.get("format") != RESHARDED_FORMAT:
+    if not isinstance(payload, dict) or payload.get("format") != RANK_FILE_FORMAT:
         raise ValueError(f"{str(path)!r} is not a lightning-sink resharded checkpoint file")
-    if payload.get("version") != RESHARDED_VERSION:
+    if payload.get("version") != RANK_FILE_VERSION:
         raise ValueError(
-            f"{str(path)!r}: unknown resharded file version {payload.get('version')!r} (this reads {RESHARDED_VERSION})"
+            f"{str(path)!r}: unknown resharded file version {payload.get('version')!r} (this reads {RANK_FILE_VERSION})"
         )
 
 
@@ -136,76 +158,3 @@ def load_resharded_checkpoint(path: str | os.PathLike, *, verify: bool = True) -
 def unpickle_carried(data: bytes, *, weights_only: bool = True) -> Any:
     """A carried non-tensor value (``torch.save`` bytes) back to an object."""
     return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
-
-
-def to_dtensors(checkpoint: Mapping[str, Any], device_mesh) -> dict[str, Any]:
-    """The rank's local shards as DTensors on ``device_mesh``, placed as the layout says (no communication).
-
-    The mesh must have the layout's shape and rank order; tensors without placements stay plain tensors.
-    """
-    from torch.distributed.tensor import DTensor
-
-    from lightning_sink.layout.geometry import parse_placement
-
-    layout: Layout = checkpoint["layout"]
-    if (
-        tuple(device_mesh.mesh.shape) != layout.mesh.shape
-        or device_mesh.mesh.flatten().tolist() != layout.mesh.flat_ranks()
-    ):
-        raise ValueError(f"device_mesh {device_mesh.mesh.tolist()} is not the layout's mesh {list(layout.mesh.ranks)}")
-    result = {}
-    for fqn, local in checkpoint["tensors"].items():
-        tensor = layout.tensors[fqn]
-        if tensor.placements is None:
-            result[fqn] = local
-            continue
-        placements = [parse_placement(p) for p in tensor.placements]
-        result[fqn] = DTensor.from_local(
-            local,
-            device_mesh,
-            placements,
-            run_check=False,
-            shape=torch.Size(tensor.global_shape),
-            stride=_contiguous(tensor.global_shape),
-        )
-    return result
-
-
-def _contiguous(shape) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= size
-    return tuple(reversed(strides))
-
-
-def load_into_state_dict(
-    state_dict: dict[str, Any], checkpoint: Mapping[str, Any], *, strict: bool = True, weights_only: bool = True
-) -> dict[str, Any]:
-    """Fill a live state dict (as handed to ``dcp.load``) in place from a resharded rank file, like ``dcp.load``.
-
-    DTensor leaves get their local shard copied in (their placements must give this rank the file's chunk);
-    plain tensors get the full value; non-tensor leaves are replaced by the carried values.
-    """
-    from torch.distributed.tensor import DTensor
-
-    from lightning_sink._torch_compat import flatten_state_dict, set_element
-
-    flat, mapping = flatten_state_dict(state_dict)
-    tensors, carried = checkpoint["tensors"], checkpoint.get("non_tensor_state", {})
-    missing = [fqn for fqn in flat if fqn not in tensors and fqn not in carried]
-    if strict and missing:
-        raise ValueError(f"resharded checkpoint of rank {checkpoint.get('rank')} lacks {missing[:10]}")
-    for fqn, value in flat.items():
-        if fqn in tensors:
-            local = value.to_local() if isinstance(value, DTensor) else value
-            if not isinstance(local, torch.Tensor) or tuple(local.shape) != tuple(tensors[fqn].shape):
-                raise ValueError(
-                    f"tensor {fqn!r}: the live local shard is {getattr(local, 'shape', type(local))},"
-                    f" the file holds {list(tensors[fqn].shape)}: the live layout differs from the file's"
-                )
-            with torch.no_grad():
-                local.copy_(tensors[fqn])
-        elif fqn in carried:
-            set_element(state_dict, mapping[fqn], unpickle_carried(carried[fqn], weights_only=weights_only))
-    return state_dict

@@ -1,12 +1,11 @@
 """``Trainer.fit(ckpt_path=DST)`` where DST is the output folder of ``transform_checkpoints``.
 
-A resharded folder holds ``MANIFEST.json`` and one file per target rank, ``rank_{r}/{prefix}{r}.pt``. Each rank
-loads only its own file (SHA-256 checked against the manifest), checks that the file's target layout is the
-run's device mesh, and fills the live model and optimizer through ``torch.distributed.checkpoint.state_dict``'s
-``get_*_state_dict`` / ``set_*_state_dict`` and ``load_into_state_dict`` - the same steps Lightning's
-``_load_checkpoint`` takes for a DCP folder, with the local shards read from the rank file instead of ``dcp.load``.
-Lightning's metadata (loops, callbacks, schedulers, loss scale, the lightning_sink state) comes from the carried
-``meta.pt`` bytes.
+A resharded folder (resharded_folder.py) holds one file per target rank. Each rank loads only its own file
+(SHA-256 checked against the manifest), checks that the file's target layout is the run's device mesh, and fills
+the live model and optimizer through ``torch.distributed.checkpoint.state_dict``'s ``get_*_state_dict`` /
+``set_*_state_dict`` and ``load_into_state_dict`` - the same steps Lightning's ``_load_checkpoint`` takes for a
+DCP folder, with the local shards read from the rank file instead of ``dcp.load``. Lightning's metadata (loops,
+callbacks, schedulers, loss scale, the lightning_sink state) comes from the carried ``meta.pt`` bytes.
 
 The lightning_sink state is saved by a run with another mesh, so it is adapted here (see ``adapt_sink_state``):
 
@@ -25,54 +24,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
-from lightning_sink import _lightning_compat as compat
-from lightning_sink._fs import inside
+from lightning_sink.checkpoint_format.dcp_folder import LIGHTNING_META_FILE
+from lightning_sink.checkpoint_format.live_state import load_into_state_dict
+from lightning_sink.checkpoint_format.rank_file import load_resharded_checkpoint
+from lightning_sink.checkpoint_format.resharded_folder import rank_file_path
 from lightning_sink.layout.schema import Layout
-from lightning_sink.reshard import load_into_state_dict, load_resharded_checkpoint
-from lightning_sink.reshard.manifest import MANIFEST_FILE_NAME, read_manifest
 
 __all__ = [
-    "is_resharded_checkpoint",
-    "rank_file",
     "check_layout_matches_mesh",
     "adapt_sink_state",
     "load_resharded_into_strategy",
 ]
-
-
-def is_resharded_checkpoint(path: Path) -> bool:
-    """A ``transform_checkpoints`` output folder (a manifest, no DCP ``.metadata``), or a folder of ``rank_{r}/``
-    files written one by one by ``transform_checkpoint_by_rank`` (each with its ``.sha256`` sidecar)."""
-    if not path.is_dir() or (path / ".metadata").exists():
-        return False
-    return (path / MANIFEST_FILE_NAME).is_file() or any((path / "rank_0").glob("*.pt.sha256"))
-
-
-def rank_file(folder: Path, rank: int) -> Path:
-    """``rank_{rank}/{prefix}{rank}.pt`` of a resharded folder: the prefix from its manifest, or (per-rank output
-    without a manifest) the one ``.pt`` file with a ``.sha256`` sidecar in ``rank_{rank}/``."""
-    if not (folder / MANIFEST_FILE_NAME).is_file():
-        rank_dir = inside(folder, f"rank_{rank}", f"resharded checkpoint {str(folder)!r}")
-        files = sorted(
-            inside(rank_dir, sidecar.with_suffix("").name, f"resharded checkpoint {str(folder)!r}")
-            for sidecar in rank_dir.glob("*.pt.sha256")
-        )
-        if len(files) != 1:
-            raise ValueError(
-                f"resharded checkpoint {str(folder)!r} has no MANIFEST.json and {len(files)} rank files"
-                f" with a .sha256 sidecar in rank_{rank}/ (expected exactly 1 for this rank)"
-            )
-        return files[0]
-    manifest = read_manifest(folder)  # (its ckpt_prefix is checked to be a plain file-name prefix)
-    prefix = manifest.provenance.get("ckpt_prefix", "")
-    world_size = manifest.provenance.get("world_size")
-    if world_size is not None and rank >= world_size:
-        raise ValueError(
-            f"resharded checkpoint {str(folder)!r} was made for {world_size} ranks; this run has rank"
-            f" {rank}: reshard for this run's mesh (its layout from `lightning-sink layout`)"
-        )
-    return inside(folder, f"rank_{rank}/{prefix}{rank}.pt", f"resharded checkpoint {str(folder)!r}")
 
 
 def check_layout_matches_mesh(layout: Layout, device_mesh: Any, world_size: int, file: Path) -> None:
@@ -119,20 +88,13 @@ def adapt_sink_state(state: dict[str, Any] | None, file: Path, sink_mode: bool) 
 
 def load_resharded_into_strategy(strategy: Any, folder: Path, weights_only: bool | None) -> dict[str, Any]:
     """Fill ``strategy``'s model and optimizers from this rank's file; return Lightning's metadata (``meta.pt``)."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    file = rank_file(folder, strategy.global_rank)
+    file = rank_file_path(folder, strategy.global_rank)
     checkpoint = load_resharded_checkpoint(file)  # digest-verified, every tensor checked against its layout
     check_layout_matches_mesh(checkpoint["layout"], strategy.device_mesh, strategy.world_size, file)
-    meta = checkpoint["extra_files"].get(compat.DCP_METADATA_FILE_NAME)
+    meta = checkpoint["extra_files"].get(LIGHTNING_META_FILE)
     if meta is None:
         raise ValueError(
-            f"resharded checkpoint file {str(file)!r} carries no {compat.DCP_METADATA_FILE_NAME!r}"
+            f"resharded checkpoint file {str(file)!r} carries no {LIGHTNING_META_FILE!r}"
             " (Lightning's loops and callbacks): its source was not a Lightning checkpoint"
         )
     module, strict = strategy.model, strategy.lightning_module.strict_loading

@@ -1,0 +1,12 @@
+"""The checkpoint formats this package writes and reads, one module each, with no Lightning import:
+
+- ``fs``: opening inside a folder without following links, checked names, exact-name cleanup, free space, digests;
+- ``atomic``: a folder written under a staging name and renamed into place;
+- ``manifest``: ``MANIFEST.json``, every file's SHA-256 and the conversion's provenance;
+- ``rank_file``: one target rank's file of a resharded checkpoint (``rank_{r}/{prefix}{r}.pt``);
+- ``resharded_folder``: which rank file a rank reads, and ``verify_checkpoint``;
+- ``live_state``: a loaded rank file back into DTensors or a live state dict;
+- ``resharded_load``: ``Trainer.fit(ckpt_path=)`` of a resharded folder, for ``SinkModelParallelStrategy``;
+- ``dcp_folder``, ``dcp_load``: Lightning-style sharded DCP folders (with ``meta.pt`` and ``layout.json``), saved
+  atomically and loaded with every pickle read restricted.
+"""
