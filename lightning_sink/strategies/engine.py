@@ -6,7 +6,8 @@ zero-grad hooks at a window's first batch, ``training_step``, the backward, and 
 extension points a strategy owns:
 
 1. ``training_step`` calls the LightningModule directly (DDP's reducer never fires; ``graph_mode`` applies);
-2. ``backward`` lets the gradient store prepare ``.grad`` (the fp32 window sum) before backpropagating;
+2. ``pre_backward`` lets the gradient store prepare ``.grad`` (the fp32 window sum) before Lightning's own
+   ``backward`` (and its hooks) backpropagates, ``post_backward`` closes the micro-step;
 3. ``optimizer_step`` (reached through the module's ``optimizer_step`` hook and ``optimizer.step(closure)``) ends
    the window. Without a loss scale, as Lightning's own precision plugin, it hands ``optimizer.step`` a closure
    that runs the window's last micro-batch, then readies the mean gradient (one reduction, the division,
@@ -57,7 +58,7 @@ from lightning_sink.strategies.checkpoint_state import (
 )
 from lightning_sink.strategies.config import SinkConfig
 from lightning_sink.strategies.graph_modes import check_graph_mode_device, step_function
-from lightning_sink.strategies.hooks import LIGHTNING_BACKWARD, HookPlan
+from lightning_sink.strategies.hooks import HookPlan
 from lightning_sink.strategies.resume_check import check_resume_settings
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
 from lightning_sink.strategies.step_triggers import (
@@ -144,7 +145,6 @@ class StepEngineMixin(WindowCheckpointMixin):
         self._needs_step_context = True
         self._scaling: LossScalePrecision | None = None
         self._passthrough = False  # N=1, one process, no loss scale, no sink: Lightning's own step, untouched
-        self._in_backward = False
         self._store_params: tuple[int, ...] = ()
         self._in_update = False
         self._skip_backward_now = False
@@ -426,6 +426,8 @@ class StepEngineMixin(WindowCheckpointMixin):
     def _forward(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         skip_backward = self._window_already_overflowed()
         self._skip_backward_now = skip_backward
+        if self._scaling is not None:
+            self._scaling.skip_backward = skip_backward  # Lightning's backward reaches the plugin's
         if not self._needs_step_context and not skip_backward and torch.is_grad_enabled():
             output = self._step_function(*args, **kwargs)  # nothing to enter: the contexts cost a few us a step
         else:
@@ -444,37 +446,27 @@ class StepEngineMixin(WindowCheckpointMixin):
         """Nothing to block: the LightningModule is called directly, so DDP's reducer never fires."""
         yield
 
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        """The store prepares ``.grad`` (the window's fp32 sum), then Lightning's backward with its hooks."""
-        if self._in_backward:
-            # ``Strategy.backward`` was replaced by a wrapper that calls this strategy again (a mock counting
-            # backward calls): run Lightning's own, once, instead of recursing.
-            return LIGHTNING_BACKWARD(self, closure_loss, optimizer, *args, **kwargs)  # type: ignore[arg-type]
-        self._in_backward = True
-        try:
-            return self._window_backward(closure_loss, optimizer, *args, **kwargs)
-        finally:
-            self._in_backward = False
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Before Lightning's backward (and its hooks): the store prepares ``.grad`` (the window's fp32 sum).
 
-    def _window_backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        The engine lives in ``pre_backward``/``post_backward`` rather than ``backward``, so ``Strategy.backward``
+        stays Lightning's own (what code that wraps or counts it expects)."""
+        super().pre_backward(closure_loss)  # type: ignore[misc]
         if not self._accumulating or self._passthrough:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
+            return
         store = self._accumulator
         if store.micro_steps == 0:
             self._refresh_store()
             store = self._accumulator
         store.begin_micro_step(self._in_update or self._drop_window)
-        if self._skip_backward_now:
-            pass
-        elif self._hooks.direct_backward and not args and not kwargs:
-            self._direct_backward(closure_loss)  # what Lightning's backward does when no hook is overridden
-        else:
-            super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
-        store.end_micro_step()
-        if self._drop_window:
-            store.clear()  # the epoch ends inside a window under "drop": discard it
-            self._drop_window = False
-        return closure_loss
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self._accumulating and not self._passthrough:
+            self._accumulator.end_micro_step()
+            if self._drop_window:
+                self._accumulator.clear()  # the epoch ends inside a window under "drop": discard it
+                self._drop_window = False
+        super().post_backward(closure_loss)  # type: ignore[misc]
 
     def _direct_backward(self, loss: Tensor) -> None:
         scaling = self._scaling
