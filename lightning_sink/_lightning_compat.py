@@ -25,10 +25,9 @@ __all__ = [
     "skip_lightning_backward",
     "remove_loop_overrides",
     "is_last_batch_of_epoch",
-    "record_optimizer_update",
+    "UpdateCounters",
     "set_logging_step",
     "run_zero_grad",
-    "count_zero_grad",
     "lightning_optimizer",
     "process_group_backend",
     "logging_step_set_to",
@@ -114,12 +113,28 @@ def _step_progress(trainer: pl.Trainer) -> Any:
     return _automatic(trainer).optim_progress.optimizer.step
 
 
-def record_optimizer_update(trainer: pl.Trainer, stage: str) -> None:
-    """Count an update in sink mode as Lightning counts its own: ``"ready"`` before the ``optimizer_step`` hook,
-    ``"completed"`` after it (``trainer.global_step`` reads the completed count)."""
-    progress = _step_progress(trainer)
-    for tracker in (progress.total, progress.current):
-        setattr(tracker, stage, getattr(tracker, stage) + 1)
+class UpdateCounters:
+    """Lightning's optimizer progress counters (saved in the loop state; ``trainer.global_step`` reads the
+    completed step count), moved as Lightning moves its own. Looked up once per sink: a sink counts hundreds of
+    updates, and the walk from the trainer to the counters costs more than the increments."""
+
+    def __init__(self, trainer: pl.Trainer) -> None:
+        progress = _automatic(trainer).optim_progress.optimizer
+        self._step, self._zero_grad = progress.step, progress.zero_grad
+
+    def update_ready(self) -> None:
+        """Before the ``optimizer_step`` hook."""
+        self._step.increment_ready()
+
+    def update_completed(self) -> None:
+        """After the ``optimizer_step`` hook."""
+        self._step.increment_completed()
+
+    def zero_grad(self) -> None:
+        """A zero-grad whose hooks nobody overrides (``run_zero_grad`` counts the hooked one)."""
+        self._zero_grad.increment_ready()
+        self._zero_grad.increment_started()
+        self._zero_grad.increment_completed()
 
 
 def set_logging_step(trainer: pl.Trainer, updated: bool) -> None:
@@ -135,14 +150,6 @@ def run_zero_grad(trainer: pl.Trainer, batch_idx: int, optimizer: Any) -> None:
     automatic = _automatic(trainer)
     automatic._on_before_zero_grad(optimizer)
     automatic._optimizer_zero_grad(batch_idx, optimizer)
-
-
-def count_zero_grad(trainer: pl.Trainer) -> None:
-    """The zero-grad progress counters alone, for a zero-grad whose hooks nobody overrides."""
-    tracker = _automatic(trainer).optim_progress.optimizer.zero_grad
-    tracker.increment_ready()
-    tracker.increment_started()
-    tracker.increment_completed()
 
 
 def lightning_optimizer(strategy: Any) -> Any:

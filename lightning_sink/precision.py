@@ -88,6 +88,9 @@ class LossScalePrecision(Precision):
         self._inner = _inner_plugin(precision, self.device)
         self.scaler = LossScaler(loss_scale) if loss_scale is not None else None
         self._overflow_on_host: bool | None = None
+        # Set by the strategy for a micro-batch whose window already overflowed (skip_window_on_overflow): its
+        # forward ran without autograd, as the window's update is skipped anyway, so there is nothing to backpropagate.
+        self.skip_backward = False
 
     # ------------------------------------------------------------------ autocast / dtypes: Lightning's own plugin
     @override
@@ -125,6 +128,11 @@ class LossScalePrecision(Precision):
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
         tensor = super().pre_backward(tensor, module)  # on_before_backward hooks see the unscaled loss
         return tensor if self.scaler is None else tensor * self.scaler.scale.to(tensor.dtype)
+
+    @override
+    def backward(self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        if not self.skip_backward:
+            super().backward(tensor, model, optimizer, *args, **kwargs)
 
     def unscale_window(self, flat_gradients: Tensor, divisor: float) -> Tensor | None:
         """Unscale a window's summed gradients in place; return the device overflow flag (None: no scaling)."""

@@ -85,13 +85,18 @@ class TrainingPasses:
         self._not_resumable_warning = _NotResumableWarningIgnored()
         self._reproducible = True  # every loader taken in this fit so far
 
-    def take_loader(self, trainer: pl.Trainer, loader: Any, whole_windows_of: int | None) -> None:
-        """The loader Lightning is about to iterate (``whole_windows_of=N``: ``partial_window="drop"``)."""
+    def take_loader(
+        self, trainer: pl.Trainer, loader: Any, whole_windows_of: int | None, counts_batches: bool = True
+    ) -> None:
+        """The loader Lightning is about to iterate (``whole_windows_of=N``: ``partial_window="drop"``).
+
+        ``counts_batches=False``: ``training_step(dataloader_iter)`` draws the batches itself, so a step is not one
+        batch and the position cannot be counted; Lightning resumes such a loader, as with its own strategies."""
         self.loader, self._trainer = loader, trainer
         if whole_windows_of:
             self._limit_to_whole_windows(trainer, loader, whole_windows_of)
         # With several loaders (a CombinedLoader) all must be reproducible: the skip fetches from all of them.
-        self._reproducible = self._reproducible and has_reproducible_order(loader)
+        self._reproducible = self._reproducible and counts_batches and has_reproducible_order(loader)
         if not self._reproducible:
             self.position.cancel_resume()  # Lightning resumes the data, as with its own strategies
             return

@@ -94,9 +94,10 @@ def test_zero_grad_and_step_counters_move_as_lightnings_own():
     trainer.fit(TinyClassifier(), loader(make_dataset(num_samples=16), 4))
     progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer
     before = (progress.zero_grad.total.completed, progress.step.total.completed, trainer.global_step)
-    compat.count_zero_grad(trainer)
-    compat.record_optimizer_update(trainer, "ready")
-    compat.record_optimizer_update(trainer, "completed")
+    counters = compat.UpdateCounters(trainer)
+    counters.zero_grad()
+    counters.update_ready()
+    counters.update_completed()
     assert (progress.zero_grad.total.completed, progress.step.total.completed, trainer.global_step) == (
         before[0] + 1,
         before[1] + 1,

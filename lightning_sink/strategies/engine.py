@@ -6,10 +6,13 @@ zero-grad hooks at a window's first batch, ``training_step``, the backward, and 
 extension points a strategy owns:
 
 1. ``training_step`` calls the LightningModule directly (DDP's reducer never fires; ``graph_mode`` applies);
-2. ``backward`` lets the gradient store prepare ``.grad`` (the fp32 window sum) before backpropagating;
-3. ``optimizer_step`` (reached through the module's ``optimizer_step`` hook and ``optimizer.step(closure)``) runs
-   the closure, then ``finish_window``: one reduction, divide/unscale, ``on_before_optimizer_step`` and
-   clipping, step or skip, loss-scale update.
+2. ``pre_backward`` lets the gradient store prepare ``.grad`` (the fp32 window sum) before Lightning's own
+   ``backward`` (and its hooks) backpropagates, ``post_backward`` closes the micro-step;
+3. ``optimizer_step`` (reached through the module's ``optimizer_step`` hook and ``optimizer.step(closure)``) ends
+   the window. Without a loss scale, as Lightning's own precision plugin, it hands ``optimizer.step`` a closure
+   that runs the window's last micro-batch, then readies the mean gradient (one reduction, the division,
+   ``on_before_optimizer_step`` and clipping); with one, as Lightning's mixed precision, it runs the closure,
+   then ``finish_window``: reduction, divide/unscale, the hooks and clipping, step or skip, loss-scale update.
 
 Lightning divides each loss by ``accumulate_grad_batches`` (N); a window of k micro-steps that returned a loss
 is divided by k/N at its end, so every update is the mean over its micro-batches. With sinking (``sink_size``) a
@@ -69,6 +72,7 @@ from lightning_sink.window import (
     NoReduction,
     Reducer,
     finish_window,
+    ready_window_gradient,
 )
 
 __all__ = ["StepEngineMixin", "CHECKPOINT_KEY"]
@@ -83,6 +87,18 @@ def _loss_of(output: STEP_OUTPUT) -> Tensor | None:
     if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
         return output["loss"]
     return ClosureResult.from_training_step_output(output).closure_loss  # None, or Lightning's own error
+
+
+def _draws_own_batches(module: pl.LightningModule) -> bool:
+    """``training_step(dataloader_iter)``: the module fetches its batches, so a step need not be one batch."""
+    return is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
+
+
+def _forget_gradients(optimizer: Optimizer) -> None:
+    """``zero_grad(set_to_none=True)`` without calling the optimizer's own ``zero_grad`` (whose calls users count)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            param.grad = None
 
 
 def _needs_closure(optimizer: Optimizer) -> bool:
@@ -136,6 +152,8 @@ class StepEngineMixin(WindowCheckpointMixin):
         self._planned: tuple[int, bool] | None = None
         self._last_update_skipped = False
         self._sink_updates = 0
+        self._counters: compat.UpdateCounters | None = None  # looked up at each sink's start
+        self._store_checked = False  # whether this sink's direct path has checked the trainable set
         self._sink_window_batches = 0  # micro-batches of the open window in sink mode (None-returning ones too)
         self._step_takes_batch_idx = True
 
@@ -212,7 +230,9 @@ class StepEngineMixin(WindowCheckpointMixin):
             self._sink_loader = SinkLoader(dataloader)
             return self._sink_loader
         whole = self.accumulation_steps if self.partial_window == "drop" else None
-        self._passes.take_loader(trainer, dataloader, whole_windows_of=whole)  # generators, "drop" epoch length
+        counts_batches = not _draws_own_batches(trainer.lightning_module)
+        # generators, "drop" epoch length, the resume position
+        self._passes.take_loader(trainer, dataloader, whole_windows_of=whole, counts_batches=counts_batches)
         return dataloader
 
     # ------------------------------------------------------------------ collaborators (chosen by the strategy)
@@ -280,9 +300,7 @@ class StepEngineMixin(WindowCheckpointMixin):
             if self.sink_size is not None
             else f"accumulation_steps={self.accumulation_steps}"
         )
-        if windows and is_param_in_hook_signature(
-            trainer.lightning_module.training_step, "dataloader_iter", explicit=True
-        ):
+        if windows and _draws_own_batches(trainer.lightning_module):
             raise ValueError(
                 f"training_step(dataloader_iter) draws its own batches, but {type(self).__name__}({why}) must see"
                 " every micro-batch to close its windows: take `batch` (and `batch_idx`) instead, or train with"
@@ -408,6 +426,8 @@ class StepEngineMixin(WindowCheckpointMixin):
     def _forward(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         skip_backward = self._window_already_overflowed()
         self._skip_backward_now = skip_backward
+        if self._scaling is not None:
+            self._scaling.skip_backward = skip_backward  # Lightning's backward reaches the plugin's
         if not self._needs_step_context and not skip_backward and torch.is_grad_enabled():
             output = self._step_function(*args, **kwargs)  # nothing to enter: the contexts cost a few us a step
         else:
@@ -426,26 +446,27 @@ class StepEngineMixin(WindowCheckpointMixin):
         """Nothing to block: the LightningModule is called directly, so DDP's reducer never fires."""
         yield
 
-    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        """The store prepares ``.grad`` (the window's fp32 sum), then Lightning's backward with its hooks."""
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        """Before Lightning's backward (and its hooks): the store prepares ``.grad`` (the window's fp32 sum).
+
+        The engine lives in ``pre_backward``/``post_backward`` rather than ``backward``, so ``Strategy.backward``
+        stays Lightning's own (what code that wraps or counts it expects)."""
+        super().pre_backward(closure_loss)  # type: ignore[misc]
         if not self._accumulating or self._passthrough:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
+            return
         store = self._accumulator
         if store.micro_steps == 0:
             self._refresh_store()
             store = self._accumulator
         store.begin_micro_step(self._in_update or self._drop_window)
-        if self._skip_backward_now:
-            pass
-        elif self._hooks.direct_backward and not args and not kwargs:
-            self._direct_backward(closure_loss)  # what Lightning's backward does when no hook is overridden
-        else:
-            super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc]
-        store.end_micro_step()
-        if self._drop_window:
-            store.clear()  # the epoch ends inside a window under "drop": discard it
-            self._drop_window = False
-        return closure_loss
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self._accumulating and not self._passthrough:
+            self._accumulator.end_micro_step()
+            if self._drop_window:
+                self._accumulator.clear()  # the epoch ends inside a window under "drop": discard it
+                self._drop_window = False
+        super().post_backward(closure_loss)  # type: ignore[misc]
 
     def _direct_backward(self, loss: Tensor) -> None:
         scaling = self._scaling
@@ -461,25 +482,59 @@ class StepEngineMixin(WindowCheckpointMixin):
 
     def update_step(self, optimizer: Optimizer, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """The window's last micro-batch (the closure: forward, backward) and the window's update."""
-        self._in_update = True
-        try:
-            loss = closure()
-        finally:
-            self._in_update = False
+        scaling = self._scaling
+        if scaling is None:
+            return self._update_inside_step(optimizer, closure, **kwargs)
+        loss = self._last_micro_step(closure)
         store = self._accumulator
         if store.micro_steps == 0:
-            return loss  # no micro-batch of this window returned a loss: nothing to apply, as with stock
-        # Lightning divided every loss by N; the mean over the k micro-steps (on every rank) divides by k/N more.
-        divisor = store.micro_steps * self._ranks_in_sum() / self._loss_divisor()
-        scaling = self._scaling
+            return loss  # no micro-batch of this window returned a loss: nothing to apply
         found_inf = finish_window(
-            store, self._reducer, scaling, optimizer, divisor, lambda: self._before_optimizer_step(optimizer), **kwargs
+            store,
+            self._reducer,
+            scaling,
+            optimizer,
+            self._window_divisor(),
+            lambda: self._before_optimizer_step(optimizer),
+            **kwargs,
         )
-        skipped = scaling is not None and bool(self._step_scheduler_configs) and scaling.window_overflowed(found_inf)
-        self._last_update_skipped = skipped
-        if scaling is not None:
-            self._log_loss_scale(scaling, found_inf)
+        self._last_update_skipped = bool(self._step_scheduler_configs) and scaling.window_overflowed(found_inf)
+        self._log_loss_scale(scaling, found_inf)
         return loss
+
+    def _update_inside_step(self, optimizer: Optimizer, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """``optimizer.step(closure)`` as Lightning's fp32 precision plugin calls it: the optimizer enters its
+        ``step``, runs the closure (the window's last micro-batch, then its mean gradient, hooks and clipping),
+        then updates, so an optimizer's own ``step`` sees the calls in stock Lightning's order. A window where no
+        ``training_step`` returned a loss has no gradient: ``.grad`` is ``None``, so the step changes nothing."""
+        store = self._accumulator
+
+        def window_closure() -> Any:
+            loss = self._last_micro_step(closure)
+            if store.micro_steps:
+                ready_window_gradient(
+                    store, self._reducer, None, self._window_divisor(), lambda: self._before_optimizer_step(optimizer)
+                )
+            else:
+                _forget_gradients(optimizer)
+            return loss
+
+        self._last_update_skipped = False
+        output = optimizer.step(closure=window_closure, **kwargs)
+        if store.micro_steps:
+            store.end_window()
+        return output
+
+    def _last_micro_step(self, closure: Callable[[], Any]) -> Any:
+        self._in_update = True
+        try:
+            return closure()
+        finally:
+            self._in_update = False
+
+    def _window_divisor(self) -> float:
+        """Lightning divided every loss by N; the mean over the k micro-steps (on every rank) divides by k/N more."""
+        return self._accumulator.micro_steps * self._ranks_in_sum() / self._loss_divisor()
 
     def _ranks_in_sum(self) -> int:
         """Ranks whose gradients the reduced window sums (FSDP2's reduce-scatter averages them already)."""
@@ -554,7 +609,10 @@ class StepEngineMixin(WindowCheckpointMixin):
 
     def _run_micro_steps(self) -> dict[str, Tensor] | None:
         trainer, stream, buffer = self._trainer, self._stream, self._log_buffer
-        max_steps = trainer.max_steps
+        self._counters = compat.UpdateCounters(trainer)
+        self._store_checked = False
+        # the updates this sink may make before max_steps (global_step moves only through this sink's updates)
+        updates_allowed = trainer.max_steps - trainer.global_step if trainer.max_steps != -1 else -1
         # Batches need moving unless the stream's thread already did, or they are for the CPU and no transfer hook
         # runs (a loader's batches are on the CPU already; walking them costs ~10 us a step).
         to_device = stream.copier is None and not (self._hooks.direct_transfer and self.root_device.type == "cpu")
@@ -562,7 +620,7 @@ class StepEngineMixin(WindowCheckpointMixin):
         losses: list[Tensor] = []
         micro_index = 0
         while self.sink_size == -1 or micro_index < self.sink_size:
-            if max_steps != -1 and trainer.global_step >= max_steps:
+            if updates_allowed != -1 and self._sink_updates >= updates_allowed:
                 break
             batch = stream.next()
             if batch is PASS_END:
@@ -595,13 +653,12 @@ class StepEngineMixin(WindowCheckpointMixin):
 
     def _count_sink_update(self, run_update: Callable[[], Any]) -> None:
         """One update, counted as Lightning counts its own; then the step-interval LR schedulers."""
-        trainer = self._trainer
-        compat.record_optimizer_update(trainer, "ready")
+        self._counters.update_ready()
         run_update()
-        compat.record_optimizer_update(trainer, "completed")
+        self._counters.update_completed()
         self._sink_updates += 1
         if self._step_scheduler_configs and not self._last_update_skipped:
-            self._step_lr_schedulers(trainer)
+            self._step_lr_schedulers(self._trainer)
 
     def _sink_micro_step(self, batch: Any, batch_idx: int) -> Tensor | None:
         """One micro-batch with every hook, in Lightning's order: ``training_step``; at a window's first batch
@@ -638,9 +695,13 @@ class StepEngineMixin(WindowCheckpointMixin):
     def _sink_micro_step_direct(self, batch: Any, batch_idx: int) -> Tensor | None:
         """The same micro-step when nobody overrides its hooks: no dispatch, no closure object."""
         if self._sink_window_batches == 0:
-            self._refresh_store()  # parameters unfrozen or param groups added since the last window
+            if not self._store_checked:
+                # Parameters unfrozen or param groups added: that happens in hooks (finetuning callbacks), and none
+                # runs inside a sink on this path, so the first window start of each sink is the one to check.
+                self._refresh_store()
+                self._store_checked = True
             self._accumulator.zero_grad()  # what the default optimizer_zero_grad (set_to_none=True) leaves
-            compat.count_zero_grad(self._trainer)
+            self._counters.zero_grad()
         store = self._accumulator
         self._sink_window_batches += 1
         ends = self._sink_window_batches == self.accumulation_steps

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_sink.precision import LossScalePrecision
@@ -21,6 +22,9 @@ __all__ = ["HookPlan"]
 _TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 # Precision plugins whose pre/post_backward and backward only call the hooks and ``module.backward``.
 _PLAIN_PRECISION = (Precision, MixedPrecision, HalfPrecision)
+# Lightning's own ``Strategy.backward``, kept before anything wraps it (``mock.patch.object(Strategy, "backward",
+# wraps=trainer.strategy.backward)`` is a common way to count backward calls).
+_LIGHTNING_BACKWARD = Strategy.backward
 
 
 def _used(trainer: pl.Trainer, name: str, module_only: bool = False) -> bool:
@@ -32,7 +36,6 @@ def _used(trainer: pl.Trainer, name: str, module_only: bool = False) -> bool:
 
 @dataclass(frozen=True)
 class HookPlan:
-    direct_backward: bool  # no backward hooks, no custom LightningModule.backward, a plain precision plugin
     direct_before_step: bool  # no on_before_optimizer_step hook, no custom configure_gradient_clipping
     direct_transfer: bool  # no batch-transfer hooks
     direct_sink_step: bool  # sink micro-steps may skip the zero-grad, backward and optimizer-step hook dispatch
@@ -41,13 +44,15 @@ class HookPlan:
     def for_run(cls, trainer: pl.Trainer) -> HookPlan:
         plugin = trainer.strategy.precision_plugin
         plain_precision = type(plugin) in _PLAIN_PRECISION or type(plugin) is LossScalePrecision
+        # A sink's micro-step may call loss.backward() itself when the backward would only do that: no backward
+        # hooks, no custom LightningModule.backward, a plain precision plugin, and nobody wraps Strategy.backward.
         direct_backward = (
             plain_precision
             and not any(_used(trainer, name) for name in ("on_before_backward", "on_after_backward"))
             and not _used(trainer, "backward", module_only=True)
+            and getattr(trainer.strategy.backward, "__func__", None) is _LIGHTNING_BACKWARD
         )
         return cls(
-            direct_backward=direct_backward,
             direct_before_step=not _used(trainer, "on_before_optimizer_step")
             and not _used(trainer, "configure_gradient_clipping", module_only=True),
             direct_transfer=not any(_used(trainer, name, module_only=True) for name in _TRANSFER_HOOKS),

@@ -10,7 +10,22 @@ from torch.optim import Optimizer
 
 from lightning_sink.window.protocols import GradientStore, Reducer
 
-__all__ = ["finish_window"]
+__all__ = ["finish_window", "ready_window_gradient"]
+
+
+def ready_window_gradient(
+    store: GradientStore, reducer: Reducer, scaling: Any, divisor: float, before_step: Callable[[], None]
+) -> Tensor | None:
+    """Put the window's mean gradient into ``.grad``; returns the device overflow flag (``None`` without a scale).
+
+    ``divisor`` turns the store's (reduced) sum into the mean gradient; ``before_step`` runs the
+    ``on_before_optimizer_step`` hooks and clipping once the mean is in ``.grad``.
+    """
+    reducer.reduce(store)
+    found_inf = reducer.agree_on_overflow(store.unscale(scaling, divisor))
+    store.write_gradients()
+    before_step()
+    return found_inf
 
 
 def finish_window(
@@ -24,14 +39,10 @@ def finish_window(
 ) -> Tensor | None:
     """Apply the window's update; returns the device overflow flag (``None`` without a loss scale).
 
-    ``divisor`` turns the store's (reduced) sum into the mean gradient; ``before_step`` runs the
-    ``on_before_optimizer_step`` hooks and clipping once the mean is in ``.grad``. ``scaling`` is the
-    ``LossScalePrecision`` plugin, which owns the scaled update (unscale, step or skip, scale update).
+    ``scaling`` is the ``LossScalePrecision`` plugin, which owns the scaled update (unscale, step or skip, scale
+    update). Without one, the strategy runs ``ready_window_gradient`` inside ``optimizer.step(closure)`` instead.
     """
-    reducer.reduce(store)
-    found_inf = reducer.agree_on_overflow(store.unscale(scaling, divisor))
-    store.write_gradients()
-    before_step()
+    found_inf = ready_window_gradient(store, reducer, scaling, divisor, before_step)
     if scaling is None:
         optimizer.step(**step_kwargs)
     else:

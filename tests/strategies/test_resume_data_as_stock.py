@@ -171,3 +171,39 @@ def test_the_samplers_set_epoch_calls_are_stocks(batch_sampler):
     assert stock == [call(0), call(1)]
     assert sampler_calls(SinkStrategy(), batch_sampler) == stock
     assert sampler_calls(SinkStrategy(accumulation_steps=2), batch_sampler) == stock
+
+
+class TwoBatchesPerStep(SeenBatches):
+    """``training_step(dataloader_iter)`` that draws two batches per step: a step is not one batch."""
+
+    def training_step(self, dataloader_iter: Any) -> torch.Tensor:
+        losses = []
+        for _ in range(2):
+            (x, tag), _, _ = next(dataloader_iter)
+            self.seen.append(int(tag[0]))
+            losses.append(F.cross_entropy(self(x), tag % 4))
+        return sum(losses)
+
+
+def dataloader_iter_resume(strategy: Any, tmp_path: Path) -> tuple[list[int], int]:
+    """Fit one epoch (saved at its end), resume to two: the batches of the resumed epoch and the global step."""
+    path = tmp_path / "epoch.ckpt"
+
+    class SaveAtEpochEnd(Callback):
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            trainer.save_checkpoint(path)
+
+    first = quiet_trainer(strategy=strategy(), max_epochs=1, callbacks=[SaveAtEpochEnd()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first.fit(TwoBatchesPerStep(), DataLoader(Indexed(), batch_size=MICRO))
+        model = TwoBatchesPerStep()
+        resumed = quiet_trainer(strategy=strategy(), max_epochs=2)
+        resumed.fit(model, DataLoader(Indexed(), batch_size=MICRO), ckpt_path=path)
+    return model.seen, resumed.global_step
+
+
+def test_a_training_step_that_draws_its_own_batches_resumes_as_with_stock(tmp_path):
+    stock = dataloader_iter_resume(lambda: "auto", tmp_path / "stock")
+    assert stock == (list(range(SAMPLES // MICRO)), SAMPLES // MICRO)  # the whole second epoch, 4 + 4 steps
+    assert dataloader_iter_resume(SinkStrategy, tmp_path / "sink") == stock
