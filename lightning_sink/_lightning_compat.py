@@ -33,6 +33,7 @@ __all__ = [
     "logging_step_set_to",
     "run_before_optimizer_step",
     "call_lightning_module_hook",
+    "before_batch_transfer",
     "checkpoint_every_n_train_steps",
     "DCP_METADATA_FILE_NAME",
     "set_module_device_mesh",
@@ -208,6 +209,11 @@ def callback_state_key(callback: Any, **settings: Any) -> str:
 
 def call_lightning_module_hook(trainer: pl.Trainer, name: str, *args: Any) -> Any:
     return call._call_lightning_module_hook(trainer, name, *args)
+
+
+def before_batch_transfer(module: pl.LightningModule, batch: Any) -> Any:
+    """``on_before_batch_transfer`` as Lightning's training loop calls it (the module's, or its datamodule's)."""
+    return module._on_before_batch_transfer(batch, dataloader_idx=0)
 
 
 def checkpoint_every_n_train_steps(callback: Any) -> int:

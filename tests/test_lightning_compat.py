@@ -34,6 +34,11 @@ def test_private_lightning_attributes_still_exist():
     ]
     assert callable(Precision._after_closure)
     assert callable(call._call_lightning_module_hook)
+    assert list(inspect.signature(pl.LightningModule._on_before_batch_transfer).parameters) == [
+        "self",
+        "batch",
+        "dataloader_idx",
+    ]
     trainer = pl.Trainer(logger=False)
     loop = trainer.fit_loop.epoch_loop
     progress = loop.automatic_optimization.optim_progress.optimizer

@@ -33,6 +33,7 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -51,7 +52,7 @@ from lightning_sink.data import DataPosition
 from lightning_sink.device_prefetch import CudaBatchCopier
 from lightning_sink.loss_scale import DynamicLossScale
 from lightning_sink.precision import LossScalePrecision
-from lightning_sink.sink_data import PASS_END, MicroBatchStream, SinkLoader
+from lightning_sink.sink_data import PASS_END, MicroBatchStream, SinkLoader, SinkToken
 from lightning_sink.strategies.checkpoint_state import (
     CHECKPOINT_KEY,
     WindowCheckpointMixin,
@@ -145,6 +146,8 @@ class StepEngineMixin(WindowCheckpointMixin):
         self._needs_step_context = True
         self._scaling: LossScalePrecision | None = None
         self._passthrough = False  # N=1, one process, no loss scale, no sink: Lightning's own step, untouched
+        self._hooks: HookPlan | None = None  # which hooks this fit uses (set at train start)
+        self._direct_transfer = False  # batch_to_device may skip the transfer-hook dispatch (during a fit)
         self._store_params: tuple[int, ...] = ()
         self._in_update = False
         self._skip_backward_now = False
@@ -274,6 +277,8 @@ class StepEngineMixin(WindowCheckpointMixin):
         ]
         self._needs_step_context = self._plugin_has_step_context()
         self._hooks = HookPlan.for_run(trainer)
+        self._direct_transfer = self._hooks.direct_transfer
+        self._bind_direct_backward()
         self._reducer = self._make_reducer()
         self._accumulator, self._sink_window_batches = None, 0  # a fresh window for this fit
         self._refresh_store()
@@ -365,11 +370,14 @@ class StepEngineMixin(WindowCheckpointMixin):
 
     def on_train_end(self) -> None:
         self._close_stream()
+        self._unbind_direct_backward()
         compat.remove_loop_overrides(self._trainer)
         super().on_train_end()  # type: ignore[misc]
 
     def teardown(self) -> None:
         self._close_stream()  # also when training raised and on_train_end never ran
+        self._unbind_direct_backward()
+        self._direct_transfer = False
         self._passes.release()
         super().teardown()  # type: ignore[misc]
 
@@ -467,6 +475,36 @@ class StepEngineMixin(WindowCheckpointMixin):
                 self._accumulator.clear()  # the epoch ends inside a window under "drop": discard it
                 self._drop_window = False
         super().post_backward(closure_loss)  # type: ignore[misc]
+
+    def _bind_direct_backward(self) -> None:
+        """When nothing would run in Lightning's ``Strategy.backward`` but ``loss.backward()`` (no backward hooks,
+        a plain precision plugin; see ``HookPlan``), this fit's backward calls it directly, skipping four hook
+        dispatches per micro-batch. Not when ``backward`` is wrapped or replaced, on the class or on this object."""
+        plain_backward = type(self).backward is Strategy.backward and "backward" not in self.__dict__
+        if self._hooks.direct_backward and plain_backward and not self._passthrough:
+            self.backward = self._window_backward_direct  # an attribute of this object, removed at fit end
+
+    def _unbind_direct_backward(self) -> None:
+        if self.__dict__.get("backward") == self._window_backward_direct:  # ours (not a wrapper someone put there)
+            del self.backward
+
+    def _window_backward_direct(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        if args or kwargs:  # arguments for Tensor.backward: Lightning's path hands them on
+            return Strategy.backward(self, closure_loss, optimizer, *args, **kwargs)  # type: ignore[arg-type]
+        self.pre_backward(closure_loss)
+        if not self._skip_backward_now:
+            self._direct_backward(closure_loss)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Without transfer hooks to run (``HookPlan``), the move itself, without dispatching to nobody. A sink's
+        placeholder batch stays as it is: the transfer hooks see each real micro-batch instead (``_to_device``)."""
+        if self._direct_transfer or isinstance(batch, SinkToken):
+            return move_data_to_device(batch, device or self.root_device)  # type: ignore[attr-defined]
+        return super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
 
     def _direct_backward(self, loss: Tensor) -> None:
         scaling = self._scaling
@@ -616,6 +654,8 @@ class StepEngineMixin(WindowCheckpointMixin):
         # Batches need moving unless the stream's thread already did, or they are for the CPU and no transfer hook
         # runs (a loader's batches are on the CPU already; walking them costs ~10 us a step).
         to_device = stream.copier is None and not (self._hooks.direct_transfer and self.root_device.type == "cpu")
+        # Lightning's loop converted only the sink's placeholder; "16-true" and the like convert each real batch.
+        converts_input = type(self.precision_plugin).convert_input is not Precision.convert_input  # type: ignore[attr-defined]
         direct = self._hooks.direct_sink_step
         losses: list[Tensor] = []
         micro_index = 0
@@ -627,6 +667,8 @@ class StepEngineMixin(WindowCheckpointMixin):
                 if self.sink_size == -1 and micro_index:
                     break  # one data pass per sink
                 continue
+            if converts_input:
+                batch = self.precision_plugin.convert_input(batch)  # type: ignore[attr-defined]
             if to_device:
                 batch = self._to_device(batch)
             if buffer is not None:
@@ -721,4 +763,6 @@ class StepEngineMixin(WindowCheckpointMixin):
     def _to_device(self, batch: Any) -> Any:
         if self._hooks.direct_transfer:
             return move_data_to_device(batch, self.root_device)  # type: ignore[attr-defined]
-        return self.batch_to_device(batch)  # type: ignore[attr-defined]  # the module's transfer hooks
+        # the transfer hooks, as Lightning's loop runs them for each of its batches
+        batch = compat.before_batch_transfer(self.lightning_module, batch)  # type: ignore[attr-defined]
+        return self.batch_to_device(batch)  # type: ignore[attr-defined]

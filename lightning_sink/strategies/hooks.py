@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
@@ -34,8 +35,16 @@ def _used(trainer: pl.Trainer, name: str, module_only: bool = False) -> bool:
     return not module_only and any(is_overridden(name, callback, Callback) for callback in trainer.callbacks)
 
 
+def _transfer_hook_used(trainer: pl.Trainer, name: str) -> bool:
+    """The module's batch-transfer hook, or its datamodule's (which Lightning calls instead when overridden)."""
+    datamodule = trainer.datamodule
+    overridden_by_datamodule = datamodule is not None and is_overridden(name, datamodule, pl.LightningDataModule)
+    return overridden_by_datamodule or _used(trainer, name, module_only=True)
+
+
 @dataclass(frozen=True)
 class HookPlan:
+    direct_backward: bool  # the backward would only call loss.backward() (plus the store's own work)
     direct_before_step: bool  # no on_before_optimizer_step hook, no custom configure_gradient_clipping
     direct_transfer: bool  # no batch-transfer hooks
     direct_sink_step: bool  # sink micro-steps may skip the zero-grad, backward and optimizer-step hook dispatch
@@ -44,18 +53,22 @@ class HookPlan:
     def for_run(cls, trainer: pl.Trainer) -> HookPlan:
         plugin = trainer.strategy.precision_plugin
         plain_precision = type(plugin) in _PLAIN_PRECISION or type(plugin) is LossScalePrecision
-        # A sink's micro-step may call loss.backward() itself when the backward would only do that: no backward
-        # hooks, no custom LightningModule.backward, a plain precision plugin, and nobody wraps Strategy.backward.
+        # A profiler records every hook Lightning dispatches: keep them all, so its report is the one stock gives.
+        unprofiled = isinstance(trainer.profiler, PassThroughProfiler)
+        # A micro-step may call loss.backward() itself when the backward would only do that: no backward hooks, no
+        # custom LightningModule.backward, a plain precision plugin, and nobody wraps Strategy.backward.
         direct_backward = (
-            plain_precision
+            unprofiled
+            and plain_precision
             and not any(_used(trainer, name) for name in ("on_before_backward", "on_after_backward"))
             and not _used(trainer, "backward", module_only=True)
             and getattr(trainer.strategy.backward, "__func__", None) is _LIGHTNING_BACKWARD
         )
         return cls(
+            direct_backward=direct_backward,
             direct_before_step=not _used(trainer, "on_before_optimizer_step")
             and not _used(trainer, "configure_gradient_clipping", module_only=True),
-            direct_transfer=not any(_used(trainer, name, module_only=True) for name in _TRANSFER_HOOKS),
+            direct_transfer=unprofiled and not any(_transfer_hook_used(trainer, name) for name in _TRANSFER_HOOKS),
             direct_sink_step=direct_backward
             and not _used(trainer, "on_before_zero_grad")
             and not any(_used(trainer, name, module_only=True) for name in ("optimizer_zero_grad", "optimizer_step")),

@@ -128,3 +128,27 @@ def test_a_wrapper_around_strategy_backward_counts_every_backward_as_stock(modul
     our_trainer_kwargs = {} if sink_kwargs else kwargs
     assert backward_calls(ours, SinkStrategy(**sink_kwargs), **our_trainer_kwargs) == stock_calls
     assert relative_error(flat_params(ours), flat_params(stock)) < 1e-6
+
+
+def backward_calls_on_the_object(strategy: Any, **kwargs: Any) -> int:
+    """The same count, with the wrapper on this strategy object rather than on the class."""
+    trainer = quiet_trainer(strategy=strategy, max_epochs=1, **kwargs)
+    with mock.patch.object(trainer.strategy, "backward", wraps=trainer.strategy.backward), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(TinyClassifier(), loader(make_dataset(num_samples=4 * MICRO), MICRO))
+        return trainer.strategy.backward.call_count
+
+
+def test_a_wrapper_on_the_strategy_object_counts_every_backward_as_stock():
+    stock_calls = backward_calls_on_the_object("auto", accumulate_grad_batches=2)
+    assert stock_calls == 4
+    assert backward_calls_on_the_object(SinkStrategy(), accumulate_grad_batches=2) == stock_calls
+    assert backward_calls_on_the_object(SinkStrategy(accumulation_steps=2, sink_size=4)) == stock_calls
+
+
+def test_the_direct_backward_is_this_fits_only():
+    """Without backward hooks the strategy skips Lightning's dispatch for the fit, then is its plain self again."""
+    strategy = SinkStrategy()
+    trainer = fit(TinyClassifier(), strategy, samples=4 * MICRO, accumulate_grad_batches=2)
+    assert "backward" not in vars(trainer.strategy)
+    assert trainer.strategy.backward.__func__ is Strategy.backward
