@@ -7,7 +7,7 @@
 Default mode: time per micro-batch, one process, of (a) a hand-written accumulation loop, (b) stock Lightning with
 ``accumulate_grad_batches=N``, (c) ``SinkStrategy(accumulation_steps=N)`` (no sinking, one Lightning batch per
 micro-batch) and (d) ``SinkStrategy(accumulation_steps=N, sink_size=K)``; (b)-(d) with a quiet Trainer (no logger,
-no progress bar) and again with Lightning's defaults (TensorBoard logger, progress bar, the module logging its loss
+no progress bar) and again with Lightning's defaults; and (d) with ``prefetch_depth=2`` (a thread reads ahead) (TensorBoard logger, progress bar, the module logging its loss
 with ``prog_bar=True``). Models: a tiny MLP 64-64-10 and LeNet-5 on 1x32x32, batch 32, N=4, SGD with momentum 0.9,
 all reading the same shuffled ``DataLoader`` over in-memory tensors. Every run first trains ``--warmup``
 micro-batches untimed (sinking runs: their first sink), then ``--steps`` timed ones (``--warmup`` and
@@ -59,6 +59,7 @@ LIGHTNING_CONFIGS = {  # name: (what accumulates: Lightning, the sink strategy, 
     "stock_lightning": ("stock", False),
     "sink": ("sink", False),
     "sink_sinking": ("sinking", False),
+    "sink_sinking_prefetch": ("sinking_prefetch", False),  # prefetch_depth=2: a thread reads the loader ahead
     "stock_lightning_defaults": ("stock", True),
     "sink_defaults": ("sink", True),
     "sink_sinking_defaults": ("sinking", True),
@@ -68,6 +69,7 @@ RATIOS = {  # name: (configuration, baseline)
     "sink_vs_stock_lightning": ("sink", "stock_lightning"),
     "sink_defaults_vs_stock_lightning_defaults": ("sink_defaults", "stock_lightning_defaults"),
     "sink_sinking_vs_hand_written": ("sink_sinking", "hand_written"),
+    "sink_sinking_prefetch_vs_hand_written": ("sink_sinking_prefetch", "hand_written"),
     "sink_sinking_vs_stock_lightning": ("sink_sinking", "stock_lightning"),
     "sink_sinking_defaults_vs_stock_lightning_defaults": ("sink_sinking_defaults", "stock_lightning_defaults"),
     "stock_lightning_vs_hand_written": ("stock_lightning", "hand_written"),
@@ -108,11 +110,13 @@ def lightning(
     """Seconds per micro-batch of one Lightning configuration (timed from the first window after ``warmup``;
     with sinking, from the second sink)."""
     kind, defaults = LIGHTNING_CONFIGS[config]
-    warmup = sink_size if kind == "sinking" else warmup
+    warmup = sink_size if kind.startswith("sinking") else warmup
     if kind == "stock":
         strategy, accumulate = "auto", ACCUMULATION
     else:
-        sinking = {"sink_size": sink_size} if kind == "sinking" else {}
+        sinking = {"sink_size": sink_size} if kind.startswith("sinking") else {}
+        if kind == "sinking_prefetch":
+            sinking["prefetch_depth"] = 2
         strategy, accumulate = SinkStrategy(accumulation_steps=ACCUMULATION, **sinking), 1
     timer = timer or StepTimer(warmup_steps=warmup // ACCUMULATION)
     settings = {
@@ -280,7 +284,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     """The functions taking the most own time (tottime) and in all (cumtime), microseconds per micro-batch."""
     steps, warmup, sink = sizes(args)
     profiler = cProfile.Profile()
-    first_timed = sink if LIGHTNING_CONFIGS[args.profile][0] == "sinking" else warmup
+    first_timed = sink if LIGHTNING_CONFIGS[args.profile][0].startswith("sinking") else warmup
     timer = _ProfilingTimer(first_timed // ACCUMULATION, profiler)
     per_micro = lightning(args.profile, args.model, warmup, steps, sink, timer=timer)
     micro = timer.steps * ACCUMULATION

@@ -158,7 +158,7 @@ def idle_worker_rss() -> int:
         "from lightning_sink.reshard.transform import peak_rss_bytes; print(peak_rss_bytes())",
     )
     done = subprocess.run(
-        [sys.executable, "-c", probe, str(REPO / "lightning_sink")], capture_output=True, text=True, check=True
+        [sys.executable, "-c", probe, str(REPO), str(os.getpid())], capture_output=True, text=True, check=True
     )
     return int(done.stdout.strip().splitlines()[-1])
 

@@ -9,7 +9,8 @@ mode as it comes (on CPU it reads in the training thread), with a prefetch threa
 ``graph_mode="compile"``, and with the same defaults as stock; on CUDA also ``graph_mode="cuda_graph"`` (there the
 default already prefetches). All read the same ``DataLoader`` over in-memory tensors with SGD. Each run trains
 ``--steps`` optimizer steps after a warm-up (sink runs: after the first sink, which includes compilation); figures
-are medians of the repeats. The last line is one JSON object.
+are medians of the repeats, and each ratio to the hand-written loop is also given per repeat (median, interquartile
+range, min-max). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -98,6 +99,17 @@ def lightning(model_name: str, steps: int, device: torch.device, strategy, defau
     return timer.steps / timer.seconds
 
 
+def spread(ratios: list[float]) -> dict[str, object]:
+    """Median, interquartile range and min-max of per-repeat ratios."""
+    quartiles = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
+    return {
+        "median": round(statistics.median(ratios), 3),
+        "iqr": [round(quartiles[0], 3), round(quartiles[2], 3)],
+        "min": round(min(ratios), 3),
+        "max": round(max(ratios), 3),
+    }
+
+
 def run(config: str, model_name: str, steps: int, device: torch.device) -> float:
     if config == "hand_written":
         return hand_written(model_name, steps, device)
@@ -144,6 +156,10 @@ def main() -> None:
             "sink_eager_defaults_vs_stock_lightning_defaults": round(
                 medians["sink_eager_defaults"] / medians["stock_lightning_defaults"], 3
             ),
+            # the same ratios within each repeat (configurations minutes apart at most): how far to trust them
+            "per_repeat_vs_hand_written": {
+                sink: spread([own / hand for own, hand in zip(rates[sink], rates["hand_written"])]) for sink in sinks
+            },
         }
     print(json.dumps(result))
 
