@@ -115,9 +115,8 @@ def _check_reshard_arguments(parser: argparse.ArgumentParser, args: argparse.Nam
 
 
 def _run_reshard(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from lightning_sink.reshard import rank_list_for_transform, transform_checkpoint_by_rank, transform_checkpoints
+    from lightning_sink.reshard.open_source import source_files_for_ranks
 
     if args.rank_id is not None:
         src_layout = args.src_strategy_file or args.src_checkpoints_dir
@@ -125,17 +124,9 @@ def _run_reshard(args: argparse.Namespace) -> int:
         if args.list_ranks:
             print(json.dumps(needed))
             return 0
-        source = Path(args.src_checkpoints_dir)
-        files = (
-            {0: source}
-            if source.is_file()
-            else {rank: source / f"__{rank}_0.distcp" for rank in needed}
-            if (source / ".metadata").is_file()
-            else {rank: next((source / f"rank_{rank}").glob("*.pt"), source / f"rank_{rank}") for rank in needed}
-        )
         result = transform_checkpoint_by_rank(
             args.rank_id,
-            files,
+            source_files_for_ranks(args.src_checkpoints_dir, needed),
             args.save_checkpoint_file_name,
             args.src_strategy_file,
             args.dst_strategy_file,

@@ -14,7 +14,7 @@ from lightning_sink.reshard.one_device import OneDeviceSource, is_lightning_file
 from lightning_sink.reshard.rank_files_source import RankFilesSource, rank_files_in
 from lightning_sink.reshard.source import Source, own_layout_file
 
-__all__ = ["open_source", "source_from_files"]
+__all__ = ["open_source", "source_from_files", "source_files_for_ranks"]
 
 
 def open_source(
@@ -47,6 +47,19 @@ def open_source(
     for rank in sorted(expected - set(files)):
         files[rank] = folder / rank_dir_name(rank) / "<missing>"
     return source
+
+
+def source_files_for_ranks(src_checkpoints_dir: str | os.PathLike, ranks: list[int]) -> dict[int, Path]:
+    """The {source rank: file} map ``transform_checkpoint_by_rank`` takes, for the source ranks ``ranks`` of what
+    ``open_source`` accepts: {0: the file} of a one-device checkpoint, the ranks' first ``.distcp`` files of a DCP
+    folder, or their rank files (linked rank folders and files refused, as ``open_source`` refuses them)."""
+    folder = Path(src_checkpoints_dir)
+    if folder.is_file():
+        return {0: folder}
+    if (folder / DCP_METADATA_FILE).is_file():
+        return {rank: folder / f"__{rank}_0.distcp" for rank in ranks}
+    files = rank_files_in(folder) if folder.is_dir() else {}
+    return {rank: files.get(rank, folder / rank_dir_name(rank) / "<missing>") for rank in ranks}
 
 
 def source_from_files(

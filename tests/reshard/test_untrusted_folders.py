@@ -145,3 +145,24 @@ def test_a_layout_claiming_more_bytes_than_the_rank_file_is_refused_before_alloc
     ):
         transform_checkpoints(source, tmp_path / "out", "ckpt_", None, layout)
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_one_rank_conversion_does_not_follow_a_linked_rank_folder_of_its_source(
+    source: Path, two_ranks, tmp_path: Path, capsys
+):
+    """``lightning-sink reshard --rank-id`` of a rank-file source finds each rank's file as a whole conversion
+    does: a ``rank_<x>/`` that is a link out of the folder is refused, not read through."""
+    from lightning_sink.cli import main
+
+    rank_files, layout_file = tmp_path / "rank_files", tmp_path / "two_ranks.json"
+    transform_checkpoints(source, rank_files, "ckpt_", None, two_ranks)
+    save_layout(two_ranks, layout_file)
+    moved = Path(shutil.move(rank_files / "rank_1", tmp_path / "elsewhere_rank_1"))
+    (rank_files / "rank_1").symlink_to(moved, target_is_directory=True)  # same bytes: only the link is wrong
+    out = tmp_path / "out" / "ckpt_1.pt"
+    argv = ["reshard", "--src-checkpoints-dir", str(rank_files), "--dst-strategy-file", str(layout_file)]
+    assert main([*argv, "--rank-id", "1", "--save-checkpoint-file-name", str(out)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("error: ") and "rank_1" in error and "symbolic link" in error and "\n" not in error
+    assert not out.exists()
