@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
@@ -25,7 +26,7 @@ __all__ = [
     "MetadataCheckedReader",
     "WeightsOnlyLoadPlanner",
     "compute_local_shape_and_global_offset",
-    "fake_store",
+    "init_fake_process_group",
     "flatten_state_dict",
     "set_element",
 ]
@@ -34,11 +35,17 @@ StridedShard = _StridedShard  # FSDP2 + TP's row placement of a parameter sharde
 compute_local_shape_and_global_offset = _compute_local_shape_and_global_offset  # DTensor's own chunk rule
 
 
-def fake_store() -> Any:
-    """torch's in-process store for the fake process group (no peers); imported only when used."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+def init_fake_process_group(world_size: int) -> None:
+    """A default process group of ``world_size`` ranks, this one rank 0, with no peers: collectives return at once
+    and produce nothing. Built from torch's C++ fake process group, registered as torch's own test utility does,
+    without importing ``torch.testing``."""
+    from torch._C._distributed_c10d import FakeProcessGroup, FakeStore
 
-    return FakeStore()
+    def create(common_options: Any, backend_options: Any) -> Any:
+        return FakeProcessGroup._create_internal(common_options.group_rank, common_options.group_size, backend_options)
+
+    dist.Backend.register_backend(dist.Backend.FAKE, create, extended_api=True, devices=["cpu", "cuda"])
+    dist.init_process_group(dist.Backend.FAKE, rank=0, world_size=world_size, store=FakeStore())
 
 
 class MetadataCheckedReader(FileSystemReader):

@@ -92,10 +92,9 @@ def _state_to_save(module: pl.LightningModule, with_optimizer: bool) -> dict[str
 
 
 def _fake_process_group(world_size: int) -> None:
-    # Importing torch's fake process group registers the "fake" backend: collectives return at once, no peers.
-    from lightning_sink._torch_compat import fake_store
+    from lightning_sink._torch_compat import init_fake_process_group
 
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=fake_store())
+    init_fake_process_group(world_size)  # collectives return at once, no peers
 
 
 def infer_layout(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ast
 import inspect
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -31,7 +33,6 @@ def test_private_names_still_exist_and_behave():
     assert (tuple(sizes), tuple(offsets)) == ((2,), (3,))  # torch.chunk rows: 3 and 2
     strided = compat.StridedShard(0, split_factor=2)
     assert strided.dim == 0 and strided.split_factor == 2
-    assert compat.fake_store() is not None
 
 
 def test_dcp_reader_and_planner_hooks_are_the_ones_overridden():
@@ -79,3 +80,26 @@ def test_only_torch_compat_imports_private_torch_modules():
                 ):
                     offenders.append(f"{path.relative_to(PACKAGE)}: {name} {imported}")
     assert offenders == []
+
+
+def test_the_fake_process_group_comes_without_torch_testing():
+    """Layout inference builds a mesh of N ranks in one process; torch's C++ fake process group is registered
+    here, and no module of the package imports ``torch.testing`` (torch's own test utilities)."""
+    code = (
+        "import sys\n"
+        "import torch.distributed as dist\n"
+        "from torch.distributed.device_mesh import init_device_mesh\n"
+        "from lightning_sink._torch_compat import init_fake_process_group\n"
+        "init_fake_process_group(4)\n"
+        "mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('dp', 'tp'))\n"
+        "assert dist.get_world_size() == 4 and dist.get_rank() == 0 and tuple(mesh.shape) == (2, 2)\n"
+        "print('ok')\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    for path in (root / "lightning_sink").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not [name for name in names if name.startswith("torch.testing")], f"{path} imports torch.testing"
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
