@@ -21,7 +21,7 @@ from lightning_sink.layout.io import load_layout, resolve_layout_path
 from lightning_sink.layout.schema import Chunk, Layout
 from lightning_sink.reshard.carried_integrity import check_archive_bytes
 from lightning_sink.reshard.reader import ReadStats, TensorLocation, locate_tensors
-from lightning_sink.reshard.source import Source, own_layout_file
+from lightning_sink.reshard.source import Source, check_same_tensors, own_layout_file
 
 __all__ = ["DcpSource"]
 
@@ -139,19 +139,9 @@ def _check_layout_matches_storage(declared: Layout, storage: Layout, layout_name
     """The layout file must describe this checkpoint: same tensors, shapes, dtypes, and every stored chunk is a
     chunk the layout gives its storing rank."""
     where = f"layout file {layout_name!r} does not match DCP checkpoint {folder!r}"
-    if set(declared.tensors) != set(storage.tensors):
-        only_layout = sorted(set(declared.tensors) - set(storage.tensors))
-        only_checkpoint = sorted(set(storage.tensors) - set(declared.tensors))
-        raise ValueError(
-            f"{where}: tensors only in the layout: {only_layout[:10]}, only in the checkpoint: {only_checkpoint[:10]}"
-        )
+    check_same_tensors(declared, storage, where, "checkpoint")
     for fqn, stored in storage.tensors.items():
         expected = declared.tensors[fqn]
-        if expected.global_shape != stored.global_shape or expected.dtype != stored.dtype:
-            raise ValueError(
-                f"{where}: tensor {fqn!r} is {list(stored.global_shape)} {stored.dtype} in the checkpoint,"
-                f" {list(expected.global_shape)} {expected.dtype} in the layout"
-            )
         boxes_by_rank = {(c.rank, c.box) for c in expected.chunks}
         for chunk in stored.chunks:
             if chunk.numel and (chunk.rank, chunk.box) not in boxes_by_rank:

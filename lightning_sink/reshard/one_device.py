@@ -39,7 +39,7 @@ from lightning_sink.reshard.reader import (
     TensorLocation,
     locate_tensors,
 )
-from lightning_sink.reshard.source import Source
+from lightning_sink.reshard.source import Source, check_same_tensors
 
 __all__ = ["OneDeviceSource", "is_lightning_checkpoint", "is_lightning_file"]
 
@@ -239,15 +239,4 @@ def _check_declared(declared: Layout, found: Layout, layout_name: str, what: str
     where = f"layout file {layout_name!r} does not match {what}"
     if declared.world_size != 1:
         raise ValueError(f"{where}: a one-device checkpoint has world size 1, the layout {declared.world_size}")
-    if set(declared.tensors) != set(found.tensors):
-        raise ValueError(
-            f"{where}: tensors only in the layout: {sorted(set(declared.tensors) - set(found.tensors))[:10]},"
-            f" only in the file: {sorted(set(found.tensors) - set(declared.tensors))[:10]}"
-        )
-    for fqn, tensor in found.tensors.items():
-        expected = declared.tensors[fqn]
-        if expected.global_shape != tensor.global_shape or expected.dtype != tensor.dtype:
-            raise ValueError(
-                f"{where}: tensor {fqn!r} is {list(tensor.global_shape)} {tensor.dtype} in the file,"
-                f" {list(expected.global_shape)} {expected.dtype} in the layout"
-            )
+    check_same_tensors(declared, found, where, "file")

@@ -16,7 +16,7 @@ from lightning_sink.checkpoint_format.fs import inside
 from lightning_sink.layout.schema import LAYOUT_FILE_NAME, Chunk, Layout
 from lightning_sink.reshard.reader import ReadStats, TensorLocation
 
-__all__ = ["Source", "own_layout_file"]
+__all__ = ["Source", "own_layout_file", "check_same_tensors"]
 
 
 @dataclass
@@ -57,3 +57,20 @@ def own_layout_file(folder: Path) -> Path | None:
     if not os.path.lexists(folder / LAYOUT_FILE_NAME):
         return None
     return inside(folder, LAYOUT_FILE_NAME, f"checkpoint folder {str(folder)!r}")
+
+
+def check_same_tensors(declared: Layout, found: Layout, where: str, found_in: str) -> None:
+    """A layout file (``declared``) must name the tensors the checkpoint holds (``found``), with their global shapes
+    and dtypes; ``where`` starts each message, ``found_in`` says where the found ones were read."""
+    if set(declared.tensors) != set(found.tensors):
+        raise ValueError(
+            f"{where}: tensors only in the layout: {sorted(set(declared.tensors) - set(found.tensors))[:10]},"
+            f" only in the {found_in}: {sorted(set(found.tensors) - set(declared.tensors))[:10]}"
+        )
+    for fqn, tensor in found.tensors.items():
+        expected = declared.tensors[fqn]
+        if expected.global_shape != tensor.global_shape or expected.dtype != tensor.dtype:
+            raise ValueError(
+                f"{where}: tensor {fqn!r} is {list(tensor.global_shape)} {tensor.dtype} in the {found_in},"
+                f" {list(expected.global_shape)} {expected.dtype} in the layout"
+            )
