@@ -150,7 +150,6 @@ class StepEngineMixin(WindowCheckpointMixin):
         self._direct_transfer = False  # batch_to_device may skip the transfer-hook dispatch (during a fit)
         self._store_params: tuple[int, ...] = ()
         self._in_update = False
-        self._skip_backward_now = False
         self._drop_window = False
         self._planned: tuple[int, bool] | None = None
         self._last_update_skipped = False
@@ -433,9 +432,8 @@ class StepEngineMixin(WindowCheckpointMixin):
 
     def _forward(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         skip_backward = self._window_already_overflowed()
-        self._skip_backward_now = skip_backward
         if self._scaling is not None:
-            self._scaling.skip_backward = skip_backward  # Lightning's backward reaches the plugin's
+            self._scaling.skip_backward = skip_backward  # the plugin's backward (and _direct_backward) skip it
         if not self._needs_step_context and not skip_backward and torch.is_grad_enabled():
             output = self._step_function(*args, **kwargs)  # nothing to enter: the contexts cost a few us a step
         else:
@@ -480,8 +478,7 @@ class StepEngineMixin(WindowCheckpointMixin):
         """When nothing would run in Lightning's ``Strategy.backward`` but ``loss.backward()`` (no backward hooks,
         a plain precision plugin; see ``HookPlan``), this fit's backward calls it directly, skipping four hook
         dispatches per micro-batch. Not when ``backward`` is wrapped or replaced, on the class or on this object."""
-        plain_backward = type(self).backward is Strategy.backward and "backward" not in self.__dict__
-        if self._hooks.direct_backward and plain_backward and not self._passthrough:
+        if self._hooks.direct_backward and not self._passthrough:  # (HookPlan: backward is Lightning's own)
             self.backward = self._window_backward_direct  # an attribute of this object, removed at fit end
 
     def _unbind_direct_backward(self) -> None:
@@ -494,8 +491,7 @@ class StepEngineMixin(WindowCheckpointMixin):
         if args or kwargs:  # arguments for Tensor.backward: Lightning's path hands them on
             return Strategy.backward(self, closure_loss, optimizer, *args, **kwargs)  # type: ignore[arg-type]
         self.pre_backward(closure_loss)
-        if not self._skip_backward_now:
-            self._direct_backward(closure_loss)
+        self._direct_backward(closure_loss)
         self.post_backward(closure_loss)
         return closure_loss
 
@@ -507,10 +503,12 @@ class StepEngineMixin(WindowCheckpointMixin):
         return super().batch_to_device(batch, device, dataloader_idx)  # type: ignore[misc]
 
     def _direct_backward(self, loss: Tensor) -> None:
+        """What Lightning's backward does with a plain precision plugin and no hooks: scale, backpropagate."""
         scaling = self._scaling
-        if scaling is not None and scaling.scaler is not None:
-            loss = loss * scaling.scaler.scale.to(loss.dtype)
-        loss.backward()
+        if scaling is None:
+            loss.backward()
+        elif not scaling.skip_backward:  # the window already overflowed: its forward ran without autograd
+            (loss if scaling.scaler is None else loss * scaling.scaler.scale.to(loss.dtype)).backward()
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Reached from the module's ``optimizer_step`` hook through ``optimizer.step(closure=...)``."""
@@ -653,7 +651,7 @@ class StepEngineMixin(WindowCheckpointMixin):
         updates_allowed = trainer.max_steps - trainer.global_step if trainer.max_steps != -1 else -1
         # Batches need moving unless the stream's thread already did, or they are for the CPU and no transfer hook
         # runs (a loader's batches are on the CPU already; walking them costs ~10 us a step).
-        to_device = stream.copier is None and not (self._hooks.direct_transfer and self.root_device.type == "cpu")
+        to_device = stream.copier is None and not (self._direct_transfer and self.root_device.type == "cpu")
         # Lightning's loop converted only the sink's placeholder; "16-true" and the like convert each real batch.
         converts_input = type(self.precision_plugin).convert_input is not Precision.convert_input  # type: ignore[attr-defined]
         direct = self._hooks.direct_sink_step
@@ -751,8 +749,7 @@ class StepEngineMixin(WindowCheckpointMixin):
         loss = _loss_of(output)
         if loss is not None:
             store.begin_micro_step(ends)
-            if not self._skip_backward_now:
-                self._direct_backward(loss)  # (not divided by N: _loss_divisor is 1 on this path)
+            self._direct_backward(loss)  # (not divided by N: _loss_divisor is 1 on this path)
             store.end_micro_step()
             loss = loss.detach()
         if ends:
@@ -761,8 +758,8 @@ class StepEngineMixin(WindowCheckpointMixin):
         return loss
 
     def _to_device(self, batch: Any) -> Any:
-        if self._hooks.direct_transfer:
-            return move_data_to_device(batch, self.root_device)  # type: ignore[attr-defined]
-        # the transfer hooks, as Lightning's loop runs them for each of its batches
-        batch = compat.before_batch_transfer(self.lightning_module, batch)  # type: ignore[attr-defined]
+        """The transfer hooks, as Lightning's loop runs them for each of its batches (``batch_to_device`` alone moves
+        the batch when none is overridden)."""
+        if not self._direct_transfer:
+            batch = compat.before_batch_transfer(self.lightning_module, batch)  # type: ignore[attr-defined]
         return self.batch_to_device(batch)  # type: ignore[attr-defined]
