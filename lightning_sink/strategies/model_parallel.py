@@ -20,8 +20,9 @@ from lightning_sink.checkpoint_format.dcp_load import load_dcp_folder
 from lightning_sink.checkpoint_format.resharded_folder import is_resharded_checkpoint
 from lightning_sink.checkpoint_format.resharded_load import adapt_sink_state, load_resharded_into_strategy
 from lightning_sink.layout.dcp_metadata import DCP_METADATA_FILE
+from lightning_sink.strategies.checkpoint_state import CHECKPOINT_KEY
 from lightning_sink.strategies.config import SinkConfig, validate_process_group_backend, validate_timeout
-from lightning_sink.strategies.engine import CHECKPOINT_KEY, StepEngineMixin
+from lightning_sink.strategies.engine import StepEngineMixin
 from lightning_sink.strategies.fsdp_window import FSDPWindow
 from lightning_sink.window import OverflowFlagAllReduce, Reducer
 

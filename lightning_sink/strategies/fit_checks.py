@@ -1,0 +1,93 @@
+"""The checks a sink strategy makes when a fit starts: settings that contradict each other, or a module or optimizer
+that the strategy's windows cannot serve. Each raises ``ValueError`` with the values involved and what to change.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch.optim import Optimizer
+
+__all__ = ["draws_own_batches", "needs_closure", "settle_accumulation_steps", "check_module_and_optimizer"]
+
+
+def draws_own_batches(module: pl.LightningModule) -> bool:
+    """``training_step(dataloader_iter)``: the module fetches its batches, so a step need not be one batch."""
+    return is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
+
+
+def needs_closure(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer.step`` requires a closure that re-evaluates the loss (``torch.optim.LBFGS``, ...)."""
+    try:
+        parameter = inspect.signature(type(optimizer).step).parameters.get("closure")
+    except (TypeError, ValueError):
+        return False
+    return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def settle_accumulation_steps(
+    strategy: str,
+    requested: int | None,
+    from_trainer: int,
+    scheduled: bool,
+    sink_size: int | None,
+    automatic_optimization: bool,
+) -> int:
+    """The window size N of this fit: the strategy's ``accumulation_steps``, else the Trainer's
+    ``accumulate_grad_batches`` (which a ``GradientAccumulationScheduler`` changes per epoch)."""
+    if requested is not None and scheduled:
+        raise ValueError(
+            f"{strategy}(accumulation_steps={requested}) and a GradientAccumulationScheduler callback both set the"
+            " window size: pass accumulation_steps=None to let the scheduler choose it per epoch."
+        )
+    if scheduled and sink_size is not None:
+        raise ValueError(
+            f"GradientAccumulationScheduler changes the window size per epoch, but {strategy}(sink_size={sink_size})"
+            " runs windows across sinks (its epochs): give accumulation_steps instead, or train without sink_size."
+        )
+    if requested is not None and from_trainer not in (1, requested):
+        raise ValueError(
+            f"{strategy}(accumulation_steps={requested}) conflicts with Trainer(accumulate_grad_batches="
+            f"{from_trainer}): set one of them, or both to the same value."
+        )
+    steps = requested or from_trainer
+    if not automatic_optimization and steps > 1:
+        raise ValueError(
+            f"{strategy}(accumulation_steps={steps}) accumulates for automatic optimization only, but this"
+            " LightningModule sets `automatic_optimization = False`. Set accumulation_steps=1 and accumulate by hand:"
+            " call `self.manual_backward(loss / N)` on every batch and `opt.step(); opt.zero_grad()` on every N-th"
+            " batch."
+        )
+    return steps
+
+
+def check_module_and_optimizer(
+    strategy: str,
+    module: pl.LightningModule,
+    optimizer: Optimizer,
+    *,
+    accumulation_steps: int,
+    sink_size: int | None,
+    scheduled: bool,
+    world_size: int,
+    loss_scaling: bool,
+) -> None:
+    """A ``training_step(dataloader_iter)`` and an optimizer that needs a closure both assume one batch per update."""
+    why = f"sink_size={sink_size}" if sink_size is not None else f"accumulation_steps={accumulation_steps}"
+    windows = sink_size is not None or accumulation_steps > 1 or scheduled
+    if windows and draws_own_batches(module):
+        raise ValueError(
+            f"training_step(dataloader_iter) draws its own batches, but {strategy}({why}) must see every micro-batch"
+            " to close its windows: take `batch` (and `batch_idx`) instead, or train with accumulation_steps=1 and"
+            " no sink_size."
+        )
+    one_batch_per_update = sink_size is None and accumulation_steps == 1 and world_size == 1 and not loss_scaling
+    if needs_closure(optimizer) and not one_batch_per_update:
+        raise ValueError(
+            f"{type(optimizer).__name__}.step needs a closure that re-evaluates the loss, but {strategy}({why},"
+            f" {world_size} process(es)) steps once per window on its averaged gradient and cannot re-run the"
+            " window's micro-batches: use it with accumulation_steps=1, no sink_size, one process and no loss scale,"
+            " or choose an optimizer that steps without a closure."
+        )
