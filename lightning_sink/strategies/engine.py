@@ -37,7 +37,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_sink import _lightning_compat as compat
-from lightning_sink.accumulation import MicroStep, plan_micro_step
+from lightning_sink.accumulation import MicroStep, SingleStepGradients, plan_micro_step
 from lightning_sink.precision import LossScalePrecision
 from lightning_sink.sink_data import PASS_END, SinkToken
 from lightning_sink.strategies.fit_lifecycle import FitLifecycleMixin
@@ -312,7 +312,7 @@ class StepEngineMixin(FitLifecycleMixin):
         to_device = stream.copier is None and not (self._direct_transfer and self.root_device.type == "cpu")
         # Lightning's loop converted only the sink's placeholder; "16-true" and the like convert each real batch.
         converts_input = type(self.precision_plugin).convert_input is not Precision.convert_input  # type: ignore[attr-defined]
-        direct = self._hooks.direct_sink_step
+        micro_step = self._choose_micro_step()
         losses: list[Tensor] = []
         micro_index = 0
         while self.sink_size == -1 or micro_index < self.sink_size:
@@ -329,11 +329,7 @@ class StepEngineMixin(FitLifecycleMixin):
                 batch = self._to_device(batch)
             if buffer is not None:
                 buffer.begin_micro_step(batch)
-            loss = (
-                self._sink_micro_step_direct(batch, micro_index)
-                if direct
-                else self._sink_micro_step(batch, micro_index)
-            )
+            loss = micro_step(batch, micro_index)
             if loss is not None:
                 losses.append(loss)
             self._data_position.advance()
@@ -345,6 +341,20 @@ class StepEngineMixin(FitLifecycleMixin):
             return None  # every micro-batch returned None: Lightning skips the batch, as for a None step
         stacked = torch.stack(losses)
         return {"loss": stacked[-1], "mean_loss": stacked.mean(), "losses": stacked}
+
+    def _choose_micro_step(self) -> Callable[[Any, int], Tensor | None]:
+        """This sink's micro-step: with every hook (``HookPlan``), without hook dispatch, or, for windows of one
+        micro-step on one process without a loss scale, a plain loop's step."""
+        if not self._hooks.direct_sink_step:
+            return self._sink_micro_step
+        if self.accumulation_steps == 1 and self._scaling is None:
+            # Every micro-step starts a window, and no hook runs inside this sink to change the trainable set.
+            self._refresh_store()
+            if isinstance(self._accumulator, SingleStepGradients):
+                hooks = self._hooks
+                self._work_before_step = not hooks.direct_before_step or bool(self._trainer.gradient_clip_val)
+                return self._sink_single_step
+        return self._sink_micro_step_direct
 
     def _step_args(self, batch: Any, batch_idx: int) -> tuple[Any, ...]:
         return (batch, batch_idx) if self._step_takes_batch_idx else (batch,)
@@ -412,7 +422,46 @@ class StepEngineMixin(FitLifecycleMixin):
             loss = loss.detach()
         if ends:
             self._sink_window_batches = 0
-            self._count_sink_update(lambda: self.update_step(self.optimizers[0], lambda: None))
+            optimizer = self.optimizers[0]
+            if self._scaling is None:
+                self._count_sink_update(lambda: self._direct_update(optimizer))
+            else:
+                self._count_sink_update(lambda: self.update_step(optimizer, lambda: None))
+        return loss
+
+    def _direct_update(self, optimizer: Optimizer) -> None:
+        """The update of the direct path without a loss scale. The window's forwards and backwards already ran and
+        nobody hooks into the update, so there is nothing for ``optimizer.step`` to run inside it: the mean gradient
+        is readied first, then the optimizer steps (with no closure, as a plain loop calls it)."""
+        store = self._accumulator
+        if store.micro_steps:
+            ready_window_gradient(
+                store, self._reducer, None, self._window_divisor(), lambda: self._before_optimizer_step(optimizer)
+            )
+        else:
+            _forget_gradients(optimizer)  # no micro-batch returned a loss: the step changes nothing
+        self._last_update_skipped = False
+        optimizer.step()
+        store.end_window()
+
+    def _sink_single_step(self, batch: Any, batch_idx: int) -> Tensor | None:
+        """Nothing to sum, reduce, unscale, divide or dispatch: a plain loop's zero-grad, forward, backward and
+        step, with Lightning's progress counters moved as its own loop moves them."""
+        optimizer, counters = self.optimizers[0], self._counters
+        self._accumulator.zero_grad()  # as the default optimizer_zero_grad: set_to_none=True
+        counters.zero_grad()
+        loss = _loss_of(self._forward(*self._step_args(batch, batch_idx)))
+        if loss is not None:
+            loss.backward()
+            loss = loss.detach()
+        counters.update_ready()
+        if self._work_before_step:
+            self._before_optimizer_step(optimizer)  # on_before_optimizer_step hooks, clipping
+        optimizer.step()  # (a step without a loss: every .grad is None, nothing changes)
+        counters.update_completed()
+        self._sink_updates += 1
+        if self._step_scheduler_configs:
+            self._step_lr_schedulers(self._trainer)
         return loss
 
     def _to_device(self, batch: Any) -> Any:

@@ -93,6 +93,7 @@ class FitLifecycleMixin(WindowCheckpointMixin):
         self._store_checked = False  # whether this sink's direct path has checked the trainable set
         self._sink_window_batches = 0  # micro-batches of the open window in sink mode (None-returning ones too)
         self._step_takes_batch_idx = True
+        self._work_before_step = True  # whether a single-step sink update has hooks or clipping before its step
 
     # ------------------------------------------------------------------ configuration
     @property

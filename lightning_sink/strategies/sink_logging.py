@@ -141,6 +141,8 @@ class SinkLogBuffer:
     def end_update(self) -> None:
         """Called by the strategy after each optimizer update inside the sink (after its LR schedulers stepped)."""
         self._micro_steps_since_update = 0
+        if not self._keys and not self._lr_monitors:
+            return  # nothing logged yet (keys are only added): the update has nothing to write
         trainer = self._trainer
         settings = None
         if self._lr_monitors and trainer.loggers and _logs_at_update(trainer, trainer.global_step + 1):

@@ -306,14 +306,19 @@ class UnfreezeHead(Callback):
             module.net[2].requires_grad_(True)
 
 
+@pytest.mark.parametrize(
+    ("steps", "make_sink"),
+    [(2, lambda: SinkStrategy(accumulation_steps=2)), (1, lambda: SinkStrategy(sink_size=-1))],
+    ids=["accumulating", "sinks_of_one_data_pass"],
+)
 @pytest.mark.parametrize("freeze_all", [False, True])
-def test_backbone_finetuning_trains_as_stock(freeze_all):
+def test_backbone_finetuning_trains_as_stock(freeze_all, steps, make_sink):
     def finetuning():
         return BackboneFinetuning(unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5, verbose=False)
 
     stock, sink = twins(Backbone, head_frozen=freeze_all, lr=0.05)
-    stock_trainer = fit(stock, accumulate_grad_batches=2, epochs=3, callbacks=[finetuning(), UnfreezeHead()])
-    sink_trainer = fit(sink, SinkStrategy(accumulation_steps=2), epochs=3, callbacks=[finetuning(), UnfreezeHead()])
+    stock_trainer = fit(stock, accumulate_grad_batches=steps, epochs=3, callbacks=[finetuning(), UnfreezeHead()])
+    sink_trainer = fit(sink, make_sink(), epochs=3, callbacks=[finetuning(), UnfreezeHead()])
     assert not torch.equal(flat_params(sink), flat_params(Backbone(lr=0.05)))  # it trained
     assert relative_error(flat_params(sink), flat_params(stock)) <= 1e-6
     assert sink_trainer.global_step == stock_trainer.global_step

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -292,3 +293,45 @@ def test_the_default_reads_in_the_training_thread_on_cpu(prefetch_depth, thread_
     seen = SeesThreads()
     fit_sinks(TinyClassifier(), sink_size=4, steps=1, epochs=1, prefetch_depth=prefetch_depth, callbacks=[seen])
     assert ("lightning-sink-prefetch" in seen.names) is thread_expected
+
+
+class SkipsOddBatches(TinyClassifier):
+    """Returns no loss on odd batches: Lightning still steps the optimizer (on no gradient) and the schedulers."""
+
+    def training_step(self, batch, batch_idx):
+        return None if batch_idx % 2 else super().training_step(batch, batch_idx)
+
+
+class WithoutHooks(TinyClassifier):
+    """No hook overridden: clipping is the only work between the backward and the step."""
+
+    on_before_optimizer_step = pl.LightningModule.on_before_optimizer_step
+
+
+@pytest.mark.parametrize(
+    ("make_module", "trainer_kwargs"),
+    [
+        (lambda: TinyClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.9), {"gradient_clip_val": 0.05}),
+        (lambda: SkipsOddBatches(optimizer="sgd", lr=0.05, step_lr_gamma=0.8), {}),
+        (
+            lambda: WithoutHooks(optimizer="sgd", lr=0.05),
+            {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
+        ),
+    ],
+    ids=["hooks_scheduler_norm_clipping", "none_steps_scheduler", "no_hooks_value_clipping"],
+)
+def test_one_micro_step_windows_in_sinks_update_as_stock_lightning(make_module, trainer_kwargs):
+    """accumulation_steps=1: each micro-batch is an update, with the step's hooks, clipping and step schedulers as
+    stock Lightning runs them (one data pass per sink, so sinks and stock's epochs see the same batches)."""
+    stock, ours = make_module(), make_module()
+    data = make_dataset(num_samples=SAMPLES)
+    stock_trainer = quiet_trainer(max_epochs=3, **trainer_kwargs)
+    stock_trainer.fit(stock, DataLoader(data, batch_size=MICRO))
+    ours_trainer = quiet_trainer(strategy=SinkStrategy(sink_size=-1), max_epochs=3, **trainer_kwargs)
+    ours_trainer.fit(ours, DataLoader(data, batch_size=MICRO))
+    assert ours_trainer.global_step == stock_trainer.global_step == 30
+    assert ours.seen_lrs == stock.seen_lrs
+    assert torch.equal(flat_params(ours), flat_params(stock))
+    assert [config.scheduler.last_epoch for config in ours_trainer.lr_scheduler_configs] == [
+        config.scheduler.last_epoch for config in stock_trainer.lr_scheduler_configs
+    ]
