@@ -219,6 +219,7 @@ class StepEngineMixin(FitLifecycleMixin):
                 )
             else:
                 _forget_gradients(optimizer)
+                self._before_optimizer_step(optimizer)  # stock runs these hooks on a window without a loss too
             return loss
 
         self._last_update_skipped = False
@@ -351,8 +352,8 @@ class StepEngineMixin(FitLifecycleMixin):
             # Every micro-step starts a window, and no hook runs inside this sink to change the trainable set.
             self._refresh_store()
             if isinstance(self._accumulator, SingleStepGradients):
-                hooks = self._hooks
-                self._work_before_step = not hooks.direct_before_step or bool(self._trainer.gradient_clip_val)
+                clips = bool(self._trainer.gradient_clip_val)
+                self._work_before_step = clips or not self._hooks.direct_before_step
                 return self._sink_single_step
         return self._sink_micro_step_direct
 
@@ -440,6 +441,7 @@ class StepEngineMixin(FitLifecycleMixin):
             )
         else:
             _forget_gradients(optimizer)  # no micro-batch returned a loss: the step changes nothing
+            self._before_optimizer_step(optimizer)  # (the hooks run, as stock runs them)
         self._last_update_skipped = False
         optimizer.step()
         store.end_window()
@@ -447,22 +449,20 @@ class StepEngineMixin(FitLifecycleMixin):
     def _sink_single_step(self, batch: Any, batch_idx: int) -> Tensor | None:
         """Nothing to sum, reduce, unscale, divide or dispatch: a plain loop's zero-grad, forward, backward and
         step, with Lightning's progress counters moved as its own loop moves them."""
-        optimizer, counters = self.optimizers[0], self._counters
         self._accumulator.zero_grad()  # as the default optimizer_zero_grad: set_to_none=True
-        counters.zero_grad()
+        self._counters.zero_grad()
         loss = _loss_of(self._forward(*self._step_args(batch, batch_idx)))
         if loss is not None:
             loss.backward()
             loss = loss.detach()
-        counters.update_ready()
+        self._count_sink_update(self._single_step_update)
+        return loss
+
+    def _single_step_update(self) -> None:
+        optimizer = self.optimizers[0]
         if self._work_before_step:
             self._before_optimizer_step(optimizer)  # on_before_optimizer_step hooks, clipping
         optimizer.step()  # (a step without a loss: every .grad is None, nothing changes)
-        counters.update_completed()
-        self._sink_updates += 1
-        if self._step_scheduler_configs:
-            self._step_lr_schedulers(self._trainer)
-        return loss
 
     def _to_device(self, batch: Any) -> Any:
         """The transfer hooks, as Lightning's loop runs them for each of its batches (``batch_to_device`` alone moves

@@ -108,6 +108,7 @@ def test_a_window_updates_with_the_mean_of_the_micro_batches_that_returned_a_los
     plain_loop(reference, windows, samples)
     assert relative_error(flat_params(sink), flat_params(reference)) <= 1e-6
     assert trainer.global_step == stock_trainer.global_step == 4  # the empty window counts, as stock counts it
+    assert len(sink.seen_lrs) == len(stock.seen_lrs) == 4  # on_before_optimizer_step too (its gradients: None)
 
 
 def test_a_window_with_no_loss_leaves_parameters_and_optimizer_state_unchanged():
