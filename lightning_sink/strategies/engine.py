@@ -207,19 +207,12 @@ class StepEngineMixin(FitLifecycleMixin):
     def _update_inside_step(self, optimizer: Optimizer, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """``optimizer.step(closure)`` as Lightning's fp32 precision plugin calls it: the optimizer enters its
         ``step``, runs the closure (the window's last micro-batch, then its mean gradient, hooks and clipping),
-        then updates, so an optimizer's own ``step`` sees the calls in stock Lightning's order. A window where no
-        ``training_step`` returned a loss has no gradient: ``.grad`` is ``None``, so the step changes nothing."""
+        then updates, so an optimizer's own ``step`` sees the calls in stock Lightning's order."""
         store = self._accumulator
 
         def window_closure() -> Any:
             loss = self._last_micro_step(closure)
-            if store.micro_steps:
-                ready_window_gradient(
-                    store, self._reducer, None, self._window_divisor(), lambda: self._before_optimizer_step(optimizer)
-                )
-            else:
-                _forget_gradients(optimizer)
-                self._before_optimizer_step(optimizer)  # stock runs these hooks on a window without a loss too
+            self._ready_window_gradient(optimizer)
             return loss
 
         self._last_update_skipped = False
@@ -227,6 +220,19 @@ class StepEngineMixin(FitLifecycleMixin):
         if store.micro_steps:
             store.end_window()
         return output
+
+    def _ready_window_gradient(self, optimizer: Optimizer) -> None:
+        """The window's mean gradient in ``.grad``, then the ``on_before_optimizer_step`` hooks and clipping. A window
+        where no ``training_step`` returned a loss has no gradient (``.grad`` is ``None``, so the step changes
+        nothing); its hooks still run, as stock runs them."""
+        store = self._accumulator
+        if store.micro_steps:
+            ready_window_gradient(
+                store, self._reducer, None, self._window_divisor(), lambda: self._before_optimizer_step(optimizer)
+            )
+        else:
+            _forget_gradients(optimizer)
+            self._before_optimizer_step(optimizer)
 
     def _last_micro_step(self, closure: Callable[[], Any]) -> Any:
         self._in_update = True
@@ -434,17 +440,10 @@ class StepEngineMixin(FitLifecycleMixin):
         """The update of the direct path without a loss scale. The window's forwards and backwards already ran and
         nobody hooks into the update, so there is nothing for ``optimizer.step`` to run inside it: the mean gradient
         is readied first, then the optimizer steps (with no closure, as a plain loop calls it)."""
-        store = self._accumulator
-        if store.micro_steps:
-            ready_window_gradient(
-                store, self._reducer, None, self._window_divisor(), lambda: self._before_optimizer_step(optimizer)
-            )
-        else:
-            _forget_gradients(optimizer)  # no micro-batch returned a loss: the step changes nothing
-            self._before_optimizer_step(optimizer)  # (the hooks run, as stock runs them)
+        self._ready_window_gradient(optimizer)
         self._last_update_skipped = False
         optimizer.step()
-        store.end_window()
+        self._accumulator.end_window()
 
     def _sink_single_step(self, batch: Any, batch_idx: int) -> Tensor | None:
         """Nothing to sum, reduce, unscale, divide or dispatch: a plain loop's zero-grad, forward, backward and
