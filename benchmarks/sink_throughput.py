@@ -1,6 +1,6 @@
 """Sink throughput: training steps per second, one process, configurations alternating.
 
-    python benchmarks/sink_throughput.py [--repeats 3] [--steps 1500] [--device auto|cpu|cuda]
+    python benchmarks/sink_throughput.py [--repeats 3] [--steps 1500] [--device auto|cpu|cuda] [--models lenet5]
 
 Models: (a) a tiny MLP 64-64-10, batch 32; (b) LeNet-5 on 1x32x32, batch 32. Configurations: a hand-written
 PyTorch loop (the anchor); stock Lightning, quiet (no logger, no progress bar) and with its defaults (TensorBoard
@@ -124,6 +124,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--models", nargs="+", choices=("tiny_mlp", "lenet5"), default=["tiny_mlp", "lenet5"])
     args = parser.parse_args()
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
@@ -137,7 +138,7 @@ def main() -> None:
         "sink_size": SINK,
         "repeats": args.repeats,
     }
-    for model_name in ("tiny_mlp", "lenet5"):
+    for model_name in args.models:
         rates: dict[str, list[float]] = {config: [] for config in configs}
         for repeat in range(args.repeats):
             order = configs[repeat % len(configs) :] + configs[: repeat % len(configs)]
