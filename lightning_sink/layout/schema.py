@@ -76,6 +76,10 @@ class TensorLayout:
     def chunks_of_rank(self, rank: int) -> tuple[Chunk, ...]:
         return tuple(chunk for chunk in self.chunks if chunk.rank == rank)
 
+    def same_tensor_as(self, other: TensorLayout) -> bool:
+        """Whether ``other`` describes a tensor of the same global shape and dtype (however it is placed)."""
+        return self.global_shape == other.global_shape and self.dtype == other.dtype
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "role": self.role,

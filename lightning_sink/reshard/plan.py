@@ -119,7 +119,7 @@ def check_compatible(
         raise ValueError(f"{dst_name} names tensor(s) the {src_name} does not have: {missing[:10]}")
     for fqn, target in dst.tensors.items():
         source = src.tensors[fqn]
-        if source.global_shape != target.global_shape or source.dtype != target.dtype:
+        if not source.same_tensor_as(target):
             raise ValueError(
                 f"tensor {fqn!r}: {src_name} has shape {list(source.global_shape)} {source.dtype}, {dst_name} has"
                 f" shape {list(target.global_shape)} {target.dtype}"

@@ -69,7 +69,7 @@ def check_same_tensors(declared: Layout, found: Layout, where: str, found_in: st
         )
     for fqn, tensor in found.tensors.items():
         expected = declared.tensors[fqn]
-        if expected.global_shape != tensor.global_shape or expected.dtype != tensor.dtype:
+        if not expected.same_tensor_as(tensor):
             raise ValueError(
                 f"{where}: tensor {fqn!r} is {list(tensor.global_shape)} {tensor.dtype} in the {found_in},"
                 f" {list(expected.global_shape)} {expected.dtype} in the layout"
