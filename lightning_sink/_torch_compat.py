@@ -29,10 +29,17 @@ __all__ = [
     "init_fake_process_group",
     "flatten_state_dict",
     "set_element",
+    "next_batch_indices",
 ]
 
 StridedShard = _StridedShard  # FSDP2 + TP's row placement of a parameter sharded twice on one dim
 compute_local_shape_and_global_offset = _compute_local_shape_and_global_offset  # DTensor's own chunk rule
+
+
+def next_batch_indices(iterator: Any) -> Any:
+    """The indices of the next batch of a single-process ``DataLoader`` iterator, drawn from its sampler as its own
+    ``__next__`` draws them, without reading the batch (raises ``StopIteration`` at the end of the pass)."""
+    return iterator._next_index()
 
 
 def init_fake_process_group(world_size: int) -> None:

@@ -1,8 +1,9 @@
 """Data sinking: an endless stream of micro-batches, prefetched by a background thread, one sink per epoch.
 
 MindSpore's ``dataset_sink_mode`` traverses the dataset continuously: with ``sink_size=K`` epoch e
-trains batches e*K .. e*K+K-1 of an endless pass. ``SinkLoader`` is what Lightning iterates: one placeholder
-``SinkToken`` per epoch (so a Lightning epoch is one Lightning batch); the strategy pulls the sink's micro-batches
+trains batches e*K .. e*K+K-1 of an endless pass. A pass over an in-memory ``TensorDataset`` reads each batch with
+one indexing per tensor (``indexed_batches``): the same batches for a fraction of the ``DataLoader``'s cost.
+``SinkLoader`` is what Lightning iterates: one placeholder ``SinkToken`` per epoch (so a Lightning epoch is one Lightning batch); the strategy pulls the sink's micro-batches
 from ``MicroBatchStream``, whose iterator survives epochs and whose sampler epoch advances at each new data pass.
 ``SinkLoader`` is therefore what ``trainer.train_dataloader`` returns in sink mode; it forwards the user loader's
 attributes (``batch_size``, ``dataset``, ``num_workers``, ...) and the loader itself is its ``loader`` attribute.
@@ -18,6 +19,7 @@ from typing import Any
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.data import DataPosition, set_sampler_epoch
 from lightning_sink.device_prefetch import CopiedBatch, CudaBatchCopier
+from lightning_sink.indexed_batches import pass_batches
 
 __all__ = ["SinkToken", "SinkLoader", "MicroBatchStream", "PASS_END"]
 
@@ -112,7 +114,7 @@ class MicroBatchStream:
             set_sampler_epoch(self.loader, pass_index)
             self.position.begin_pass(self.loader, pass_index)  # after a resume: the interrupted pass's generators
             produced = 0
-            for index, batch in enumerate(self.loader):
+            for index, batch in enumerate(pass_batches(self.loader)):
                 if index < skip:
                     continue
                 produced += 1
