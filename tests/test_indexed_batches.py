@@ -164,22 +164,46 @@ class RecordsBatches(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-def test_sink_mode_trains_on_the_loaders_batches_without_reading_items(monkeypatch):
-    """Over three passes of a shuffled loader (7 batches each, 5 per sink): the batches a plain iteration of the
-    loader yields, while a read of a single item would fail."""
+def shuffled_passes() -> tuple[DataLoader, list[list[torch.Tensor]]]:
+    """A shuffled loader of 7 batches a pass, and the batches its first three passes yield."""
     dataset = TensorDataset(torch.randn(21, 4), torch.arange(21))
     loader = DataLoader(dataset, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(5))
     generator_start = loader.generator.get_state()
     expected = [batch for _ in range(3) for batch in loader]
     loader.generator.set_state(generator_start)
+    return loader, expected
+
+
+def fit_sinks_of_five(loader: DataLoader, prefetch_depth: int) -> list[list[torch.Tensor]]:
+    module = RecordsBatches()
+    trainer = quiet_trainer(strategy=SinkStrategy(sink_size=5, prefetch_depth=prefetch_depth), max_epochs=4)
+    trainer.fit(module, loader)
+    return module.seen
+
+
+def test_sink_mode_trains_on_the_loaders_batches_without_reading_items(monkeypatch):
+    """Read in the training thread (the CPU default), over three passes: the batches a plain iteration of the loader
+    yields, while a read of a single item would fail."""
+    loader, expected = shuffled_passes()
 
     def no_item_reads(self, index):
         raise AssertionError(f"item {index} read one by one")
 
     monkeypatch.setattr(TensorDataset, "__getitem__", no_item_reads)
-    module = RecordsBatches()
-    trainer = quiet_trainer(strategy=SinkStrategy(sink_size=5), max_epochs=4)
-    trainer.fit(module, loader)
-    assert len(module.seen) == 20
-    for ours, theirs in zip(module.seen, expected):
+    seen = fit_sinks_of_five(loader, prefetch_depth=0)
+    assert len(seen) == 20
+    for ours, theirs in zip(seen, expected):
+        assert_same_batch(ours, theirs)
+
+
+def test_a_reading_thread_reads_as_the_loader_does(monkeypatch):
+    """With a reading thread the loader's own item reads are used (indexing there would compete with the training
+    thread's OpenMP threads), and the batches are the same."""
+    loader, expected = shuffled_passes()
+    reads = []
+    item = TensorDataset.__getitem__
+    monkeypatch.setattr(TensorDataset, "__getitem__", lambda self, index: reads.append(index) or item(self, index))
+    seen = fit_sinks_of_five(loader, prefetch_depth=2)
+    assert len(seen) == 20 and len(reads) >= 20 * 3
+    for ours, theirs in zip(seen, expected):
         assert_same_batch(ours, theirs)
