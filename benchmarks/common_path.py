@@ -1,6 +1,7 @@
 """Common path: gradient accumulation without sinking, against stock Lightning and a hand-written loop.
 
     python benchmarks/common_path.py [--repeats 5] [--steps 1000] [--warmup 100] [--sink-size 500] [--threads 1]
+                                     [--models tiny_mlp lenet5]
     python benchmarks/common_path.py --mnist [--repeats 3] [--epochs 10] [--max-train-samples M] [--data-dir DIR]
     python benchmarks/common_path.py --profile sink [--model tiny_mlp] [--steps 4000] [--top 30]
 
@@ -187,13 +188,13 @@ def micro_batches(args: argparse.Namespace) -> dict[str, Any]:
         "timed_micro_batches": steps,
         "repeats": args.repeats,
     }
-    seconds = {model: {config: [] for config in CONFIGS} for model in MODELS}
+    seconds = {model: {config: [] for config in CONFIGS} for model in args.models}
     for repeat, order in enumerate(rotations(CONFIGS, args.repeats), 1):
-        for model in MODELS:
+        for model in args.models:
             for config in order:
                 seconds[model][config].append(run(config, model, warmup, steps, sink))
         print(f"repeat {repeat}/{args.repeats} done", file=sys.stderr, flush=True)
-    for model in MODELS:
+    for model in args.models:
         times = seconds[model]
         result[model] = {
             "ms_per_micro_batch": {config: round(1000 * statistics.median(times[config]), 4) for config in CONFIGS},
@@ -349,6 +350,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--profile", choices=tuple(LIGHTNING_CONFIGS), default=None, help="profile one Lightning configuration instead"
     )
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="the models timed")
     parser.add_argument("--model", choices=MODELS, default="tiny_mlp", help="--profile: the model")
     parser.add_argument("--top", type=int, default=30, help="--profile: functions listed")
     args = parser.parse_args(argv)

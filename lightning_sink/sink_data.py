@@ -103,7 +103,7 @@ class MicroBatchStream:
         first_pass, skip = position.pass_index, position.start_pass()
         # Only the training thread reads by indexing. Indexing a large batch runs OpenMP threads, and from a reading
         # thread those form a second team that competes with the training thread's for the cores (LeNet-5 on two
-        # cores: 0.57x the hand-written loop instead of 1.07x); there the loader's own reads are the cheaper ones.
+        # cores: 0.57x the hand-written loop, against 1.0x with the loader's own reads), so there it keeps those.
         self._read_pass = pass_batches if depth == 0 else iter
         self._inline = self._items(first_pass, skip) if depth == 0 else None
         self._thread = None
