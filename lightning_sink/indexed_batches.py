@@ -1,7 +1,7 @@
 """Sink mode's reads of an in-memory ``TensorDataset``: one indexing per tensor for a whole batch.
 
 A ``DataLoader`` builds a batch of a ``TensorDataset`` from B item reads, each indexing every tensor, and
-``default_collate`` stacking them: about 0.1 ms of Python for a batch of 32, a quarter of a small model's step.
+``default_collate`` stacking them: about 0.1 ms of Python for a batch of 32, a third of a small model's step.
 Indexing each tensor once with the batch's indices yields the same batch: the same values, dtypes, shapes and
 (contiguous) strides, in the list ``default_collate`` returns. The indices still come from the loader's own
 iterator, so its sampler, its generators and its base-seed draw advance exactly as in a plain pass.
