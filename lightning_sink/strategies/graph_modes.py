@@ -9,7 +9,8 @@ or fused/foreach kernels and stays eager: compiling ``optimizer.step`` would rec
 changes a float learning rate. ``"cuda_graph"`` compiles with ``mode="reduce-overhead"``, so that Inductor
 captures both graphs as CUDA graphs and replays them from static input buffers (it copies each batch from the
 device queue into them); the loss scale and overflow flags are device tensors already, so nothing in a window
-needs the host.
+needs the host. A replay overwrites the previous replay's outputs, so the step's outputs are copied out of the
+graph's buffers each micro-step.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from torch import Tensor
 
 __all__ = ["GRAPH_MODES", "validate_graph_mode", "check_graph_mode_device", "step_function"]
 
@@ -47,5 +50,18 @@ def step_function(training_step: Callable[..., Any], graph_mode: str) -> Callabl
     """What the step programs call for the forward (and, through autograd, the backward) of one micro-batch."""
     if graph_mode == "eager":
         return training_step
-    mode = "reduce-overhead" if graph_mode == "cuda_graph" else None
-    return torch.compile(training_step, mode=mode)
+    if graph_mode == "compile":
+        return torch.compile(training_step)
+    return _outputs_outlive_the_next_replay(torch.compile(training_step, mode="reduce-overhead"))
+
+
+def _outputs_outlive_the_next_replay(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """A CUDA graph replays into the same output buffers, but a sink keeps every micro-step's loss (and whatever
+    else ``training_step`` returns) until its end: each output is copied out of the graph's buffers (one small copy
+    a micro-step; the copy keeps the autograd link, so the backward is unchanged) before the next replay starts."""
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        torch.compiler.cudagraph_mark_step_begin()
+        return apply_to_collection(compiled(*args, **kwargs), Tensor, Tensor.clone)
+
+    return step

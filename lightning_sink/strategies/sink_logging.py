@@ -298,7 +298,9 @@ def _settings_applied(optimizers: list[Optimizer], settings: list[_Settings]) ->
 def _as_scalar_tensor(value: Any, device: torch.device) -> Tensor | None:
     """The value as a one-element tensor on the module's device, or None when it is not one."""
     if isinstance(value, Tensor):
-        return value.detach() if value.numel() == 1 else None
+        # a copy, as Lightning's own logging takes: the value at the call, even if the tensor changes in place later
+        # in the sink or is a CUDA graph's output buffer that the next replay overwrites
+        return value.detach().clone() if value.numel() == 1 else None
     if isinstance(value, numbers.Number) and not isinstance(value, bool):
         return torch.tensor(value, dtype=torch.get_default_dtype(), device=device)  # as Lightning converts numbers
     return None

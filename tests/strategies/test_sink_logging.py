@@ -111,6 +111,37 @@ def test_the_logger_gets_a_row_per_update_with_its_loss(tmp_path, graph_mode):
     assert [float(row["train_loss"]) for row in rows] == pytest.approx(continuous, rel=1e-5)
 
 
+class LogsThenChangesInPlace(TinyClassifier):
+    """Logs a running count, then changes that tensor in place: Lightning logs the value at the call."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.register_buffer("count", torch.zeros(()))
+
+    def training_step(self, batch, batch_idx):
+        self.log("count", self.count, on_step=True, on_epoch=True, reduce_fx="sum")
+        self.count.add_(1)
+        return super().training_step(batch, batch_idx)
+
+
+def logged_counts(tmp_path, strategy) -> tuple[list[tuple[int, float]], list[float]]:
+    trainer = quiet_trainer(
+        strategy=strategy, max_epochs=4, log_every_n_steps=1, logger=CSVLogger(tmp_path, name="run", version=0)
+    )
+    trainer.fit(LogsThenChangesInPlace(lr=0.05), DataLoader(make_dataset(num_samples=SAMPLES), batch_size=MICRO))
+    with open(tmp_path / "run" / "version_0" / "metrics.csv") as file:
+        rows = list(csv.DictReader(file))
+    steps = [(int(row["step"]), float(row["count_step"])) for row in rows if row["count_step"]]
+    return steps, [float(row["count_epoch"]) for row in rows if row["count_epoch"]]
+
+
+def test_a_logged_tensor_changed_in_place_afterwards_logs_its_value_at_the_call(tmp_path):
+    stock = logged_counts(tmp_path / "stock", "auto")
+    sink = logged_counts(tmp_path / "sink", SinkStrategy(sink_size=-1))  # a sink per data pass, as epochs
+    assert stock[0][:3] == [(0, 0.0), (1, 1.0), (2, 2.0)]  # the reference logs what the count was at each call
+    assert sink == stock
+
+
 def test_lightning_is_called_at_most_twice_per_key_per_sink(monkeypatch):
     calls = []
     real_log = pl.LightningModule.log
