@@ -1,21 +1,24 @@
 """Common path: gradient accumulation without sinking, against stock Lightning and a hand-written loop.
 
     python benchmarks/common_path.py [--repeats 5] [--steps 1000] [--warmup 100] [--sink-size 500] [--threads 1]
-                                     [--models tiny_mlp lenet5]
+                                     [--models tiny_mlp lenet5] [--device cpu|cuda]
     python benchmarks/common_path.py --mnist [--repeats 3] [--epochs 10] [--max-train-samples M] [--data-dir DIR]
+                                     [--device cpu|cuda]
     python benchmarks/common_path.py --profile sink [--model tiny_mlp] [--steps 4000] [--top 30]
 
 Default mode: time per micro-batch, one process, of (a) a hand-written accumulation loop, (b) stock Lightning with
 ``accumulate_grad_batches=N``, (c) ``SinkStrategy(accumulation_steps=N)`` (no sinking, one Lightning batch per
 micro-batch) and (d) ``SinkStrategy(accumulation_steps=N, sink_size=K)``; (b)-(d) with a quiet Trainer (no logger,
-no progress bar) and again with Lightning's defaults; and (d) with ``prefetch_depth=2`` (a thread reads ahead) (TensorBoard logger, progress bar, the module logging its loss
-with ``prog_bar=True``). Models: a tiny MLP 64-64-10 and LeNet-5 on 1x32x32, batch 32, N=4, SGD with momentum 0.9,
-all reading the same shuffled ``DataLoader`` over in-memory tensors. Every run first trains ``--warmup``
-micro-batches untimed (sinking runs: their first sink), then ``--steps`` timed ones (``--warmup`` and
-``--sink-size`` are cut to at most ``--steps``, all to whole windows of N). Configurations alternate
-(the order rotates every repeat); figures are medians over the repeats, and every ratio is also given per repeat
-(configurations of one repeat ran minutes apart at most) as median, min, max and interquartile range. A ratio is
-the baseline's time over the configuration's: above 1.0 the configuration is faster.
+no progress bar) and again with Lightning's defaults (TensorBoard logger, progress bar, the module logging its loss
+with ``prog_bar=True``); and (d) with ``prefetch_depth=2`` (a thread reads ahead; by default, for these in-memory
+loaders, the training thread reads, on the CPU and on CUDA). Models: a tiny MLP 64-64-10 and LeNet-5 on 1x32x32,
+batch 32, N=4, SGD with momentum 0.9, all reading the same shuffled ``DataLoader`` over in-memory tensors. With
+``--device cuda`` every configuration trains on the GPU; the hand-written loop copies each batch there as it comes.
+Every run first trains ``--warmup`` micro-batches untimed (sinking runs: their first sink), then ``--steps`` timed
+ones (``--warmup`` and ``--sink-size`` are cut to at most ``--steps``, all to whole windows of N). Configurations
+alternate (the order rotates every repeat); figures are medians over the repeats, and every ratio is also given per
+repeat (configurations of one repeat ran minutes apart at most) as median, min, max and interquartile range. A
+ratio is the baseline's time over the configuration's: above 1.0 the configuration is faster.
 
 ``--mnist``: the end-to-end recipe of ``examples/mnist_lenet_accumulation.py`` (LeNet-5, MNIST at 32x32, batch 32,
 N=4, shuffled, 10 epochs), ``Trainer.fit`` time of its ``SinkStrategy`` trainer against its stock Lightning
@@ -79,15 +82,17 @@ RATIOS = {  # name: (configuration, baseline)
 
 
 # ---------------------------------------------------------------------------------------------- one run
-def hand_written(model_name: str, warmup: int, steps: int) -> float:
+def hand_written(model_name: str, warmup: int, steps: int, device: torch.device) -> float:
     """Seconds per micro-batch of the loop a user writes: loss / N backward, a step and zero_grad every N."""
-    model, loader = make_model(model_name), make_loader(model_name, BATCH)
+    model, loader = make_model(model_name).to(device), make_loader(model_name, BATCH)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     done, start = 0, time.perf_counter()
     while done < warmup + steps:
         for x, y in loader:
             if done == warmup:
+                synchronize(device)
                 start = time.perf_counter()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             (F.cross_entropy(model(x), y) / ACCUMULATION).backward()
             done += 1
             if done % ACCUMULATION == 0:
@@ -95,7 +100,14 @@ def hand_written(model_name: str, warmup: int, steps: int) -> float:
                 optimizer.zero_grad()
             if done == warmup + steps:
                 break
+    synchronize(device)
     return (time.perf_counter() - start) / steps
+
+
+def synchronize(device: torch.device) -> None:
+    """A GPU may still be working through queued kernels when the host reads its clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 @contextlib.contextmanager
@@ -106,7 +118,13 @@ def _silenced() -> Iterator[None]:
 
 
 def lightning(
-    config: str, model_name: str, warmup: int, steps: int, sink_size: int, timer: StepTimer | None = None
+    config: str,
+    model_name: str,
+    warmup: int,
+    steps: int,
+    sink_size: int,
+    device: torch.device,
+    timer: StepTimer | None = None,
 ) -> float:
     """Seconds per micro-batch of one Lightning configuration (timed from the first window after ``warmup``;
     with sinking, from the second sink)."""
@@ -123,21 +141,22 @@ def lightning(
     settings = {
         "strategy": strategy,
         "accumulate_grad_batches": accumulate,
+        "accelerator": "gpu" if device.type == "cuda" else "cpu",
         "devices": 1,
         "callbacks": [timer],
         "max_steps": (warmup + steps) // ACCUMULATION,
         "max_epochs": -1,
     }
     with tempfile.TemporaryDirectory() as root, _silenced():
-        trainer = default_trainer(root, accelerator="cpu", **settings) if defaults else quiet_trainer(**settings)
+        trainer = default_trainer(root, **settings) if defaults else quiet_trainer(**settings)
         trainer.fit(NetClassifier(make_model(model_name), log_loss=defaults), make_loader(model_name, BATCH))
     return timer.seconds / (timer.steps * ACCUMULATION)
 
 
-def run(config: str, model_name: str, warmup: int, steps: int, sink_size: int) -> float:
+def run(config: str, model_name: str, warmup: int, steps: int, sink_size: int, device: torch.device) -> float:
     if config == "hand_written":
-        return hand_written(model_name, warmup, steps)
-    return lightning(config, model_name, warmup, steps, sink_size)
+        return hand_written(model_name, warmup, steps, device)
+    return lightning(config, model_name, warmup, steps, sink_size, device)
 
 
 # ---------------------------------------------------------------------------------------------- statistics
@@ -170,8 +189,12 @@ def sizes(args: argparse.Namespace) -> tuple[int, int, int]:
     return steps, windows(min(args.warmup, steps)), windows(min(args.sink_size, steps))
 
 
-def machine(threads: int) -> str:
-    return f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {threads} intra-op thread(s)"
+def machine(args: argparse.Namespace) -> str:
+    gpu = f", {torch.cuda.get_device_name(args.device)}" if args.device.type == "cuda" else ", CPU only"
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} intra-op"
+        f" thread(s){gpu}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- modes
@@ -179,7 +202,7 @@ def micro_batches(args: argparse.Namespace) -> dict[str, Any]:
     steps, warmup, sink = sizes(args)
     result: dict[str, Any] = {
         "benchmark": "common_path",
-        "machine": machine(args.threads),
+        "machine": machine(args),
         "load_average_at_start": os.getloadavg(),
         "batch": BATCH,
         "accumulation_steps": ACCUMULATION,
@@ -192,7 +215,7 @@ def micro_batches(args: argparse.Namespace) -> dict[str, Any]:
     for repeat, order in enumerate(rotations(CONFIGS, args.repeats), 1):
         for model in args.models:
             for config in order:
-                seconds[model][config].append(run(config, model, warmup, steps, sink))
+                seconds[model][config].append(run(config, model, warmup, steps, sink, args.device))
         print(f"repeat {repeat}/{args.repeats} done", file=sys.stderr, flush=True)
     for model in args.models:
         times = seconds[model]
@@ -214,7 +237,7 @@ def mnist(args: argparse.Namespace) -> dict[str, Any]:
     from digits import DigitsDataModule
     from lenet import LeNet5Classifier
 
-    argv = ["--epochs", str(args.epochs), "--accelerator", "cpu"]
+    argv = ["--epochs", str(args.epochs), "--accelerator", "gpu" if args.device.type == "cuda" else "cpu"]
     argv += ["--data-dir", args.data_dir] if args.data_dir else []
     argv += ["--max-train-samples", str(args.max_train_samples)] if args.max_train_samples else []
     recipe_args = recipe.parse_args(argv)
@@ -248,7 +271,7 @@ def mnist(args: argparse.Namespace) -> dict[str, Any]:
         raise RuntimeError(f"the two trainers made different numbers of updates: {updates}")
     return {
         "benchmark": "common_path_mnist",
-        "machine": machine(args.threads),
+        "machine": machine(args),
         "load_average_at_start": load_at_start,
         "load_average_at_end": os.getloadavg(),
         "recipe": f"examples/mnist_lenet_accumulation.py: LeNet-5, batch {recipe_args.batch_size}, N="
@@ -287,7 +310,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     profiler = cProfile.Profile()
     first_timed = sink if LIGHTNING_CONFIGS[args.profile][0].startswith("sinking") else warmup
     timer = _ProfilingTimer(first_timed // ACCUMULATION, profiler)
-    per_micro = lightning(args.profile, args.model, warmup, steps, sink, timer=timer)
+    per_micro = lightning(args.profile, args.model, warmup, steps, sink, args.device, timer=timer)
     micro = timer.steps * ACCUMULATION
     stats = pstats.Stats(profiler).stats  # {(file, line, name): (primitive calls, calls, tottime, cumtime, callers)}
 
@@ -353,7 +376,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="the models timed")
     parser.add_argument("--model", choices=MODELS, default="tiny_mlp", help="--profile: the model")
     parser.add_argument("--top", type=int, default=30, help="--profile: functions listed")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every configuration trains")
     args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
+    args.device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if args.repeats is None:
         args.repeats = 3 if args.mnist else 5
     for name in ("repeats", "steps", "warmup", "sink_size", "threads", "epochs", "top"):
