@@ -17,12 +17,14 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import torch
+
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.data import DataPosition, set_sampler_epoch
 from lightning_sink.device_prefetch import CopiedBatch, CudaBatchCopier
-from lightning_sink.indexed_batches import pass_batches
+from lightning_sink.indexed_batches import pass_batches, reads_by_indexing
 
-__all__ = ["SinkToken", "SinkLoader", "MicroBatchStream", "PASS_END"]
+__all__ = ["SinkToken", "SinkLoader", "MicroBatchStream", "PASS_END", "default_prefetch_depth"]
 
 PASS_END = object()  # a data pass ended; the next item starts a new pass
 
@@ -83,6 +85,14 @@ class SinkLoader:
     def __iter__(self) -> Iterator[SinkToken]:
         self._sinks += 1
         yield SinkToken(self._sinks - 1)
+
+
+def default_prefetch_depth(device: torch.device, loader: Any) -> int:
+    """What ``prefetch_depth=None`` means: 2 on CUDA, where a thread reads ahead while the GPU computes and copies
+    each batch from pinned memory on a side stream; 0 (the training thread reads) on the CPU, and on CUDA for a
+    loader read by indexing (in-memory tensors), whose reads are too cheap to hide: there the thread only adds GIL
+    hand-offs to a step that is mostly Python and kernel launches (``benchmarks/common_path.py --device cuda``)."""
+    return 2 if device.type == "cuda" and not reads_by_indexing(loader) else 0
 
 
 class MicroBatchStream:

@@ -8,7 +8,7 @@ from torch.utils.data import DataLoader
 
 from lightning_sink.data import DataPosition
 from lightning_sink.device_prefetch import CudaBatchCopier
-from lightning_sink.sink_data import PASS_END, MicroBatchStream
+from lightning_sink.sink_data import PASS_END, MicroBatchStream, default_prefetch_depth
 from tests.helpers import make_dataset
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the device prefetch queue copies to a GPU")
@@ -32,3 +32,27 @@ def test_prefetched_batches_arrive_on_the_gpu_equal_to_the_host_batches():
     for (x, y), (host_x, host_y) in zip(received[:10], loader):
         assert x.device.type == "cuda" and y.device.type == "cuda"
         assert torch.equal(x.cpu(), host_x) and torch.equal(y.cpu(), host_y)
+
+
+class ItemsDataset(torch.utils.data.Dataset):
+    """A map-style dataset read item by item (not a TensorDataset): its reads are worth hiding on a thread."""
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, index):
+        return torch.full((2,), float(index))
+
+
+@pytest.mark.parametrize(
+    ("device", "loader", "depth"),
+    [
+        ("cuda", DataLoader(make_dataset(num_samples=8), batch_size=4, shuffle=True), 0),  # in memory: no thread
+        ("cuda", DataLoader(make_dataset(num_samples=8), batch_size=4, pin_memory=True), 2),  # not read by indexing
+        ("cuda", DataLoader(ItemsDataset(), batch_size=4), 2),
+        ("cpu", DataLoader(make_dataset(num_samples=8), batch_size=4), 0),
+        ("cpu", DataLoader(ItemsDataset(), batch_size=4), 0),
+    ],
+)
+def test_prefetch_depth_none_reads_ahead_on_cuda_unless_the_loader_is_read_by_indexing(device, loader, depth):
+    assert default_prefetch_depth(torch.device(device), loader) == depth

@@ -21,7 +21,7 @@ from lightning_sink.data import DataPosition
 from lightning_sink.device_prefetch import CudaBatchCopier
 from lightning_sink.loss_scale import DynamicLossScale
 from lightning_sink.precision import LossScalePrecision
-from lightning_sink.sink_data import MicroBatchStream, SinkLoader
+from lightning_sink.sink_data import MicroBatchStream, SinkLoader, default_prefetch_depth
 from lightning_sink.strategies.checkpoint_state import WindowCheckpointMixin
 from lightning_sink.strategies.config import SinkConfig
 from lightning_sink.strategies.fit_checks import (
@@ -242,10 +242,10 @@ class FitLifecycleMixin(WindowCheckpointMixin):
             compat.hold_step_schedulers(trainer, lambda: self._last_update_skipped)
 
     def _prefetch_depth(self) -> int:
-        """``prefetch_depth``, or by default: 2 on CUDA (the thread's copies overlap compute); 0 on CPU."""
+        """``prefetch_depth``, or by default (``default_prefetch_depth``) from the device and the loader."""
         if self.prefetch_depth is not None:
             return self.prefetch_depth
-        return 2 if self.root_device.type == "cuda" else 0  # type: ignore[attr-defined]
+        return default_prefetch_depth(self.root_device, self._sink_loader.loader)  # type: ignore[attr-defined, union-attr]
 
     def _device_copier(self) -> CudaBatchCopier | None:
         """On CUDA, the prefetch thread copies batches to the GPU, unless transfer hooks must run in this thread."""

@@ -31,8 +31,9 @@ class SinkStrategy(StepEngineMixin, SingleDeviceStrategy):
             data pass per sink; ``None`` (default): no sinking, one Lightning batch per micro-batch.
         prefetch_depth: micro-batches a background thread reads ahead in sink mode (on CUDA it also copies them to
             the GPU: pinned memory, non-blocking copies on a side stream); ``0`` reads in the training thread.
-            ``None`` (default): 2 on CUDA; 0 on CPU, where the thread's GIL hand-offs cost more than the reads it
-            hides for in-memory data (measured in ``benchmarks/sink_throughput.py``; set it for slow loaders).
+            ``None`` (default): 0 on CPU, and on CUDA for a ``DataLoader`` over in-memory tensors (read by
+            indexing), where the thread's GIL hand-offs cost more than the reads it hides (measured in
+            ``benchmarks/``); 2 on CUDA for other loaders. Set it for loaders that wait on I/O.
         graph_mode: ``"eager"`` (default); ``"compile"``: ``training_step`` and its backward compiled with
             ``torch.compile`` (both step programs share the forward and backward graphs); ``"cuda_graph"``: the
             same graphs captured as CUDA graphs (``torch.compile(mode="reduce-overhead")``), CUDA only.
