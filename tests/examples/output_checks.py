@@ -14,6 +14,9 @@ LIGHTNING_NOTICES = (
     "Using `DistributedSampler` with the dataloaders. During `trainer.test()`",  # a sharded model tests on its mesh
     # The summary sizes parameters by a table without the "-mixed" names; stock MixedPrecision("16-mixed") prints it.
     "Precision 16-mixed is not supported by the model summary",
+    # Lightning's advice on a machine of more than 2 cores for a loader without workers (the examples' data is in
+    # memory, where workers would only add start-up and copies); a 16-core machine printed it for the test loader.
+    *(f"The '{stage}_dataloader' does not have many workers" for stage in ("train", "val", "test")),
 )
 # Lightning's informational line when a checkpoint is saved without saying whether it holds weights only.
 WEIGHTS_ONLY_UNSET = "`weights_only` was not set"
