@@ -7,10 +7,10 @@ programs run the same forward and backward, so they share those two graphs; what
 accumulation, and the update's single reduction, unscale and optimizer step) is already a handful of flat-tensor
 or fused/foreach kernels and stays eager: compiling ``optimizer.step`` would recompile whenever an LR scheduler
 changes a float learning rate. ``"cuda_graph"`` compiles with ``mode="reduce-overhead"``, so that Inductor
-captures both graphs as CUDA graphs and replays them from static input buffers (it copies each batch from the
-device queue into them); the loss scale and overflow flags are device tensors already, so nothing in a window
-needs the host. A replay overwrites the previous replay's outputs, so the step's outputs are copied out of the
-graph's buffers each micro-step.
+captures both graphs as CUDA graphs and replays them from static input buffers (it copies each batch into them);
+the loss scale and overflow flags are device tensors already, so nothing in a window needs the host. A replay
+overwrites the previous replay's outputs, so the step's outputs are copied out of the graph's buffers each
+micro-step.
 """
 
 from __future__ import annotations
