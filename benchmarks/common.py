@@ -86,6 +86,12 @@ def default_trainer(root_dir: str, **kwargs: Any) -> pl.Trainer:
     )
 
 
+def synchronize(device: torch.device) -> None:
+    """A GPU may still be working through queued kernels when the host reads its clock."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class StepTimer(pl.Callback):
     """Wall time and optimizer steps from the first Lightning batch that starts at ``global_step >= warmup_steps``
     to the end of training (a sink is one Lightning batch, so sink runs are timed from a sink boundary)."""
@@ -98,6 +104,5 @@ class StepTimer(pl.Callback):
             self.start, self.start_step = time.perf_counter(), trainer.global_step
 
     def on_train_end(self, trainer, module):
-        if module.device.type == "cuda":
-            torch.cuda.synchronize()  # the GPU may still be working through queued steps
+        synchronize(module.device)
         self.seconds, self.steps = time.perf_counter() - self.start, trainer.global_step - self.start_step

@@ -56,7 +56,16 @@ import lightning.pytorch as pl
 
 from lightning_sink import SinkStrategy
 
-from common import MODELS, NetClassifier, StepTimer, default_trainer, make_loader, make_model, quiet_trainer
+from common import (
+    MODELS,
+    NetClassifier,
+    StepTimer,
+    default_trainer,
+    make_loader,
+    make_model,
+    quiet_trainer,
+    synchronize,
+)
 
 BATCH, ACCUMULATION = 32, 4
 LIGHTNING_CONFIGS = {  # name: (what accumulates: Lightning, the sink strategy, or it with sinking; Trainer defaults)
@@ -102,12 +111,6 @@ def hand_written(model_name: str, warmup: int, steps: int, device: torch.device)
                 break
     synchronize(device)
     return (time.perf_counter() - start) / steps
-
-
-def synchronize(device: torch.device) -> None:
-    """A GPU may still be working through queued kernels when the host reads its clock."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @contextlib.contextmanager

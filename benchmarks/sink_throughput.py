@@ -35,7 +35,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lightning_sink import SinkStrategy
 
-from common import NetClassifier, StepTimer, default_trainer, make_loader, make_model, quiet_trainer
+from common import (
+    MODELS,
+    NetClassifier,
+    StepTimer,
+    default_trainer,
+    make_loader,
+    make_model,
+    quiet_trainer,
+    synchronize,
+)
 
 BATCH, SINK, WARMUP = 32, 500, 50
 CPU_CONFIGS = (
@@ -72,8 +81,7 @@ def hand_written(model_name: str, steps: int, device: torch.device) -> float:
             done += 1
             if done == steps + WARMUP:
                 break
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    synchronize(device)
     return steps / (time.perf_counter() - start)
 
 
@@ -124,7 +132,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--models", nargs="+", choices=("tiny_mlp", "lenet5"), default=["tiny_mlp", "lenet5"])
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     args = parser.parse_args()
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
