@@ -6,6 +6,7 @@ naming it, instead of deep inside a conversion or a checkpoint load.
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
+from torch.utils.data import DataLoader
+from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
 
 __all__ = [
     "StridedShard",
@@ -30,6 +33,8 @@ __all__ = [
     "flatten_state_dict",
     "set_element",
     "next_batch_indices",
+    "read_batches_with",
+    "restore_batch_reads",
 ]
 
 StridedShard = _StridedShard  # FSDP2 + TP's row placement of a parameter sharded twice on one dim
@@ -40,6 +45,41 @@ def next_batch_indices(iterator: Any) -> Any:
     """The indices of the next batch of a single-process ``DataLoader`` iterator, drawn from its sampler as its own
     ``__next__`` draws them, without reading the batch (raises ``StopIteration`` at the end of the pass)."""
     return iterator._next_index()
+
+
+class _BatchReadingIterator(_SingleProcessDataLoaderIter):
+    """A single-process ``DataLoader`` iterator that reads each batch as ``read(indices)``; everything else (the
+    sampler, the base-seed draw, the yield counter, the profiler's record) is the loader's own iterator."""
+
+    def __init__(self, loader: DataLoader, read: Callable[[Any], Any]) -> None:
+        super().__init__(loader)
+        self._read = read
+
+    def _next_data(self) -> Any:
+        return self._read(self._next_index())
+
+
+def _start_pass(loader: DataLoader, reader_for: Callable[[DataLoader], Callable[[Any], Any] | None]) -> Any:
+    read = reader_for(loader)
+    if read is None:  # the loader no longer reads that way (its collate_fn was replaced): its own iterator
+        return DataLoader._get_iterator(loader)
+    return _BatchReadingIterator(loader, read)
+
+
+def read_batches_with(loader: DataLoader, reader_for: Callable[[DataLoader], Callable[[Any], Any] | None]) -> bool:
+    """Every later pass over ``loader`` (a single-process ``DataLoader``) reads its batches with the function
+    ``reader_for(loader)`` returns at the pass's start (``None``: the loader's own reads), until
+    ``restore_batch_reads``. ``iter(loader)`` calls ``loader._get_iterator()``; an attribute of that name on the
+    loader object shadows the method. Returns False, changing nothing, where such an attribute is already there."""
+    if "_get_iterator" in vars(loader):
+        return False
+    loader._get_iterator = functools.partial(_start_pass, loader, reader_for)  # type: ignore[method-assign]
+    return True
+
+
+def restore_batch_reads(loader: DataLoader) -> None:
+    """Undo ``read_batches_with``: the loader's own ``_get_iterator`` again."""
+    loader.__dict__.pop("_get_iterator", None)
 
 
 def init_fake_process_group(world_size: int) -> None:

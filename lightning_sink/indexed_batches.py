@@ -1,4 +1,4 @@
-"""Sink mode's reads of an in-memory ``TensorDataset``: one indexing per tensor for a whole batch.
+"""Training reads of an in-memory ``TensorDataset``: one indexing per tensor for a whole batch.
 
 A ``DataLoader`` builds a batch of a ``TensorDataset`` from B item reads, each indexing every tensor, and
 ``default_collate`` stacking them: about 0.1 ms of Python for a batch of 32, a third of a small model's step.
@@ -10,11 +10,14 @@ Only a loader whose pass is exactly that is read this way (``reads_by_indexing``
 in this process without pinning, batching with a plain ``BatchSampler`` over one of torch's samplers that yield
 integers, collating with ``default_collate``, over a ``TensorDataset`` (or a ``Subset`` of one) of plain,
 contiguous tensors that do not require grad. Anything else is iterated as the loader is.
+
+Sink mode's stream iterates ``pass_batches``. Outside sink mode Lightning iterates the loader itself, and
+``IndexedLoaderReads`` gives the loader, for the fit, an iterator of its own kind that reads this way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -33,7 +36,7 @@ from torch.utils.data import (
 
 from lightning_sink import _torch_compat as compat
 
-__all__ = ["reads_by_indexing", "indexed_batches", "pass_batches"]
+__all__ = ["reads_by_indexing", "batch_reader", "indexed_batches", "pass_batches", "IndexedLoaderReads"]
 
 # Samplers that yield Python ints: indexing a tensor with them reads the rows ``dataset[i]`` reads.
 _INTEGER_SAMPLERS = (SequentialSampler, RandomSampler, DistributedSampler, WeightedRandomSampler)
@@ -78,22 +81,56 @@ def _rows(dataset: Any) -> Tensor | None:
     return torch.as_tensor(list(dataset.indices), dtype=torch.long)
 
 
+def batch_reader(loader: DataLoader) -> Callable[[Sequence[int]], list[Tensor]]:
+    """For a loader for which ``reads_by_indexing`` holds: the batch of a list of sampler indices, read by indexing.
+    The dataset's ``tensors`` are looked up at each read, as ``TensorDataset.__getitem__`` does."""
+    source = _tensor_dataset(loader.dataset)
+    rows = _rows(loader.dataset)
+
+    def read(indices: Sequence[int]) -> list[Tensor]:
+        index = torch.as_tensor(indices, dtype=torch.long)
+        if rows is not None:
+            index = rows[index]
+        return [tensor[index] for tensor in source.tensors]
+
+    return read
+
+
 def indexed_batches(loader: DataLoader) -> Iterator[list[Tensor]]:
     """One pass over ``loader`` (for which ``reads_by_indexing`` holds), each batch read by indexing."""
-    tensors = _tensor_dataset(loader.dataset).tensors
-    rows = _rows(loader.dataset)
+    read = batch_reader(loader)
     iterator = iter(loader)  # draws the base seed and starts the sampler, as a plain pass does
     while True:
         try:
             indices = compat.next_batch_indices(iterator)
         except StopIteration:
             return
-        index = torch.as_tensor(indices, dtype=torch.long)
-        if rows is not None:
-            index = rows[index]
-        yield [tensor[index] for tensor in tensors]
+        yield read(indices)
 
 
 def pass_batches(loader: Any) -> Iterable[Any]:
     """What one pass over ``loader`` iterates: its batches read by indexing where that yields the same batches."""
     return indexed_batches(loader) if reads_by_indexing(loader) else loader
+
+
+def _reader_at_pass_start(loader: DataLoader) -> Callable[[Sequence[int]], list[Tensor]] | None:
+    return batch_reader(loader) if reads_by_indexing(loader) else None
+
+
+class IndexedLoaderReads:
+    """Outside sink mode Lightning iterates the user's loader itself; for a fit, the loaders taken here read each
+    batch by indexing (where ``reads_by_indexing`` holds at a pass's start) behind their own iterator, so Lightning,
+    ``trainer.train_dataloader`` and the loader's sampler and generators see the loader as it is."""
+
+    def __init__(self) -> None:
+        self._loaders: list[DataLoader] = []
+
+    def take(self, loader: Any) -> None:
+        if reads_by_indexing(loader) and compat.read_batches_with(loader, _reader_at_pass_start):
+            self._loaders.append(loader)
+
+    def release(self) -> None:
+        """At the end of fit: the loaders read as they did before."""
+        for loader in self._loaders:
+            compat.restore_batch_reads(loader)
+        self._loaders.clear()

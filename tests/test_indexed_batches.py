@@ -207,3 +207,85 @@ def test_a_reading_thread_reads_as_the_loader_does(monkeypatch):
     assert len(seen) == 20 and len(reads) >= 20 * 3
     for ours, theirs in zip(seen, expected):
         assert_same_batch(ours, theirs)
+
+
+# Outside sink mode Lightning iterates the loader itself, one Lightning batch per micro-batch. Whole windows (8 and
+# 6 batches a pass), so the updates are stock Lightning's whatever the partial-window rule.
+STOCK_AND_SINK = {"stock": dict(strategy="auto", accumulate_grad_batches=2), "sink": dict(strategy="sink_n2")}
+
+
+def fit_outside_sink_mode(name: str, loader: DataLoader, callbacks=()) -> tuple[pl.Trainer, RecordsBatches]:
+    pl.seed_everything(3)  # the global generator: the shuffling of a loader without a generator of its own
+    module = RecordsBatches()
+    options = dict(STOCK_AND_SINK[name])
+    if options["strategy"] == "sink_n2":
+        options["strategy"] = SinkStrategy(accumulation_steps=2)
+    trainer = quiet_trainer(max_epochs=3, callbacks=list(callbacks), **options)
+    trainer.fit(module, loader)
+    return trainer, module
+
+
+def rows_of_four(count: int) -> torch.Tensor:
+    return torch.randn(count, 4, generator=torch.Generator().manual_seed(0))
+
+
+TRAINING_LOADERS: dict[str, Callable[[], DataLoader]] = {
+    "shuffled by the global generator": lambda: DataLoader(
+        TensorDataset(rows_of_four(24), torch.arange(24)),
+        batch_size=3,
+        shuffle=True,
+    ),
+    "a random_split subset, shuffled by its own generator": lambda: DataLoader(
+        random_split(TensorDataset(rows_of_four(30), torch.arange(30)), [24, 6], torch.Generator().manual_seed(4))[0],
+        batch_size=4,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(5),
+    ),
+}
+
+
+@pytest.mark.parametrize("make_loader", TRAINING_LOADERS.values(), ids=TRAINING_LOADERS.keys())
+def test_outside_sink_mode_lightning_trains_on_stock_lightnings_batches_without_item_reads(make_loader, monkeypatch):
+    stock_trainer, stock = fit_outside_sink_mode("stock", make_loader())
+
+    def no_item_reads(self, index):
+        raise AssertionError(f"item {index} read one by one")
+
+    loader = make_loader()
+    with monkeypatch.context() as patched:
+        patched.setattr(TensorDataset, "__getitem__", no_item_reads)
+        sink_trainer, sink = fit_outside_sink_mode("sink", loader)
+    assert len(sink.seen) == len(stock.seen) > 10
+    for ours, theirs in zip(sink.seen, stock.seen):
+        assert_same_batch(ours, theirs)
+    torch.testing.assert_close(sink.layer.weight, stock.layer.weight)  # the window sums in its own order
+    assert sink_trainer.global_step == stock_trainer.global_step
+    # After fit the loader is the user's own, reading items again.
+    assert sink_trainer.train_dataloader is loader and "_get_iterator" not in vars(loader)
+    reads = []
+    item = TensorDataset.__getitem__
+    monkeypatch.setattr(TensorDataset, "__getitem__", lambda self, index: reads.append(index) or item(self, index))
+    next(iter(loader))
+    assert len(reads) == loader.batch_size
+
+
+class DoublesInputsFromTheSecondEpoch(pl.Callback):
+    """Replaces the loader's ``collate_fn`` between passes: the next pass's iterator collates with it."""
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        def doubled(rows):
+            inputs, labels = torch.utils.data.default_collate(rows)
+            return [2 * inputs, labels]
+
+        trainer.train_dataloader.collate_fn = doubled
+
+
+def test_a_collate_fn_set_during_fit_is_used_from_the_next_pass_as_with_stock_lightning():
+    make_loader = TRAINING_LOADERS["shuffled by the global generator"]
+    _, stock = fit_outside_sink_mode("stock", make_loader(), [DoublesInputsFromTheSecondEpoch()])
+    _, sink = fit_outside_sink_mode("sink", make_loader(), [DoublesInputsFromTheSecondEpoch()])
+    assert len(sink.seen) == len(stock.seen) == 24
+    for ours, theirs in zip(sink.seen, stock.seen):
+        assert_same_batch(ours, theirs)
+    first, later = stock.seen[0][0], stock.seen[8][0]
+    assert later.abs().sum() > 0 and not torch.equal(later, first)  # the doubling reached both runs

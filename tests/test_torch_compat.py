@@ -38,6 +38,20 @@ def test_private_names_still_exist_and_behave():
     assert torch.equal(next(iterator), torch.tensor([2, 3]))
 
 
+def test_a_loaders_batch_reads_are_replaced_and_restored():
+    loader = torch.utils.data.DataLoader(torch.arange(5), batch_size=2)
+    assert compat.read_batches_with(loader, lambda _: lambda indices: ("read", indices))
+    assert list(loader) == [("read", [0, 1]), ("read", [2, 3]), ("read", [4])]
+    assert not compat.read_batches_with(loader, lambda _: None)  # already replaced: left as it is
+    assert list(loader) == [("read", [0, 1]), ("read", [2, 3]), ("read", [4])]
+    compat.restore_batch_reads(loader)
+    assert compat.read_batches_with(loader, lambda _: None)  # the reader declines at the pass's start: own reads
+    assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3], [4]]
+    compat.restore_batch_reads(loader)
+    assert "_get_iterator" not in vars(loader)
+    assert [batch.tolist() for batch in loader] == [[0, 1], [2, 3], [4]]
+
+
 def test_dcp_reader_and_planner_hooks_are_the_ones_overridden():
     """``read_metadata`` and ``load_bytes`` keep their signatures, and the planner still keeps the attributes the
     weights-only ``load_bytes`` fills."""

@@ -19,6 +19,7 @@ from lightning_sink import _lightning_compat as compat
 from lightning_sink.accumulation import GradientAccumulator, SingleStepGradients, unique_trainable
 from lightning_sink.data import DataPosition
 from lightning_sink.device_prefetch import CudaBatchCopier
+from lightning_sink.indexed_batches import IndexedLoaderReads
 from lightning_sink.loss_scale import DynamicLossScale
 from lightning_sink.precision import LossScalePrecision
 from lightning_sink.sink_data import MicroBatchStream, SinkLoader, default_prefetch_depth
@@ -74,6 +75,7 @@ class FitLifecycleMixin(WindowCheckpointMixin):
         self._reducer: Reducer = NoReduction()
         self._data_position = DataPosition()
         self._passes = TrainingPasses(self._data_position)  # the loader outside sink mode (resume, "drop" length)
+        self._indexed_reads = IndexedLoaderReads()  # outside sink mode: in-memory loaders read by indexing
         self._pending_state: dict[str, Any] | None = None
         self._pending_path: Any = None  # the checkpoint the pending state came from, for error messages
         self._log_buffer: SinkLogBuffer | None = None
@@ -153,6 +155,7 @@ class FitLifecycleMixin(WindowCheckpointMixin):
         counts_batches = not draws_own_batches(trainer.lightning_module)
         # generators, "drop" epoch length, the resume position
         self._passes.take_loader(trainer, dataloader, whole_windows_of=whole, counts_batches=counts_batches)
+        self._indexed_reads.take(dataloader)
         return dataloader
 
     # ------------------------------------------------------------------ collaborators (chosen by the strategy)
@@ -283,6 +286,7 @@ class FitLifecycleMixin(WindowCheckpointMixin):
         self._unbind_direct_backward()
         self._direct_transfer = False
         self._passes.release()
+        self._indexed_reads.release()
         super().teardown()  # type: ignore[misc]
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
