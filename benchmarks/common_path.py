@@ -1,7 +1,7 @@
 """Common path: gradient accumulation without sinking, against stock Lightning and a hand-written loop.
 
     python benchmarks/common_path.py [--repeats 5] [--steps 1000] [--warmup 100] [--sink-size 500] [--threads 1]
-                                     [--models tiny_mlp lenet5] [--device cpu|cuda]
+                                     [--models tiny_mlp lenet5] [--configs NAME ...] [--device cpu|cuda]
     python benchmarks/common_path.py --mnist [--repeats 3] [--epochs 10] [--max-train-samples M] [--data-dir DIR]
                                      [--device cpu|cuda]
     python benchmarks/common_path.py --profile sink [--model tiny_mlp] [--steps 4000] [--top 30]
@@ -14,6 +14,8 @@ with ``prog_bar=True``); and (d) with ``prefetch_depth=2`` (a thread reads ahead
 loaders, the training thread reads, on the CPU and on CUDA). Models: a tiny MLP 64-64-10 and LeNet-5 on 1x32x32,
 batch 32, N=4, SGD with momentum 0.9, all reading the same shuffled ``DataLoader`` over in-memory tensors. With
 ``--device cuda`` every configuration trains on the GPU; the hand-written loop copies each batch there as it comes.
+``--configs`` runs only the configurations named (and the ratios between them): with fewer, the runs a ratio
+compares are closer in time, which on a shared machine narrows its spread.
 Every run first trains ``--warmup`` micro-batches untimed (sinking runs: their first sink), then ``--steps`` timed
 ones (``--warmup`` and ``--sink-size`` are cut to at most ``--steps``, all to whole windows of N). Configurations
 alternate (the order rotates every repeat); figures are medians over the repeats, and every ratio is also given per
@@ -91,8 +93,11 @@ RATIOS = {  # name: (configuration, baseline)
 
 
 # ---------------------------------------------------------------------------------------------- one run
-def hand_written(model_name: str, warmup: int, steps: int, device: torch.device) -> float:
-    """Seconds per micro-batch of the loop a user writes: loss / N backward, a step and zero_grad every N."""
+def hand_written(
+    model_name: str, warmup: int, steps: int, device: torch.device, on_timed_start: Callable[[], Any] | None = None
+) -> float:
+    """Seconds per micro-batch of the loop a user writes: loss / N backward, a step and zero_grad every N.
+    ``on_timed_start`` is called as the first timed micro-batch starts (``instruction_counts.py`` counts from there)."""
     model, loader = make_model(model_name).to(device), make_loader(model_name, BATCH)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     done, start = 0, time.perf_counter()
@@ -100,6 +105,8 @@ def hand_written(model_name: str, warmup: int, steps: int, device: torch.device)
         for x, y in loader:
             if done == warmup:
                 synchronize(device)
+                if on_timed_start is not None:
+                    on_timed_start()
                 start = time.perf_counter()
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             (F.cross_entropy(model(x), y) / ACCUMULATION).backward()
@@ -214,8 +221,9 @@ def micro_batches(args: argparse.Namespace) -> dict[str, Any]:
         "timed_micro_batches": steps,
         "repeats": args.repeats,
     }
-    seconds = {model: {config: [] for config in CONFIGS} for model in args.models}
-    for repeat, order in enumerate(rotations(CONFIGS, args.repeats), 1):
+    configs = tuple(dict.fromkeys(args.configs))  # each once, in the order given
+    seconds = {model: {config: [] for config in configs} for model in args.models}
+    for repeat, order in enumerate(rotations(configs, args.repeats), 1):
         for model in args.models:
             for config in order:
                 seconds[model][config].append(run(config, model, warmup, steps, sink, args.device))
@@ -223,10 +231,11 @@ def micro_batches(args: argparse.Namespace) -> dict[str, Any]:
     for model in args.models:
         times = seconds[model]
         result[model] = {
-            "ms_per_micro_batch": {config: round(1000 * statistics.median(times[config]), 4) for config in CONFIGS},
+            "ms_per_micro_batch": {config: round(1000 * statistics.median(times[config]), 4) for config in configs},
             "ratios": {
                 name: spread([b / c for c, b in zip(times[config], times[baseline])])
                 for name, (config, baseline) in RATIOS.items()
+                if config in times and baseline in times
             },
         }
     result["load_average_at_end"] = os.getloadavg()
@@ -377,6 +386,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile", choices=tuple(LIGHTNING_CONFIGS), default=None, help="profile one Lightning configuration instead"
     )
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="the models timed")
+    parser.add_argument(
+        "--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS), help="the configurations timed (default: all)"
+    )
     parser.add_argument("--model", choices=MODELS, default="tiny_mlp", help="--profile: the model")
     parser.add_argument("--top", type=int, default=30, help="--profile: functions listed")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where every configuration trains")
