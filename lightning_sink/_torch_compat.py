@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,19 +32,13 @@ __all__ = [
     "init_fake_process_group",
     "flatten_state_dict",
     "set_element",
-    "next_batch_indices",
+    "batch_reading_iterator",
     "read_batches_with",
     "restore_batch_reads",
 ]
 
 StridedShard = _StridedShard  # FSDP2 + TP's row placement of a parameter sharded twice on one dim
 compute_local_shape_and_global_offset = _compute_local_shape_and_global_offset  # DTensor's own chunk rule
-
-
-def next_batch_indices(iterator: Any) -> Any:
-    """The indices of the next batch of a single-process ``DataLoader`` iterator, drawn from its sampler as its own
-    ``__next__`` draws them, without reading the batch (raises ``StopIteration`` at the end of the pass)."""
-    return iterator._next_index()
 
 
 class _BatchReadingIterator(_SingleProcessDataLoaderIter):
@@ -59,11 +53,16 @@ class _BatchReadingIterator(_SingleProcessDataLoaderIter):
         return self._read(self._next_index())
 
 
+def batch_reading_iterator(loader: DataLoader, read: Callable[[Any], Any]) -> Iterator[Any]:
+    """One pass over the single-process ``loader``: its own iterator, each batch read as ``read(indices)``."""
+    return _BatchReadingIterator(loader, read)
+
+
 def _start_pass(loader: DataLoader, reader_for: Callable[[DataLoader], Callable[[Any], Any] | None]) -> Any:
     read = reader_for(loader)
     if read is None:  # the loader no longer reads that way (its collate_fn was replaced): its own iterator
         return DataLoader._get_iterator(loader)
-    return _BatchReadingIterator(loader, read)
+    return batch_reading_iterator(loader, read)
 
 
 def read_batches_with(loader: DataLoader, reader_for: Callable[[DataLoader], Callable[[Any], Any] | None]) -> bool:

@@ -98,14 +98,7 @@ def batch_reader(loader: DataLoader) -> Callable[[Sequence[int]], list[Tensor]]:
 
 def indexed_batches(loader: DataLoader) -> Iterator[list[Tensor]]:
     """One pass over ``loader`` (for which ``reads_by_indexing`` holds), each batch read by indexing."""
-    read = batch_reader(loader)
-    iterator = iter(loader)  # draws the base seed and starts the sampler, as a plain pass does
-    while True:
-        try:
-            indices = compat.next_batch_indices(iterator)
-        except StopIteration:
-            return
-        yield read(indices)
+    return compat.batch_reading_iterator(loader, batch_reader(loader))
 
 
 def pass_batches(loader: Any) -> Iterable[Any]:

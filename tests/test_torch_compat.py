@@ -33,9 +33,10 @@ def test_private_names_still_exist_and_behave():
     assert (tuple(sizes), tuple(offsets)) == ((2,), (3,))  # torch.chunk rows: 3 and 2
     strided = compat.StridedShard(0, split_factor=2)
     assert strided.dim == 0 and strided.split_factor == 2
-    iterator = iter(torch.utils.data.DataLoader(torch.arange(5), batch_size=2))
-    assert compat.next_batch_indices(iterator) == [0, 1]  # drawn, not read: the next batch read is the second
-    assert torch.equal(next(iterator), torch.tensor([2, 3]))
+    iterator = compat.batch_reading_iterator(
+        torch.utils.data.DataLoader(torch.arange(5), batch_size=2), lambda indices: ("read", indices)
+    )
+    assert list(iterator) == [("read", [0, 1]), ("read", [2, 3]), ("read", [4])]  # the sampler's indices, as drawn
 
 
 def test_a_loaders_batch_reads_are_replaced_and_restored():
