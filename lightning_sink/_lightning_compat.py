@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,9 +21,8 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
 
 __all__ = [
-    "decide_window_ends",
-    "hold_step_schedulers",
-    "skip_lightning_backward",
+    "LoopOverrides",
+    "install_loop_overrides",
     "remove_loop_overrides",
     "is_last_batch_of_epoch",
     "UpdateCounters",
@@ -67,38 +67,54 @@ def _automatic(trainer: pl.Trainer) -> Any:
     return _epoch_loop(trainer).automatic_optimization
 
 
-def decide_window_ends(trainer: pl.Trainer, batch_has_no_update: Callable[[], bool]) -> None:
-    """Let the strategy answer Lightning's 'does this batch accumulate?' (``_should_accumulate``).
+@dataclass(frozen=True)
+class LoopOverrides:
+    """Every override of a Lightning loop method a fit needs, installed and removed as one unit.
 
-    Needed only where windows do not follow Lightning's ``batch_idx % accumulate_grad_batches`` rule: windows that
-    run across epochs (``partial_window="carry"``), a last partial window that is dropped, and sinks (a Lightning
-    batch holds many updates, which the strategy counts itself). Lightning asks before and after the optimizer
-    hook, for LR schedulers, logging and validation zero-grad; one answer keeps them consistent.
+    - ``batch_has_no_update`` answers Lightning's "does this batch accumulate?" (``_should_accumulate``). Needed only
+      where windows do not follow Lightning's ``batch_idx % accumulate_grad_batches`` rule: windows that run across
+      epochs (``partial_window="carry"``), a last partial window that is dropped, and sinks (a Lightning batch holds
+      many updates, which the strategy counts itself). Lightning asks before and after the optimizer hook, for LR
+      schedulers, logging and validation zero-grad; one answer keeps them consistent.
+    - ``hold_step_schedulers`` skips Lightning's step-interval LR scheduler step when it returns True (an update
+      skipped on overflow, or in sink mode, where the strategy steps them once per update itself). Plateau
+      schedulers are left alone.
+    - ``skip_backward``: in sink mode the strategy runs zero-grad and backward per micro-step; Lightning's closure
+      around a whole sink must do neither.
     """
-    _epoch_loop(trainer)._should_accumulate = batch_has_no_update
+
+    batch_has_no_update: Callable[[], bool] | None = None
+    hold_step_schedulers: Callable[[], bool] | None = None
+    skip_backward: bool = False
+
+    @classmethod
+    def for_sinks(cls, made_no_update: Callable[[], bool]) -> LoopOverrides:
+        """A sink is one Lightning batch: it accumulates when it made no update; the sink steps the schedulers."""
+        return cls(batch_has_no_update=made_no_update, hold_step_schedulers=lambda: True, skip_backward=True)
 
 
-def hold_step_schedulers(trainer: pl.Trainer, hold: Callable[[], bool]) -> None:
-    """Skip Lightning's step-interval LR scheduler step when ``hold()`` says so (an update skipped on overflow, or
-    in sink mode, where the strategy steps them once per update itself). Plateau schedulers are left alone."""
+def install_loop_overrides(trainer: pl.Trainer, overrides: LoopOverrides) -> None:
+    """Put every override in place (instance attributes shadowing the loop's methods); ``remove_loop_overrides``
+    takes all of them away again."""
+    remove_loop_overrides(trainer)
     loop = _epoch_loop(trainer)
-    original_update = type(loop).update_lr_schedulers.__get__(loop)
+    if overrides.batch_has_no_update is not None:
+        loop._should_accumulate = overrides.batch_has_no_update
+    hold = overrides.hold_step_schedulers
+    if hold is not None:
+        original_update = type(loop).update_lr_schedulers.__get__(loop)
 
-    def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
-        if interval == "step" and not update_plateau_schedulers and hold():
-            return
-        original_update(interval, update_plateau_schedulers)
+        def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
+            if interval == "step" and not update_plateau_schedulers and hold():
+                return
+            original_update(interval, update_plateau_schedulers)
 
-    loop.update_lr_schedulers = update_lr_schedulers
-
-
-def skip_lightning_backward(trainer: pl.Trainer, skip: bool) -> None:
-    """In sink mode the strategy runs zero-grad and backward per micro-step; Lightning's closure around a whole
-    sink must do neither."""
-    trainer.fit_loop._skip_backward = skip
+        loop.update_lr_schedulers = update_lr_schedulers
+    trainer.fit_loop._skip_backward = overrides.skip_backward
 
 
 def remove_loop_overrides(trainer: pl.Trainer) -> None:
+    """Lightning's own loop methods back (deleting the shadowing attributes restores them)."""
     loop = _epoch_loop(trainer)
     for name in _SHADOWED:
         loop.__dict__.pop(name, None)

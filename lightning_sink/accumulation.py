@@ -199,7 +199,7 @@ class SingleStepGradients:
     ``GradientAccumulator`` for what the strategies call; no ``flat`` buffer.
     """
 
-    flat = None
+    flat: Tensor | None = None
 
     def __init__(self, params: Iterable[Parameter]) -> None:
         self.params = unique_trainable(params)
@@ -223,6 +223,13 @@ class SingleStepGradients:
 
     def end_micro_step(self) -> None:
         self.micro_steps += 1
+
+    def has_overflow(self) -> Tensor:
+        """Device flag: the micro-step's own gradients hold inf or NaN."""
+        grads = [param.grad for param in self.params if param.grad is not None]
+        if not grads:
+            return torch.zeros((), dtype=torch.bool, device=self.params[0].device)
+        return torch.logical_not(torch.stack([torch.isfinite(grad).all() for grad in grads]).all())
 
     def write_gradients(self) -> None:
         """The gradients are already in ``param.grad``."""

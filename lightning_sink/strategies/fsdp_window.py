@@ -87,6 +87,8 @@ class FSDPWindow:
     window's last backward (``begin_micro_step(window_ends=True)`` turns gradient sync on for it).
     """
 
+    flat: Tensor | None = None  # no flat buffer: FSDP2's own gradients hold the sum
+
     def __init__(self, model: nn.Module, params: list[nn.Parameter], data_parallel_size: int) -> None:
         self.params = unique_trainable(params)
         if not self.params:
@@ -143,6 +145,16 @@ class FSDPWindow:
 
     def end_micro_step(self) -> None:
         self.micro_steps += 1
+
+    @torch.no_grad()
+    def has_overflow(self) -> Tensor:
+        """Device flag: this rank's partial sums hold inf or NaN (its own part only; the update's check is agreed
+        across ranks by ``OverflowFlagAllReduce``)."""
+        sums = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in self._partial_sums()]
+        sums = [grad for grad in sums if grad is not None]
+        if not sums:
+            return torch.zeros((), dtype=torch.bool, device=self.params[0].device)
+        return torch.logical_not(torch.stack([torch.isfinite(grad).all() for grad in sums]).all())
 
     def local_gradients(self) -> list[Tensor]:
         """This rank's shard of every gradient (after the update step's reduce-scatter), as plain tensors."""

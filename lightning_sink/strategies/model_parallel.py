@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -10,7 +12,12 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor
+from torch.nn import Parameter
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
@@ -20,11 +27,13 @@ from lightning_sink.checkpoint_format.dcp_load import load_dcp_folder
 from lightning_sink.checkpoint_format.resharded_folder import is_resharded_checkpoint
 from lightning_sink.checkpoint_format.resharded_load import adapt_sink_state, load_resharded_into_strategy
 from lightning_sink.layout.dcp_metadata import DCP_METADATA_FILE
+from lightning_sink.sink_data import SinkToken
 from lightning_sink.strategies.checkpoint_state import CHECKPOINT_KEY
 from lightning_sink.strategies.config import SinkConfig, validate_process_group_backend, validate_timeout
-from lightning_sink.strategies.engine import StepEngineMixin
+from lightning_sink.strategies.engine import StepEngine
+from lightning_sink.strategies.fit_lifecycle import SinkFit, WindowParts, fit_setting
 from lightning_sink.strategies.fsdp_window import FSDPWindow
-from lightning_sink.window import OverflowFlagAllReduce, Reducer
+from lightning_sink.window import OverflowFlagAllReduce
 
 __all__ = ["SinkModelParallelStrategy"]
 
@@ -34,7 +43,7 @@ def _validate_size(name: str, value: object) -> None:
         raise ValueError(f"{name}={value!r} is not valid: pass an int >= 1 or 'auto'.")
 
 
-class SinkModelParallelStrategy(StepEngineMixin, ModelParallelStrategy):
+class SinkModelParallelStrategy(ModelParallelStrategy):
     """Gradient accumulation on Lightning's ``ModelParallelStrategy`` (FSDP2 + TP).
 
     The LightningModule shards itself in ``configure_model`` with ``parallelize_module`` on
@@ -81,7 +90,15 @@ class SinkModelParallelStrategy(StepEngineMixin, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._init_engine(config)
+        self.sink_fit = SinkFit(self, config)
+
+    accumulation_steps = fit_setting("accumulation_steps")
+    partial_window = fit_setting("partial_window")
+    sink_size = fit_setting("sink_size")
+    prefetch_depth = fit_setting("prefetch_depth")
+    graph_mode = fit_setting("graph_mode")
+    sink_config = fit_setting("sink_config")
+    micro_steps_in_window = fit_setting("micro_steps_in_window")
 
     @override
     def setup_environment(self) -> None:
@@ -94,8 +111,8 @@ class SinkModelParallelStrategy(StepEngineMixin, ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        self._configure_for_trainer(trainer)
-        scaling = self._loss_scaling
+        self.sink_fit.configure_for_trainer(trainer)
+        scaling = self.sink_fit.loss_scaling
         if scaling is not None and scaling.skip_window_on_overflow:
             raise ValueError(
                 "LossScalePrecision(skip_window_on_overflow=True) is not supported by SinkModelParallelStrategy:"
@@ -104,23 +121,102 @@ class SinkModelParallelStrategy(StepEngineMixin, ModelParallelStrategy):
             )
         super().setup(trainer)
 
-    # ------------------------------------------------------------------ the window
-    @override
-    def _make_store(self, params: list[torch.nn.Parameter]) -> FSDPWindow:
+    # ------------------------------------------------------------------ the parts this strategy passes
+    def _window_parts(self) -> WindowParts:
+        return WindowParts(
+            make_store=self._fsdp_window,
+            reducer=OverflowFlagAllReduce(self.world_size),
+            ranks_in_sum=1,  # the window-ending backward's reduce-scatter already averaged over the data-parallel ranks
+        )
+
+    def _fsdp_window(self, params: list[Parameter]) -> FSDPWindow:
         assert self.model is not None
         return FSDPWindow(self.model, params, self.device_mesh["data_parallel"].size())
 
-    @override
-    def _make_reducer(self) -> Reducer:
-        return OverflowFlagAllReduce(self.world_size)
+    # ------------------------------------------------------------------ the fit (SinkFit) and the step (StepEngine)
+    @property
+    def engine(self) -> StepEngine | None:
+        """This fit's step engine (``None`` before train start and under manual optimization)."""
+        return self.sink_fit.engine
 
     @override
-    def _ranks_in_sum(self) -> int:
-        return 1  # the window-ending backward's reduce-scatter already averaged over the data-parallel ranks
+    def process_dataloader(self, dataloader: object) -> object:
+        return self.sink_fit.process_dataloader(dataloader)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self.sink_fit.start(self._window_parts())
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.sink_fit.batch_started()
+
+    @override
+    def on_train_end(self) -> None:
+        self.sink_fit.end()
+        super().on_train_end()
+
+    @override
+    def teardown(self) -> None:
+        self.sink_fit.teardown()
+        super().teardown()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        engine = self.engine
+        if engine is None:
+            return super().training_step(*args, **kwargs)
+        return self._run_sink() if self.sink_fit.sink_loop is not None else engine.training_step(*args, **kwargs)
+
+    def accumulate_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """The forward of a micro-batch that does not end its window; Lightning's closure runs its backward."""
+        return self.sink_fit.engine.forward(*args, **kwargs)  # type: ignore[union-attr]  # (only called by it)
+
+    def update_step(self, optimizer: Optimizer, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """The window's last micro-batch (the closure) and the window's update."""
+        return self.sink_fit.engine.update_step(optimizer, closure, **kwargs)  # type: ignore[union-attr]
+
+    def _run_sink(self) -> dict[str, Tensor] | None:
+        return self.sink_fit.sink_loop.run()  # type: ignore[union-attr]
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self.engine is not None:
+            self.engine.pre_backward()
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self.engine is not None:
+            self.engine.post_backward()
+        super().post_backward(closure_loss)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        engine = self.engine
+        if engine is None or engine.passthrough:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        return self.update_step(optimizer, closure, **kwargs)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if self.sink_fit.direct_transfer or isinstance(batch, SinkToken):
+            return move_data_to_device(batch, device or self.root_device)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        """Nothing to block: the LightningModule is called directly, so DDP's reducer never fires."""
+        yield
 
     # ------------------------------------------------------------------ checkpoints
-    @override
-    def _gather_buffers(self, buffer: list[torch.Tensor | None]) -> list[list[torch.Tensor | None]]:
+    def sink_state_dict(self) -> dict[str, Any]:
+        """Everything the strategy needs to resume exactly: the window, saved whole, and the data position."""
+        return self.sink_fit.state_dict(self._gather_partial_sums)
+
+    def _gather_partial_sums(self, buffer: list[Tensor | None]) -> list[list[Tensor | None]]:
         """Every rank's partial sums of the open window (shapes differ between ranks), for rank 0's ``meta.pt``."""
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, buffer)
@@ -157,14 +253,14 @@ class SinkModelParallelStrategy(StepEngineMixin, ModelParallelStrategy):
             checkpoint = load_dcp_folder(
                 path, self.model, self.optimizers, self.lightning_module.strict_loading, weights_only
             )
-            self._restore_sink_state(checkpoint, path)
+            self.sink_fit.restore(checkpoint, path)
             return checkpoint
         if not is_resharded_checkpoint(path):
             return super().load_checkpoint(path, weights_only=weights_only)
         checkpoint = load_resharded_into_strategy(self, path, weights_only)
         if CHECKPOINT_KEY in checkpoint:
             checkpoint[CHECKPOINT_KEY] = adapt_sink_state(checkpoint[CHECKPOINT_KEY], path, self.sink_size is not None)
-        self._restore_sink_state(checkpoint, path)
+        self.sink_fit.restore(checkpoint, path)
         return checkpoint
 
     @classmethod

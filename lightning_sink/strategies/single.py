@@ -2,22 +2,37 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor
+from torch.nn import Parameter
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
+from lightning_sink.data import DataPosition
+from lightning_sink.precision import LossScalePrecision
+from lightning_sink.sink_data import SinkToken
+from lightning_sink.strategies import checkpoint_state
 from lightning_sink.strategies.config import SinkConfig, validate_device
-from lightning_sink.strategies.engine import StepEngineMixin
+from lightning_sink.strategies.engine import StepEngine
+from lightning_sink.strategies.fit_lifecycle import SinkFit, WindowParts, fit_setting
+from lightning_sink.strategies.hooks import HookPlan
+from lightning_sink.window import GradientStore, NoReduction
 
 __all__ = ["SinkStrategy"]
 
 
-class SinkStrategy(StepEngineMixin, SingleDeviceStrategy):
+class SinkStrategy(SingleDeviceStrategy):
     """Gradient accumulation in fp32 window buffers on a single device.
 
     Args:
@@ -63,7 +78,15 @@ class SinkStrategy(StepEngineMixin, SingleDeviceStrategy):
             precision_plugin=precision_plugin,
         )
         self._explicit_device = device is not None
-        self._init_engine(config)
+        self.sink_fit = SinkFit(self, config)
+
+    accumulation_steps = fit_setting("accumulation_steps")
+    partial_window = fit_setting("partial_window")
+    sink_size = fit_setting("sink_size")
+    prefetch_depth = fit_setting("prefetch_depth")
+    graph_mode = fit_setting("graph_mode")
+    sink_config = fit_setting("sink_config")
+    micro_steps_in_window = fit_setting("micro_steps_in_window")
 
     # The accelerator connector reads this (refusing a device that contradicts ``Trainer(accelerator=...)``) and
     # fills it in when ``device=None``, so that the strategy follows ``Trainer(accelerator=..., devices=...)``.
@@ -80,10 +103,121 @@ class SinkStrategy(StepEngineMixin, SingleDeviceStrategy):
             )
         compat.set_single_device(self, torch.device(devices[0]))
 
+    # ------------------------------------------------------------------ the parts this strategy passes
+    def _window_parts(self) -> WindowParts:
+        store: Callable[[list[Parameter]], GradientStore] = self.sink_fit.flat_store
+        return WindowParts(make_store=store, reducer=NoReduction(), ranks_in_sum=1)
+
+    # ------------------------------------------------------------------ the fit (SinkFit) and the step (StepEngine)
+    @property
+    def engine(self) -> StepEngine | None:
+        """This fit's step engine (``None`` before train start and under manual optimization)."""
+        return self.sink_fit.engine
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        self._configure_for_trainer(trainer)
+        self.sink_fit.configure_for_trainer(trainer)
         super().setup(trainer)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        return self.sink_fit.process_dataloader(dataloader)
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self.sink_fit.start(self._window_parts())
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self.sink_fit.batch_started()
+
+    @override
+    def on_train_end(self) -> None:
+        self.sink_fit.end()
+        super().on_train_end()
+
+    @override
+    def teardown(self) -> None:
+        self.sink_fit.teardown()
+        super().teardown()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        engine = self.engine
+        if engine is None:
+            return super().training_step(*args, **kwargs)
+        return self._run_sink() if self.sink_fit.sink_loop is not None else engine.training_step(*args, **kwargs)
+
+    def accumulate_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """The forward of a micro-batch that does not end its window; Lightning's closure runs its backward."""
+        return self.sink_fit.engine.forward(*args, **kwargs)  # type: ignore[union-attr]  # (only called by it)
+
+    def update_step(self, optimizer: Optimizer, closure: Callable[[], Any], **kwargs: Any) -> Any:
+        """The window's last micro-batch (the closure) and the window's update."""
+        return self.sink_fit.engine.update_step(optimizer, closure, **kwargs)  # type: ignore[union-attr]
+
+    def _run_sink(self) -> dict[str, Tensor] | None:
+        return self.sink_fit.sink_loop.run()  # type: ignore[union-attr]
+
+    @override
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self.engine is not None:
+            self.engine.pre_backward()
+
+    @override
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if self.engine is not None:
+            self.engine.post_backward()
+        super().post_backward(closure_loss)
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        engine = self.engine
+        if engine is None or engine.passthrough:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        return self.update_step(optimizer, closure, **kwargs)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if self.sink_fit.direct_transfer or isinstance(batch, SinkToken):
+            return move_data_to_device(batch, device or self.root_device)
+        return super().batch_to_device(batch, device, dataloader_idx)
+
+    # ------------------------------------------------------------------ checkpoints
+    def sink_state_dict(self) -> dict[str, Any]:
+        """Everything the strategy needs to resume exactly: the window, saved whole, and the data position."""
+        return self.sink_fit.state_dict(checkpoint_state.gather_flat_buffers(self.world_size))
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        checkpoint[checkpoint_state.CHECKPOINT_KEY] = self.sink_state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self.sink_fit.restore(checkpoint, checkpoint_path)
+        return checkpoint
+
+    # ------------------------------------------------------------------ what tests and benchmarks look into
+    @property
+    def _accumulator(self) -> GradientStore | None:
+        return self.engine.window.store if self.engine is not None else None
+
+    @property
+    def _hooks(self) -> HookPlan | None:
+        return self.engine.hooks if self.engine is not None else None
+
+    @property
+    def _data_position(self) -> DataPosition:
+        return self.sink_fit.data_position
+
+    @property
+    def _scaling(self) -> LossScalePrecision | None:
+        return self.engine.scaling if self.engine is not None else None
 
     @classmethod
     @override

@@ -32,7 +32,8 @@ class FlatAllReduce:
         self._module_buffers = module_buffers
 
     def reduce(self, store: GradientStore) -> None:
-        dist.all_reduce(store.flat, op=dist.ReduceOp.SUM)  # type: ignore[attr-defined]
+        if store.flat is not None:  # (a window without trainable parameters has nothing to sum)
+            dist.all_reduce(store.flat, op=dist.ReduceOp.SUM)
         for buffer in self._module_buffers():
             dist.broadcast(buffer, src=0)
 

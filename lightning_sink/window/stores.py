@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 __all__ = ["NoGradients"]
@@ -14,7 +15,7 @@ class NoGradients:
     """The store while the optimizer holds no trainable parameter (all frozen, or ``configure_optimizers``
     returned ``None``): micro-steps are counted, the update is the optimizer's own (a no-op without gradients)."""
 
-    flat = None
+    flat: Tensor | None = None
     follows_zero_grad = True
 
     def __init__(self) -> None:
@@ -31,6 +32,10 @@ class NoGradients:
 
     def unscale(self, scaling: Any, divisor: float) -> Tensor | None:
         return None
+
+    def has_overflow(self) -> Tensor:
+        """No gradient, so nothing can overflow."""
+        return torch.zeros((), dtype=torch.bool)
 
     def write_gradients(self) -> None:
         pass

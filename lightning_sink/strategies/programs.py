@@ -1,0 +1,255 @@
+"""MindSpore's two step programs, as a sink runs them: one interface, three implementations chosen once per fit.
+
+- The *accumulate program* trains a micro-batch that does not end its window: forward, backward, its gradient
+  added into the window's fp32 sum.
+- The *update program* trains the window's last micro-batch the same way, then makes the update: the one
+  reduction, divide/unscale, the overflow agreement, ``on_before_optimizer_step`` and clipping, the optimizer step
+  (or the skip), the loss-scale update and the window reset.
+
+Both satisfy ``StepProgram``: ``run(batch, batch_idx)`` trains one micro-batch (already on the device) and returns
+its detached loss, ``None`` when ``training_step`` returned ``None``; the window state they work on
+(``lightning_sink.window.state.Window``) is given at construction and held, so a program that runs a whole step
+as one compiled function can keep it on the device. ``loss_divisor`` is what the program divides each loss by
+before its backward; the update divides the window's sum by the rest (``Window.mean_divisor``).
+
+The implementations (``choose_programs`` picks them from the ``HookPlan``):
+
+- ``HookedAccumulate`` / ``HookedUpdate``: every Lightning hook in Lightning's order (the zero-grad hooks at a
+  window's first micro-batch, ``Strategy.backward`` with its hooks, the module's ``optimizer_step`` hook whose
+  ``optimizer.step(closure)`` runs the last micro-batch); each loss divided by N, as Lightning's closure does.
+- ``DirectAccumulate`` / ``DirectUpdate``: nobody overrides those hooks, so no dispatch and no closure; the loss is
+  not divided (``loss_divisor`` 1), the update divides by the window's backward passes.
+- ``SingleStepUpdate``: windows of one micro-step on one process without a loss scale: nothing to sum, reduce,
+  unscale or divide; a plain loop's zero-grad, forward, backward and step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from lightning.pytorch.loops.optimization.automatic import ClosureResult
+from torch import Tensor
+
+from lightning_sink import _lightning_compat as compat
+from lightning_sink.accumulation import SingleStepGradients
+from lightning_sink.strategies.engine import StepEngine, loss_of
+from lightning_sink.window.state import Window
+
+__all__ = [
+    "StepProgram",
+    "SinkPrograms",
+    "SinkUpdates",
+    "HookedAccumulate",
+    "HookedUpdate",
+    "DirectAccumulate",
+    "DirectUpdate",
+    "SingleStepUpdate",
+    "choose_programs",
+]
+
+
+class StepProgram(Protocol):
+    """One micro-batch of a window: the accumulate program, or the update program that ends the window."""
+
+    loss_divisor: int  # what each micro-batch's loss is divided by before its backward
+
+    def run(self, batch: Any, batch_idx: int) -> Tensor | None:
+        """Train one micro-batch (on the device already); its detached loss, ``None`` for a ``None`` step."""
+        ...
+
+
+class SinkUpdates:
+    """Counts the updates of one sink as Lightning counts its own (progress counters), then steps the
+    step-interval LR schedulers (not after an update skipped on overflow)."""
+
+    def __init__(self, engine: StepEngine) -> None:
+        self._engine = engine
+        self.count = 0
+
+    def make(self, run_update: Callable[[], Any]) -> None:
+        engine = self._engine
+        engine.counters.update_ready()
+        run_update()
+        engine.counters.update_completed()
+        self.count += 1
+        if engine.step_scheduler_configs and not engine.last_update_skipped:
+            trainer = engine.trainer
+            for config in engine.step_scheduler_configs:
+                if trainer.global_step % config.frequency == 0:
+                    compat.call_lightning_module_hook(trainer, "lr_scheduler_step", config.scheduler, None)
+
+
+def _step_args(engine: StepEngine, batch: Any, batch_idx: int) -> tuple[Any, ...]:
+    return (batch, batch_idx) if engine.parts.step_takes_batch_idx else (batch,)
+
+
+class _Hooked:
+    """What both hooked programs share: the closure Lightning's automatic optimization would build."""
+
+    def __init__(self, engine: StepEngine, window: Window, updates: SinkUpdates) -> None:
+        self._engine, self._window, self._updates = engine, window, updates
+        self.loss_divisor = engine.accumulation_steps
+
+    def _closure(self, batch: Any, batch_idx: int, starts: bool, result: list[Tensor | None]) -> Callable[[], Any]:
+        engine = self._engine
+        trainer, optimizer = engine.trainer, engine.optimizer()
+
+        def closure() -> Tensor | None:
+            output = engine.forward(*_step_args(engine, batch, batch_idx))
+            step = ClosureResult.from_training_step_output(output, self.loss_divisor)
+            if starts:
+                compat.run_zero_grad(trainer, batch_idx, optimizer)
+            if step.closure_loss is not None:
+                engine.host.backward(step.closure_loss, optimizer)  # Lightning's backward, with its hooks
+                result[0] = step.loss
+            return step.loss
+
+        return closure
+
+    def _open(self) -> bool:
+        """Count the micro-batch into its window; whether it is the window's first."""
+        window = self._window
+        starts = window.micro_batches == 0
+        if starts and window.store.micro_steps:
+            self._engine.end_window()  # an optimizer_step hook that ran the closure without stepping
+        window.micro_batches += 1
+        return starts
+
+
+class HookedAccumulate(_Hooked):
+    def run(self, batch: Any, batch_idx: int) -> Tensor | None:
+        result: list[Tensor | None] = [None]
+        self._closure(batch, batch_idx, self._open(), result)()
+        return result[0]
+
+
+class HookedUpdate(_Hooked):
+    def run(self, batch: Any, batch_idx: int) -> Tensor | None:
+        engine = self._engine
+        trainer = engine.trainer
+        result: list[Tensor | None] = [None]
+        closure = self._closure(batch, batch_idx, self._open(), result)
+        self._window.micro_batches = 0
+        self._updates.make(
+            lambda: compat.call_lightning_module_hook(
+                trainer,
+                "optimizer_step",
+                trainer.current_epoch,
+                batch_idx,
+                compat.lightning_optimizer(engine.host),
+                closure,
+            )
+        )
+        return result[0]
+
+
+class _Direct:
+    """What both direct programs share: forward and backward into the window's sum, no hook dispatch."""
+
+    loss_divisor = 1
+
+    def __init__(self, engine: StepEngine, window: Window, updates: SinkUpdates) -> None:
+        self._engine, self._window, self._updates = engine, window, updates
+        self._store_checked = False  # whether this sink has checked the trainable set
+
+    def _micro_step(self, batch: Any, batch_idx: int, ends: bool) -> Tensor | None:
+        engine, window = self._engine, self._window
+        if window.micro_batches == 0:
+            if not self._store_checked:
+                # Parameters unfrozen or param groups added: that happens in hooks (finetuning callbacks), and none
+                # runs inside a sink on this path, so the first window start of each sink is the one to check.
+                engine.refresh_store()
+                self._store_checked = True
+            window.store.zero_grad()  # what the default optimizer_zero_grad (set_to_none=True) leaves
+            engine.counters.zero_grad()
+        window.micro_batches += 1
+        loss = loss_of(engine.forward(*_step_args(engine, batch, batch_idx)))
+        if loss is not None:
+            store = window.store
+            store.begin_micro_step(ends)
+            engine.backward(loss, skip=window.overflowed)  # (not divided: loss_divisor is 1)
+            store.end_micro_step()
+            loss = loss.detach()
+        return loss
+
+
+class DirectAccumulate(_Direct):
+    def run(self, batch: Any, batch_idx: int) -> Tensor | None:
+        return self._micro_step(batch, batch_idx, ends=False)
+
+
+class DirectUpdate(_Direct):
+    def run(self, batch: Any, batch_idx: int) -> Tensor | None:
+        loss = self._micro_step(batch, batch_idx, ends=True)
+        self._window.micro_batches = 0
+        self._updates.make(self._update)
+        return loss
+
+    def _update(self) -> None:
+        engine = self._engine
+        optimizer = engine.optimizer()
+        if engine.scaling is not None:
+            engine.update_step(optimizer, lambda: None)
+            return
+        # The window's forwards and backwards already ran and nobody hooks into the update, so there is nothing
+        # for optimizer.step to run inside it: the mean gradient is readied first, then the optimizer steps (with
+        # no closure, as a plain loop calls it).
+        engine.ready_window_gradient(optimizer)
+        engine.last_update_skipped = False
+        optimizer.step()
+        engine.end_window()
+
+
+class SingleStepUpdate:
+    """Nothing to sum, reduce, unscale, divide or dispatch: a plain loop's zero-grad, forward, backward and step,
+    with Lightning's progress counters moved as its own loop moves them."""
+
+    loss_divisor = 1
+
+    def __init__(self, engine: StepEngine, window: Window, updates: SinkUpdates) -> None:
+        self._engine, self._window, self._updates = engine, window, updates
+        trainer = engine.trainer
+        # whether the update has hooks or clipping before its step
+        self._work_before_step = bool(trainer.gradient_clip_val) or not engine.hooks.direct_before_step
+
+    def run(self, batch: Any, batch_idx: int) -> Tensor | None:
+        engine = self._engine
+        self._window.store.zero_grad()  # as the default optimizer_zero_grad: set_to_none=True
+        engine.counters.zero_grad()
+        loss = loss_of(engine.forward(*_step_args(engine, batch, batch_idx)))
+        if loss is not None:
+            loss.backward()
+            loss = loss.detach()
+        self._updates.make(self._update)
+        return loss
+
+    def _update(self) -> None:
+        optimizer = self._engine.optimizer()
+        if self._work_before_step:
+            self._engine.before_optimizer_step(optimizer)  # on_before_optimizer_step hooks, clipping
+        optimizer.step()  # (a step without a loss: every .grad is None, nothing changes)
+
+
+@dataclass(frozen=True)
+class SinkPrograms:
+    """The pair a sink runs: ``accumulate`` for micro-batches inside a window, ``update`` for its last one."""
+
+    accumulate: StepProgram
+    update: StepProgram
+
+
+def choose_programs(engine: StepEngine, updates: SinkUpdates) -> SinkPrograms:
+    """With every hook (``HookPlan``), without hook dispatch, or, for windows of one micro-step on one process
+    without a loss scale, a plain loop's step."""
+    window = engine.window
+    if not engine.hooks.direct_sink_step:
+        return SinkPrograms(HookedAccumulate(engine, window, updates), HookedUpdate(engine, window, updates))
+    direct = DirectAccumulate(engine, window, updates)
+    if engine.accumulation_steps == 1 and engine.scaling is None:
+        # Every micro-step starts a window, and no hook runs inside this sink to change the trainable set.
+        engine.refresh_store()
+        if isinstance(window.store, SingleStepGradients):
+            return SinkPrograms(direct, SingleStepUpdate(engine, window, updates))
+    return SinkPrograms(direct, DirectUpdate(engine, window, updates))

@@ -1,0 +1,68 @@
+"""The open window's state, one object: its gradient store (the fp32 sum and the backward passes in it), the
+micro-batches it has seen, whether it is to be dropped, whether it overflowed, and the divisor of its losses.
+
+The checkpoint saves it whole and a resume restores it whole. Micro-batches and backward passes differ when a
+``training_step`` returns ``None`` (the micro-batch belongs to the window but adds no gradient); the window closes
+after ``accumulation_steps`` micro-batches and its update is the mean over its backward passes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning_sink.window.protocols import GradientStore
+
+__all__ = ["Window"]
+
+
+class Window:
+    """One accumulation window.
+
+    Args:
+        store: where its gradient sum lives (``GradientStore``); replaced between windows when the optimizer's
+            trainable parameters change.
+        ranks_in_sum: how many ranks' gradients the reduced sum adds up (1 where the reduction already averages).
+    """
+
+    def __init__(self, store: GradientStore, ranks_in_sum: int) -> None:
+        self.store = store
+        self.ranks_in_sum = ranks_in_sum
+        self.micro_batches = 0  # micro-batches of the open window, None-returning ones included
+        self.drop = False  # the epoch ends inside this window under partial_window="drop": its sum is discarded
+        self.overflowed = False  # a backward of this window overflowed (checked under skip_window_on_overflow)
+        self.loss_divisor = 1  # what each micro-batch's loss was divided by before its backward
+
+    @property
+    def backward_passes(self) -> int:
+        """Micro-batches whose loss was backpropagated into the sum (``training_step`` returned a loss)."""
+        return self.store.micro_steps
+
+    def mean_divisor(self) -> float:
+        """What turns the reduced sum into the mean gradient: every loss was divided by ``loss_divisor`` already,
+        so the mean over the backward passes (on every rank in the sum) divides by the rest."""
+        return self.backward_passes * self.ranks_in_sum / self.loss_divisor
+
+    def end(self) -> None:
+        """The window's update is done (or the window is dropped): the next micro-batch opens a new one."""
+        self.micro_batches = 0
+        self.drop = False
+        self.overflowed = False
+
+    def state_dict(self) -> dict[str, Any]:
+        """The store's state (``micro_steps``: backward passes, ``buffer``) and the window's own fields."""
+        return {
+            **self.store.state_dict(),
+            "micro_batches": self.micro_batches,
+            "drop": self.drop,
+            "overflowed": self.overflowed,
+            "loss_divisor": self.loss_divisor,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a saved window. A checkpoint written before the window's own fields were saved holds only the
+        backward passes: those stand in for the micro-batches, as they did when it was written."""
+        self.store.load_state_dict({"micro_steps": state["micro_steps"], "buffer": state.get("buffer")})
+        self.micro_batches = int(state.get("micro_batches", state["micro_steps"]))
+        self.drop = bool(state.get("drop", False))
+        self.overflowed = bool(state.get("overflowed", False))
+        self.loss_divisor = int(state.get("loss_divisor", self.loss_divisor))
