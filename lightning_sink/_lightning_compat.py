@@ -10,17 +10,21 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, cast
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
+from lightning.pytorch.profilers import Profiler
 from lightning.pytorch.strategies.strategy import _StrategyRegistry
 from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
 
 __all__ = [
+    "TrainerSettings",
+    "trainer_settings",
     "LoopOverrides",
     "install_loop_overrides",
     "remove_loop_overrides",
@@ -57,6 +61,22 @@ DCP_METADATA_FILE_NAME: str = _METADATA_FILENAME
 
 # Names of the instance attributes we shadow on the epoch loop; deleting them restores Lightning's methods.
 _SHADOWED = ("_should_accumulate", "update_lr_schedulers")
+
+
+class TrainerSettings(Protocol):
+    """Public Trainer attributes that Lightning's connectors set from outside the class, where a type checker does
+    not see them."""
+
+    callbacks: list[Callback]
+    log_every_n_steps: int
+    fast_dev_run: int | bool
+    profiler: Profiler
+    datamodule: pl.LightningDataModule | None
+
+
+def trainer_settings(trainer: pl.Trainer) -> TrainerSettings:
+    """The same trainer, typed with the attributes of ``TrainerSettings``."""
+    return cast(TrainerSettings, trainer)
 
 
 def _epoch_loop(trainer: pl.Trainer) -> Any:

@@ -93,5 +93,5 @@ class _AfterLightningLoads(importlib.abc.MetaPathFinder):
                 run_package(module)
                 register_strategies()
 
-            spec.loader.exec_module = exec_module  # this spec's own loader object, made for this import
+            vars(spec.loader)["exec_module"] = exec_module  # this spec's own loader object, made for this import
         return spec

@@ -72,7 +72,7 @@ def read_batches_with(loader: DataLoader, reader_for: Callable[[DataLoader], Cal
     loader object shadows the method. Returns False, changing nothing, where such an attribute is already there."""
     if "_get_iterator" in vars(loader):
         return False
-    loader._get_iterator = functools.partial(_start_pass, loader, reader_for)  # type: ignore[method-assign]
+    vars(loader)["_get_iterator"] = functools.partial(_start_pass, loader, reader_for)
     return True
 
 
@@ -88,7 +88,10 @@ def init_fake_process_group(world_size: int) -> None:
     from torch._C._distributed_c10d import FakeProcessGroup, FakeStore
 
     def create(common_options: Any, backend_options: Any) -> Any:
-        return FakeProcessGroup._create_internal(common_options.group_rank, common_options.group_size, backend_options)
+        # torch's stub for _create_internal lacks the options argument its C++ binding takes
+        return FakeProcessGroup._create_internal(  # type: ignore[call-arg]
+            common_options.group_rank, common_options.group_size, backend_options
+        )
 
     dist.Backend.register_backend(dist.Backend.FAKE, create, extended_api=True, devices=["cpu", "cuda"])
     dist.init_process_group(dist.Backend.FAKE, rank=0, world_size=world_size, store=FakeStore())
@@ -104,9 +107,9 @@ class MetadataCheckedReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         metadata = self._read_metadata_file(Path(self.path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id  # what FileSystemReader.read_metadata does after its unpickling
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        metadata.storage_meta = storage_meta
+        storage_meta.load_id = self.load_id  # what FileSystemReader.read_metadata does after its unpickling
         return metadata
 
 

@@ -67,9 +67,9 @@ def restore_generator_states(loader: Any, states: list[Tensor]) -> None:
 def set_sampler_epoch(loader: Any, epoch: int) -> None:
     """``set_epoch`` on the loader's (batch) sampler where it has one, as Lightning does at each epoch start."""
     for owner in (loader, getattr(loader, "batch_sampler", None)):
-        sampler = getattr(owner, "sampler", None)
-        if callable(getattr(sampler, "set_epoch", None)):
-            sampler.set_epoch(epoch)
+        set_epoch = getattr(getattr(owner, "sampler", None), "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
 
 
 def set_stale_sampler_epoch(loader: Any, epoch: int) -> None:
@@ -81,8 +81,9 @@ def set_stale_sampler_epoch(loader: Any, epoch: int) -> None:
     Lightning's own calls."""
     for owner in (loader, getattr(loader, "batch_sampler", None)):
         sampler = getattr(owner, "sampler", None)
-        if callable(getattr(sampler, "set_epoch", None)) and getattr(sampler, "epoch", 0) != epoch:
-            sampler.set_epoch(epoch)
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if callable(set_epoch) and getattr(sampler, "epoch", 0) != epoch:
+            set_epoch(epoch)
 
 
 def _index_sampler(loader: DataLoader) -> Any:

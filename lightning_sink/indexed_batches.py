@@ -1,7 +1,8 @@
 """Training reads of an in-memory ``TensorDataset``: one indexing per tensor for a whole batch.
 
 A ``DataLoader`` builds a batch of a ``TensorDataset`` from B item reads, each indexing every tensor, and
-``default_collate`` stacking them: about 0.1 ms of Python for a batch of 32, a third of a small model's step.
+``default_collate`` stacking them: Python work per item, a large share of a small model's step
+(``benchmarks/common_path.py`` measures it).
 Indexing each tensor once with the batch's indices yields the same batch: the same values, dtypes, shapes and
 (contiguous) strides, in the list ``default_collate`` returns. The indices still come from the loader's own
 iterator, so its sampler, its generators and its base-seed draw advance exactly as in a plain pass.
@@ -85,6 +86,7 @@ def batch_reader(loader: DataLoader) -> Callable[[Sequence[int]], list[Tensor]]:
     """For a loader for which ``reads_by_indexing`` holds: the batch of a list of sampler indices, read by indexing.
     The dataset's ``tensors`` are looked up at each read, as ``TensorDataset.__getitem__`` does."""
     source = _tensor_dataset(loader.dataset)
+    assert source is not None, "batch_reader is for loaders that reads_by_indexing accepts"
     rows = _rows(loader.dataset)
 
     def read(indices: Sequence[int]) -> list[Tensor]:

@@ -119,11 +119,13 @@ class LossScaler:
     def __init__(self, config: DynamicLossScale | FixedLossScale) -> None:
         self.config = config
         self.dynamic = isinstance(config, DynamicLossScale)
-        self.skips_overflow = self.dynamic or config.drop_overflow_update
-        init = config.init_scale if self.dynamic else config.loss_scale
+        if isinstance(config, DynamicLossScale):
+            self.skips_overflow, init, hysteresis = True, config.init_scale, config.hysteresis
+        else:
+            self.skips_overflow, init, hysteresis = config.drop_overflow_update, config.loss_scale, 1
         self.scale = torch.tensor(float(init), dtype=torch.float32)
         self.growth_tracker = torch.zeros((), dtype=torch.int64)
-        self.hysteresis_left = torch.tensor(config.hysteresis if self.dynamic else 1, dtype=torch.int64)
+        self.hysteresis_left = torch.tensor(hysteresis, dtype=torch.int64)
         self.skipped = torch.zeros((), dtype=torch.int64)
         self.found_inf = torch.zeros((), dtype=torch.float32)  # of the last window
 
@@ -148,9 +150,9 @@ class LossScaler:
         overflow = found_inf > 0
         if self.skips_overflow:
             self.skipped.add_(overflow.long())
-        if not self.dynamic:
-            return
         config = self.config
+        if not isinstance(config, DynamicLossScale):
+            return
         growth = torch.where(overflow, torch.zeros_like(self.growth_tracker), self.growth_tracker + 1)
         hysteresis = torch.where(overflow, self.hysteresis_left - 1, self.hysteresis_left)
         drop = overflow & (hysteresis <= 0)

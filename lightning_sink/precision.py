@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -26,17 +26,25 @@ from lightning_sink.loss_scale import DynamicLossScale, FixedLossScale, LossScal
 
 __all__ = ["LossScalePrecision", "PRECISIONS"]
 
-PRECISIONS = ("16-mixed", "bf16-mixed", "16-true", "bf16-true", "32-true")
+PrecisionName = Literal["16-mixed", "bf16-mixed", "16-true", "bf16-true", "32-true"]
+PRECISIONS: tuple[PrecisionName, ...] = get_args(PrecisionName)
 _FP16 = ("16-mixed", "16-true")
 
 
-def _inner_plugin(precision: str, device: str) -> Precision:
+def _inner_plugin(precision: PrecisionName, device: str) -> Precision:
     """Lightning's own plugin for autocast / dtype conversion, used without its loss scaling."""
-    if precision.endswith("-mixed"):
+    if precision == "16-mixed" or precision == "bf16-mixed":
         return MixedPrecision(precision, device, scaler=None)
-    if precision.endswith("-true") and precision != "32-true":
+    if precision == "16-true" or precision == "bf16-true":
         return HalfPrecision(precision)
     return Precision()
+
+
+def _precision_name(precision: object) -> PrecisionName:
+    for name in PRECISIONS:
+        if precision == name:
+            return name
+    raise ValueError(f"precision={precision!r} is not valid: choose one of {', '.join(map(repr, PRECISIONS))}.")
 
 
 def _skips_on_device(optimizer: Optimizer) -> bool:
@@ -70,8 +78,7 @@ class LossScalePrecision(Precision):
         skip_window_on_overflow: bool = False,
         device: str | None = None,
     ) -> None:
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision={precision!r} is not valid: choose one of {', '.join(map(repr, PRECISIONS))}.")
+        name = _precision_name(precision)
         if loss_scale == "auto":
             loss_scale = DynamicLossScale() if precision in _FP16 else None
         if loss_scale is not None and not isinstance(loss_scale, (DynamicLossScale, FixedLossScale)):
@@ -81,11 +88,11 @@ class LossScalePrecision(Precision):
             )
         if not isinstance(skip_window_on_overflow, bool):
             raise TypeError(f"skip_window_on_overflow={skip_window_on_overflow!r} is not valid: pass True or False.")
-        self.precision = precision  # type: ignore[assignment]
+        self.precision = name
         self.loss_scale = loss_scale
         self.skip_window_on_overflow = skip_window_on_overflow
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self._inner = _inner_plugin(precision, self.device)
+        self._inner = _inner_plugin(name, self.device)
         self.scaler = LossScaler(loss_scale) if loss_scale is not None else None
         self._overflow_on_host: bool | None = None
         # Set by the strategy for a micro-batch whose window already overflowed (skip_window_on_overflow): its
@@ -124,13 +131,17 @@ class LossScalePrecision(Precision):
         if self.scaler is not None:
             self.scaler.to(device)
 
+    # The three overrides below take Lightning's own signatures, which narrow its Fabric base class's; Lightning's
+    # pytorch Precision marks the same three methods with the same ignore.
     @override
-    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         tensor = super().pre_backward(tensor, module)  # on_before_backward hooks see the unscaled loss
         return tensor if self.scaler is None else tensor * self.scaler.scale.to(tensor.dtype)
 
     @override
-    def backward(self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any) -> None:
+    def backward(  # type: ignore[override]
+        self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> None:
         if not self.skip_backward:
             super().backward(tensor, model, optimizer, *args, **kwargs)
 
@@ -156,11 +167,12 @@ class LossScalePrecision(Precision):
         if found_inf is None or self.scaler is None or not self.scaler.skips_overflow:
             return optimizer.step(**kwargs)
         if _skips_on_device(optimizer):
-            optimizer.grad_scale, optimizer.found_inf = None, found_inf  # type: ignore[attr-defined]
+            # the attributes torch's fused kernels read (torch.amp.GradScaler sets them on the optimizer the same way)
+            vars(optimizer).update(grad_scale=None, found_inf=found_inf)
             try:
                 return optimizer.step(**kwargs)
             finally:
-                del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
+                del vars(optimizer)["grad_scale"], vars(optimizer)["found_inf"]
         return None if self.window_overflowed(found_inf) else optimizer.step(**kwargs)
 
     def update_scale(self, found_inf: Tensor | None) -> None:
@@ -168,7 +180,7 @@ class LossScalePrecision(Precision):
             self.scaler.update(found_inf)
 
     @override
-    def optimizer_step(
+    def optimizer_step(  # type: ignore[override]
         self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         """Lightning's stock strategies: closure (scaled backward), unscale ``.grad``, clip, step or skip, update."""

@@ -164,6 +164,7 @@ class MicroBatchStream:
         if item is PASS_END:
             self.position.next_pass()
         elif isinstance(item, CopiedBatch):
+            assert self.copier is not None  # (only a copier makes CopiedBatch items)
             return self.copier.receive(item)
         return item
 

@@ -139,7 +139,7 @@ class LossMonitor(Callback):
             return  # nothing is read back between print points (a sink is checked as it ends)
         found, last_value = self._pending.read()  # the one host read of this batch
         self._act_on_nonfinite(trainer, found)
-        if print_now and losses is not None:
+        if print_now and losses is not None and last_value is not None:
             self.last_print_step = self.steps.total
             self._report(trainer, epoch, last_value, losses[0].dtype)
 

@@ -78,7 +78,9 @@ class LossScaleMonitor(Callback):
         self.last_print_update = updates
         if not trainer.is_global_zero:
             return  # only rank 0 prints and logs; the scale is the same on every rank
-        scaler = trainer.precision_plugin.scaler
+        plugin = trainer.precision_plugin
+        assert isinstance(plugin, LossScalePrecision)  # (checked at setup)
+        scaler = plugin.scaler
         if scaler is None:  # bf16/fp32 without scaling: the scale is 1 and nothing is ever skipped
             scale, overflow, skipped = 1.0, False, 0
         else:

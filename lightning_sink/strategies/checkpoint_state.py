@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.strategies import Strategy
 from torch import Tensor
 
 from lightning_sink.data import DataPosition
+from lightning_sink.strategies.engine import EngineHost
 from lightning_sink.window.state import Window
 
 __all__ = ["CHECKPOINT_KEY", "gather_flat_buffers", "sink_state", "read_sink_state", "load_window"]
@@ -53,7 +53,7 @@ def sink_state(
     window: Window | None,
     data_position: DataPosition,
     gather: Callable[[Any], list[Any]],
-    host: Strategy,
+    host: EngineHost,
 ) -> dict[str, Any]:
     """Called on every rank by ``Trainer.save_checkpoint``, so ``gather`` may be a collective."""
     return {
@@ -74,7 +74,7 @@ def read_sink_state(checkpoint: dict[str, Any], checkpoint_path: Any) -> dict[st
     return state
 
 
-def load_window(window: Window, state: dict[str, Any], host: Strategy) -> None:
+def load_window(window: Window, state: dict[str, Any], host: EngineHost) -> None:
     """Restore the saved window into this fit's (its store exists by now)."""
     saved = state.get("window")
     if saved is None:

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
-from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.nn import Parameter
@@ -45,7 +46,38 @@ from lightning_sink.training_passes import TrainingPasses
 from lightning_sink.window import GradientStore, NoGradients, Reducer, finish_window, ready_window_gradient
 from lightning_sink.window.state import Window
 
-__all__ = ["EngineParts", "StepEngine", "loss_of"]
+__all__ = ["EngineHost", "EngineParts", "StepEngine", "loss_of"]
+
+
+class EngineHost(Protocol):
+    """What the engine uses of the Lightning strategy that holds it (each sink strategy is one)."""
+
+    precision_plugin: Precision
+
+    @property
+    def lightning_module(self) -> pl.LightningModule | None: ...
+
+    @property
+    def optimizers(self) -> list[Optimizer]: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's ``Strategy.backward``: the backward hooks and the precision plugin's backward."""
+        ...
+
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any: ...
+
+    def accumulate_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        """The engine's ``forward``, reached through the strategy so that wrappers placed there see it."""
+        ...
 
 
 def loss_of(output: STEP_OUTPUT) -> Tensor | None:
@@ -73,7 +105,8 @@ class EngineParts:
     ``host`` is the Lightning strategy itself, for what only it holds (its precision plugin, optimizers, device and
     ``backward``, which users wrap); the rest is chosen once per fit."""
 
-    host: Strategy
+    host: EngineHost
+    trainer: pl.Trainer
     make_store: Callable[[list[Parameter]], GradientStore]  # the window's gradient store for these parameters
     reducer: Reducer
     ranks_in_sum: int  # ranks whose gradients the reduced sum adds up (1 where the reduction averages)
@@ -97,6 +130,7 @@ class StepEngine:
     def __init__(self, parts: EngineParts) -> None:
         self.parts = parts
         self.host = parts.host
+        self.trainer = parts.trainer
         self.hooks = parts.hooks
         self.reducer = parts.reducer
         self.scaling = parts.scaling
@@ -117,12 +151,6 @@ class StepEngine:
         self._planned: tuple[int, bool] | None = None
 
     # ------------------------------------------------------------------ what the engine reads from Lightning
-    @property
-    def trainer(self) -> pl.Trainer:
-        module = self.host.lightning_module
-        assert module is not None
-        return module.trainer
-
     @property
     def store(self) -> GradientStore:
         return self.window.store
@@ -171,7 +199,7 @@ class StepEngine:
         if self.in_update or self.passthrough:
             output = self.forward(*args, **kwargs)
         else:
-            output = self.host.accumulate_step(*args, **kwargs)  # type: ignore[attr-defined]  # (see note below)
+            output = self.host.accumulate_step(*args, **kwargs)  # (see the note below)
         window.micro_batches += 1
         if window.drop and output is None:
             self.end_window()  # dropped, and no backward follows to discard it
@@ -231,8 +259,8 @@ class StepEngine:
     ) -> Tensor:
         """The whole backward of a micro-batch when no hook runs in it (bound as the strategy's ``backward`` for the
         fit). Lightning's ``Strategy.pre_backward``/``post_backward`` do nothing under automatic optimization."""
-        if args or kwargs:  # arguments for Tensor.backward: Lightning's path hands them on
-            return Strategy.backward(self.host, closure_loss, optimizer, *args, **kwargs)
+        if args or kwargs:  # arguments for Tensor.backward: Lightning's path (the class's backward) hands them on
+            return type(self.host).backward(self.host, closure_loss, optimizer, *args, **kwargs)
         self.pre_backward()
         self.backward(closure_loss, skip=self.window.overflowed)
         self.post_backward()
@@ -319,8 +347,9 @@ class StepEngine:
         if not self.hooks.direct_before_step:
             compat.run_before_optimizer_step(trainer, optimizer)  # on_before_optimizer_step hooks, then clipping
         elif trainer.gradient_clip_val:
+            algorithm = trainer.gradient_clip_algorithm or GradClipAlgorithmType.NORM
             self.host.precision_plugin.clip_gradients(
-                optimizer, trainer.gradient_clip_val, trainer.gradient_clip_algorithm or "norm"
+                optimizer, trainer.gradient_clip_val, GradClipAlgorithmType(algorithm)
             )
 
     def _log_loss_scale(self, scaling: LossScalePrecision, found_inf: Tensor | None) -> None:

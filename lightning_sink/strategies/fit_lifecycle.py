@@ -11,7 +11,6 @@ from typing import Any
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.nn import Parameter
@@ -26,7 +25,7 @@ from lightning_sink.precision import LossScalePrecision
 from lightning_sink.sink_data import MicroBatchStream, SinkLoader, default_prefetch_depth
 from lightning_sink.strategies import checkpoint_state
 from lightning_sink.strategies.config import SinkConfig
-from lightning_sink.strategies.engine import EngineParts, StepEngine
+from lightning_sink.strategies.engine import EngineHost, EngineParts, StepEngine
 from lightning_sink.strategies.fit_checks import (
     check_module_and_optimizer,
     draws_own_batches,
@@ -64,7 +63,7 @@ def fit_setting(name: str) -> Any:
 class SinkFit:
     """Held by a sink strategy from its construction (``host``: that strategy)."""
 
-    def __init__(self, host: Strategy, config: SinkConfig) -> None:
+    def __init__(self, host: EngineHost, config: SinkConfig) -> None:
         self.host = host
         self.sink_config = config
         self.sink_size, self.prefetch_depth, self.graph_mode = (
@@ -85,13 +84,17 @@ class SinkFit:
         self.engine: StepEngine | None = None  # this fit's engine (automatic optimization only)
         self.sink_loop: SinkLoop | None = None
         self.direct_transfer = False  # batch_to_device may skip the transfer-hook dispatch (during a fit)
+        self._trainer: pl.Trainer | None = None
 
     # ------------------------------------------------------------------ what the strategy and its users read
     @property
     def trainer(self) -> pl.Trainer:
-        module = self.host.lightning_module
-        assert module is not None
-        return module.trainer
+        """The Trainer of the fit (known from the strategy's ``setup`` on)."""
+        if self._trainer is None:
+            module = self.host.lightning_module
+            assert module is not None
+            self._trainer = module.trainer
+        return self._trainer
 
     @property
     def accumulating(self) -> bool:
@@ -112,11 +115,24 @@ class SinkFit:
             return None
         return self.engine.window.micro_batches
 
+    def running_engine(self) -> StepEngine:
+        """The engine, for the extension points Lightning calls only while it trains with it."""
+        if self.engine is None:
+            raise RuntimeError(f"{type(self.host).__name__}: the step engine is built at train start; none runs now.")
+        return self.engine
+
+    def running_sink_loop(self) -> SinkLoop:
+        if self.sink_loop is None:
+            raise RuntimeError(f"{type(self.host).__name__}: no sink runs outside a fit with sink_size set.")
+        return self.sink_loop
+
     # ------------------------------------------------------------------ before the fit
     def configure_for_trainer(self, trainer: pl.Trainer) -> None:
         """Settle accumulation and the precision plugin; called at the start of the strategy's ``setup``."""
         host = self.host
-        scheduled = any(isinstance(callback, GradientAccumulationScheduler) for callback in trainer.callbacks)
+        self._trainer = trainer
+        callbacks = compat.trainer_settings(trainer).callbacks
+        scheduled = any(isinstance(callback, GradientAccumulationScheduler) for callback in callbacks)
         self.accumulation_steps = settle_accumulation_steps(
             type(host).__name__,
             self._requested_accumulation_steps,
@@ -200,6 +216,7 @@ class SinkFit:
         self.engine = engine = StepEngine(
             EngineParts(
                 host=host,
+                trainer=trainer,
                 make_store=parts.make_store,
                 reducer=parts.reducer,
                 ranks_in_sum=parts.ranks_in_sum,
@@ -229,7 +246,7 @@ class SinkFit:
             # Nothing would run in Lightning's Strategy.backward but loss.backward() (no backward hooks, a plain
             # precision plugin; see HookPlan): this fit's backward is the engine's, skipping four hook dispatches per
             # micro-batch. An attribute of the strategy object, removed at fit end (not when someone replaced it).
-            host.backward = engine.window_backward  # type: ignore[method-assign]  # an instance attribute, on purpose
+            vars(host)["backward"] = engine.window_backward
         if scaling is not None:
             scaling.to_device(host.root_device)
         if self.pending_state is not None:

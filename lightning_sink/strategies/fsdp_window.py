@@ -93,7 +93,7 @@ class FSDPWindow:
         self.params = unique_trainable(params)
         if not self.params:
             raise ValueError("The optimizer holds no trainable parameters; there is nothing to accumulate.")
-        self.fsdp_modules = [module for module in model.modules() if isinstance(module, FSDPModule)]
+        self.fsdp_modules: list[FSDPModule] = [module for module in model.modules() if isinstance(module, FSDPModule)]
         if data_parallel_size > 1 and not self.fsdp_modules:
             raise ValueError(
                 f"data_parallel_size={data_parallel_size} but configure_model applied no `fully_shard`: the"
@@ -150,8 +150,9 @@ class FSDPWindow:
     def has_overflow(self) -> Tensor:
         """Device flag: this rank's partial sums hold inf or NaN (its own part only; the update's check is agreed
         across ranks by ``OverflowFlagAllReduce``)."""
-        sums = [grad.to_local() if isinstance(grad, DTensor) else grad for grad in self._partial_sums()]
-        sums = [grad for grad in sums if grad is not None]
+        sums = [
+            grad.to_local() if isinstance(grad, DTensor) else grad for grad in self._partial_sums() if grad is not None
+        ]
         if not sums:
             return torch.zeros((), dtype=torch.bool, device=self.params[0].device)
         return torch.logical_not(torch.stack([torch.isfinite(grad).all() for grad in sums]).all())

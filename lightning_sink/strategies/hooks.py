@@ -1,7 +1,7 @@
 """Which Lightning hooks a run actually uses, so the step programs can skip dispatching the ones nobody overrides.
 
-Lightning dispatches every hook through its call machinery (profiler, ``_current_fx_name``), about 20 us each on
-CPU; a micro-step has up to eight of them. When neither the LightningModule nor any callback overrides a hook and
+Lightning dispatches every hook through its call machinery (profiler, ``_current_fx_name``), which on a small model
+is a noticeable part of a micro-step, and a micro-step has up to eight of them. When neither the LightningModule nor any callback overrides a hook and
 the precision plugin is one whose hooks only forward to them, the step programs do the same work directly.
 """
 
@@ -16,6 +16,7 @@ from lightning.pytorch.profilers import PassThroughProfiler
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_sink import _lightning_compat as compat
 from lightning_sink.precision import LossScalePrecision
 
 __all__ = ["HookPlan"]
@@ -32,12 +33,14 @@ def _used(trainer: pl.Trainer, name: str, module_only: bool = False) -> bool:
     module = trainer.lightning_module
     if is_overridden(name, module, pl.LightningModule):
         return True
-    return not module_only and any(is_overridden(name, callback, Callback) for callback in trainer.callbacks)
+    return not module_only and any(
+        is_overridden(name, callback, Callback) for callback in compat.trainer_settings(trainer).callbacks
+    )
 
 
 def _transfer_hook_used(trainer: pl.Trainer, name: str) -> bool:
     """The module's batch-transfer hook, or its datamodule's (which Lightning calls instead when overridden)."""
-    datamodule = trainer.datamodule
+    datamodule = compat.trainer_settings(trainer).datamodule
     overridden_by_datamodule = datamodule is not None and is_overridden(name, datamodule, pl.LightningDataModule)
     return overridden_by_datamodule or _used(trainer, name, module_only=True)
 
@@ -54,7 +57,7 @@ class HookPlan:
         plugin = trainer.strategy.precision_plugin
         plain_precision = type(plugin) in _PLAIN_PRECISION or type(plugin) is LossScalePrecision
         # A profiler records every hook Lightning dispatches: keep them all, so its report is the one stock gives.
-        unprofiled = isinstance(trainer.profiler, PassThroughProfiler)
+        unprofiled = isinstance(compat.trainer_settings(trainer).profiler, PassThroughProfiler)
         # A micro-step may call loss.backward() itself when the backward would only do that: no backward hooks, no
         # custom LightningModule.backward, a plain precision plugin, and nobody wraps Strategy.backward.
         direct_backward = (

@@ -172,14 +172,14 @@ class SinkModelParallelStrategy(ModelParallelStrategy):
 
     def accumulate_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """The forward of a micro-batch that does not end its window; Lightning's closure runs its backward."""
-        return self.sink_fit.engine.forward(*args, **kwargs)  # type: ignore[union-attr]  # (only called by it)
+        return self.sink_fit.running_engine().forward(*args, **kwargs)
 
     def update_step(self, optimizer: Optimizer, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """The window's last micro-batch (the closure) and the window's update."""
-        return self.sink_fit.engine.update_step(optimizer, closure, **kwargs)  # type: ignore[union-attr]
+        return self.sink_fit.running_engine().update_step(optimizer, closure, **kwargs)
 
     def _run_sink(self) -> dict[str, Tensor] | None:
-        return self.sink_fit.sink_loop.run()  # type: ignore[union-attr]
+        return self.sink_fit.running_sink_loop().run()
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:
@@ -250,9 +250,9 @@ class SinkModelParallelStrategy(ModelParallelStrategy):
         check_checkpoint_dir(path)
         weights_only = True if weights_only is None else weights_only  # untrusted files run no code unless asked
         if (path / DCP_METADATA_FILE).is_file():
-            checkpoint = load_dcp_folder(
-                path, self.model, self.optimizers, self.lightning_module.strict_loading, weights_only
-            )
+            module = self.lightning_module
+            assert self.model is not None and module is not None  # (Lightning loads checkpoints after setup)
+            checkpoint = load_dcp_folder(path, self.model, self.optimizers, module.strict_loading, weights_only)
             self.sink_fit.restore(checkpoint, path)
             return checkpoint
         if not is_resharded_checkpoint(path):

@@ -152,14 +152,14 @@ class SinkStrategy(SingleDeviceStrategy):
 
     def accumulate_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """The forward of a micro-batch that does not end its window; Lightning's closure runs its backward."""
-        return self.sink_fit.engine.forward(*args, **kwargs)  # type: ignore[union-attr]  # (only called by it)
+        return self.sink_fit.running_engine().forward(*args, **kwargs)
 
     def update_step(self, optimizer: Optimizer, closure: Callable[[], Any], **kwargs: Any) -> Any:
         """The window's last micro-batch (the closure) and the window's update."""
-        return self.sink_fit.engine.update_step(optimizer, closure, **kwargs)  # type: ignore[union-attr]
+        return self.sink_fit.running_engine().update_step(optimizer, closure, **kwargs)
 
     def _run_sink(self) -> dict[str, Tensor] | None:
-        return self.sink_fit.sink_loop.run()  # type: ignore[union-attr]
+        return self.sink_fit.running_sink_loop().run()
 
     @override
     def pre_backward(self, closure_loss: Tensor) -> None:

@@ -1,8 +1,8 @@
 """``self.log`` inside a sink: recorded on the device per micro-step, handed to Lightning once per sink, and written
 to the loggers at every update where Lightning would have written it without sinking.
 
-Lightning's ``self.log`` costs about 0.1 ms a call on CPU (validation, metadata, result bookkeeping), which is a
-fifth of a small model's whole step; a sink of K micro-steps would pay it K times per key although Lightning reads
+Lightning's ``self.log`` does real work per call (validation, metadata, result bookkeeping), a large share of a
+small model's whole step; a sink of K micro-steps would pay it K times per key although Lightning reads
 the values only once, at the sink's end (a sink is one Lightning batch). ``SinkLogBuffer`` stands in for
 ``LightningModule.log`` while a sink runs: each call appends the value (a device tensor, nothing is read back) and
 its micro-batch size. At the end of the sink every key goes to the real ``self.log`` at most twice, so that
@@ -72,8 +72,9 @@ _Settings = list[dict[str, Any]]
 def _logs_at_update(trainer: pl.Trainer, update: int) -> bool:
     """Whether Lightning writes the step values of the batch that makes the ``update``-th optimizer update
     (``should_update_logs`` in Lightning's logger connector, for the fit loop, and ``fast_dev_run``)."""
-    every_n = trainer.log_every_n_steps
-    return (every_n > 0 and (update % every_n == 0 or trainer.should_stop)) or bool(trainer.fast_dev_run)
+    settings = compat.trainer_settings(trainer)
+    every_n = settings.log_every_n_steps
+    return (every_n > 0 and (update % every_n == 0 or trainer.should_stop)) or bool(settings.fast_dev_run)
 
 
 @dataclass
@@ -104,14 +105,16 @@ class SinkLogBuffer:
         self._trainer = module.trainer
         self._stands_in = self.usable(module)
         self._lr_monitors = [
-            callback for callback in self._trainer.callbacks if isinstance(callback, LearningRateMonitor)
+            callback
+            for callback in compat.trainer_settings(self._trainer).callbacks
+            if isinstance(callback, LearningRateMonitor)
         ]
         self._keys: dict[str, _Key] = {}
         self._updates: list[_Update] = []
         self._micro_steps_since_update = 0
         self._micro_batch: Any = None
         self._micro_batch_size: int | None = None
-        self._real_log: Callable[..., None] | None = None
+        self._real_log: Callable[..., None] = module.log  # (the module's own, taken again at each install)
         self._log = torch.compiler.disable(self.log)  # a graph break under graph_mode="compile", as Lightning's
 
     @staticmethod
@@ -124,7 +127,9 @@ class SinkLogBuffer:
     def install(self) -> None:
         if self._stands_in:
             self._real_log = self._module.log
-            self._module.log = self._log  # an instance attribute; ``log_dict`` calls ``self.log`` and lands here too
+            vars(self._module)["log"] = (
+                self._log
+            )  # an instance attribute; ``log_dict`` calls ``self.log`` and lands here too
 
     def uninstall(self) -> None:
         if self._stands_in:
@@ -223,12 +228,13 @@ class SinkLogBuffer:
                 for logger in trainer.loggers:
                     logger.log_metrics(point, step=update.global_step - 1)
             if update.settings is not None:
-                self._replay_lr_monitors(update)
+                self._replay_lr_monitors(update.global_step, update.settings)
 
     def _read_step_values(self, due: list[_Update]) -> list[dict[str, float]]:
         """Each due update's step values by logged name; one read back for all of them."""
         points: list[dict[str, float]] = [{} for _ in due]
-        columns, placements = [], []
+        columns: list[Tensor] = []
+        placements: list[tuple[str, list[int]]] = []
         for name, key in self._keys.items():
             if key.options["logger"] is False or not key.options["on_step"]:  # (None: Lightning logs it)
                 continue
@@ -239,8 +245,8 @@ class SinkLogBuffer:
                 placements.append((f"{name}_step" if key.options["on_epoch"] else name, [row for row, _ in rows]))
         if columns:
             values = iter(torch.cat(columns).tolist())  # the one host read of this sink's points
-            for logged_name, rows in placements:
-                for row in rows:
+            for logged_name, point_rows in placements:
+                for row in point_rows:
                     points[row][logged_name] = next(values)
         return points
 
@@ -251,13 +257,13 @@ class SinkLogBuffer:
             return values
         return trainer.strategy.reduce(values, group=options["sync_dist_group"], reduce_op=key.reduction)
 
-    def _replay_lr_monitors(self, update: _Update) -> None:
+    def _replay_lr_monitors(self, global_step: int, settings: list[_Settings]) -> None:
         """Each LearningRateMonitor's batch-start hook as Lightning would have run it at the next update's start:
         at that logging step, with the optimizer settings of that moment."""
         trainer = self._trainer
         with (
-            _settings_applied(trainer.optimizers, update.settings),
-            compat.logging_step_set_to(trainer, update.global_step),
+            _settings_applied(trainer.optimizers, settings),
+            compat.logging_step_set_to(trainer, global_step),
         ):
             for monitor in self._lr_monitors:
                 monitor.on_train_batch_start(trainer, self._module, None, 0)

@@ -19,7 +19,7 @@ from lightning_sink import _lightning_compat as compat
 from lightning_sink.data import DataPosition
 from lightning_sink.sink_data import PASS_END, MicroBatchStream
 from lightning_sink.strategies.engine import StepEngine
-from lightning_sink.strategies.programs import SinkUpdates, choose_programs
+from lightning_sink.strategies.programs import SinkPrograms, SinkUpdates, choose_programs
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
 
 __all__ = ["SinkLoop"]
@@ -42,6 +42,7 @@ class SinkLoop:
         self._log_buffer = log_buffer
         self._sink_size = sink_size
         self.updates = SinkUpdates(engine)
+        self.programs: SinkPrograms | None = None  # the last sink's
         host = engine.host
         # Batches need moving unless the stream's thread already did, or they are for the CPU and no transfer hook
         # runs (a loader's batches are on the CPU already, and walking them would cost a step's worth of time).
@@ -76,7 +77,7 @@ class SinkLoop:
         trainer, window, updates = engine.trainer, engine.window, self.updates
         # the updates this sink may make before max_steps (global_step moves only through this sink's updates)
         updates_allowed = trainer.max_steps - trainer.global_step if trainer.max_steps != -1 else -1
-        programs = choose_programs(engine, updates)
+        self.programs = programs = choose_programs(engine, updates)
         window.loss_divisor = programs.update.loss_divisor
         accumulate, update, steps = programs.accumulate.run, programs.update.run, engine.accumulation_steps
         plugin = engine.host.precision_plugin

@@ -41,9 +41,10 @@ def _step_triggers(trainer: pl.Trainer) -> list[tuple[str, int]]:
         for n in map(compat.checkpoint_every_n_train_steps, trainer.checkpoint_callbacks)
         if n > 1
     ]
-    if trainer.loggers and trainer.log_every_n_steps > 1 and not SinkLogBuffer.usable(trainer.lightning_module):
-        name = f"Trainer(log_every_n_steps={trainer.log_every_n_steps}), for a LightningModule that overrides `log`,"
-        triggers.append((name, trainer.log_every_n_steps))
+    every_n = compat.trainer_settings(trainer).log_every_n_steps
+    if trainer.loggers and every_n > 1 and not SinkLogBuffer.usable(trainer.lightning_module):
+        name = f"Trainer(log_every_n_steps={every_n}), for a LightningModule that overrides `log`,"
+        triggers.append((name, every_n))
     return triggers
 
 

@@ -1,0 +1,136 @@
+"""How often one window-ending micro-batch crosses between Lightning, lightning-sink and torch (no sinking).
+
+    python benchmarks/package_crossings.py [--steps 4]
+
+One fit of a tiny MLP (batch 8, N=``--steps``), stock Lightning (``accumulate_grad_batches=N``) and
+``SinkStrategy(accumulation_steps=N)``. For the first batch that ends a window, ``sys.setprofile`` records every
+call made between the start of the batch (``on_train_batch_start``) and its end (``on_train_batch_end``). Each
+function belongs to a package by its file: ``lightning`` (``lightning/``), ``lightning_sink`` or ``torch``; other
+code (the LightningModule, the standard library) belongs to whoever called it. A *crossing* is a call of a Python
+function of one package from a function of another:
+
+- ``crossings``: all of them, between any two of the three packages;
+- ``entries``: the calls from Lightning into lightning-sink (how many times Lightning's loop hands the micro-batch
+  to the strategy), listed by function under ``entered``;
+- ``package_to_torch``: the calls from lightning-sink into torch.
+
+C functions (tensor operations) are not counted: they are the work itself, the same in every configuration. The
+numbers are counts, not timings: one run each, deterministic. The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from types import FrameType
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+PACKAGES = (("/lightning_sink/", "lightning_sink"), ("/lightning/", "lightning"), ("/torch/", "torch"))
+
+
+def package_of(frame: FrameType | None) -> str | None:
+    """The package of the nearest frame that belongs to one (user and standard-library code is transparent)."""
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        for marker, package in PACKAGES:
+            if marker in filename:
+                return package
+        frame = frame.f_back
+    return None
+
+
+class CrossingTracer(Callback):
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.crossings: Counter[tuple[str, str]] = Counter()
+        self.entered: Counter[str] = Counter()
+        self.done = False
+
+    def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        callee = package_of(frame)
+        if callee is None or package_of(frame.f_back) in (None, callee):
+            return
+        caller = package_of(frame.f_back)
+        assert caller is not None
+        self.crossings[(caller, callee)] += 1
+        if (caller, callee) == ("lightning", "lightning_sink"):
+            self.entered[frame.f_code.co_qualname] += 1
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if not self.done and (idx + 1) % self.steps == 0:
+            sys.setprofile(self._profile)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        if sys.getprofile() is not None:
+            sys.setprofile(None)
+            self.done = True
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def count(strategy: Any, steps: int) -> dict[str, Any]:
+    tracer = CrossingTracer(steps)
+    kwargs: dict[str, Any] = {"accumulate_grad_batches": steps} if strategy == "auto" else {}
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[tracer],
+        **kwargs,
+    )
+    data = TensorDataset(torch.randn(8 * steps * 2, 8), torch.randint(0, 4, (8 * steps * 2,)))
+    trainer.fit(Tiny(), DataLoader(data, batch_size=8))
+    crossings = tracer.crossings
+    return {
+        "crossings": sum(crossings.values()),
+        "entries": crossings[("lightning", "lightning_sink")],
+        "package_to_torch": crossings[("lightning_sink", "torch")],
+        "by_direction": {f"{caller}->{callee}": n for (caller, callee), n in sorted(crossings.items())},
+        "entered": dict(sorted(tracer.entered.items())),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4, help="micro-batches per window (N)")
+    args = parser.parse_args()
+    from lightning_sink import SinkStrategy
+
+    result = {
+        "benchmark": "package_crossings",
+        "steps": args.steps,
+        "stock": count("auto", args.steps),
+        "sink": count(SinkStrategy(accumulation_steps=args.steps), args.steps),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
