@@ -74,6 +74,10 @@ class SinkDDPStrategy(DDPStrategy):
     graph_mode = fit_setting("graph_mode")
     sink_config = fit_setting("sink_config")
     micro_steps_in_window = fit_setting("micro_steps_in_window")
+    # what tests and benchmarks look into
+    _accumulator = fit_setting("store")
+    _hooks = fit_setting("hooks")
+    _data_position = fit_setting("data_position")
 
     @override
     def setup_environment(self) -> None:

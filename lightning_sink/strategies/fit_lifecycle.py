@@ -108,6 +108,15 @@ class SinkFit:
         return plugin if isinstance(plugin, LossScalePrecision) else None
 
     @property
+    def store(self) -> GradientStore | None:
+        """The open window's gradient store (``None`` before the engine is built)."""
+        return self.engine.window.store if self.engine is not None else None
+
+    @property
+    def hooks(self) -> HookPlan | None:
+        return self.engine.hooks if self.engine is not None else None
+
+    @property
     def micro_steps_in_window(self) -> int | None:
         """In sink mode, micro-batches of the open window (0 right after an update); ``None`` otherwise, where a
         Lightning batch is one micro-batch and Lightning's own counters tell whether it closed a window."""

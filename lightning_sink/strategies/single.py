@@ -19,14 +19,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
-from lightning_sink.data import DataPosition
-from lightning_sink.precision import LossScalePrecision
 from lightning_sink.sink_data import SinkToken
 from lightning_sink.strategies import checkpoint_state
 from lightning_sink.strategies.config import SinkConfig, validate_device
 from lightning_sink.strategies.engine import StepEngine
 from lightning_sink.strategies.fit_lifecycle import SinkFit, WindowParts, fit_setting
-from lightning_sink.strategies.hooks import HookPlan
 from lightning_sink.window import GradientStore, NoReduction
 
 __all__ = ["SinkStrategy"]
@@ -87,6 +84,10 @@ class SinkStrategy(SingleDeviceStrategy):
     graph_mode = fit_setting("graph_mode")
     sink_config = fit_setting("sink_config")
     micro_steps_in_window = fit_setting("micro_steps_in_window")
+    # what tests and benchmarks look into
+    _accumulator = fit_setting("store")
+    _hooks = fit_setting("hooks")
+    _data_position = fit_setting("data_position")
 
     # The accelerator connector reads this (refusing a device that contradicts ``Trainer(accelerator=...)``) and
     # fills it in when ``device=None``, so that the strategy follows ``Trainer(accelerator=..., devices=...)``.
@@ -201,23 +202,6 @@ class SinkStrategy(SingleDeviceStrategy):
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self.sink_fit.restore(checkpoint, checkpoint_path)
         return checkpoint
-
-    # ------------------------------------------------------------------ what tests and benchmarks look into
-    @property
-    def _accumulator(self) -> GradientStore | None:
-        return self.engine.window.store if self.engine is not None else None
-
-    @property
-    def _hooks(self) -> HookPlan | None:
-        return self.engine.hooks if self.engine is not None else None
-
-    @property
-    def _data_position(self) -> DataPosition:
-        return self.sink_fit.data_position
-
-    @property
-    def _scaling(self) -> LossScalePrecision | None:
-        return self.engine.scaling if self.engine is not None else None
 
     @classmethod
     @override
