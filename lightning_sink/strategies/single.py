@@ -14,7 +14,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
-from torch.nn import Parameter
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -24,7 +23,7 @@ from lightning_sink.strategies import checkpoint_state
 from lightning_sink.strategies.config import SinkConfig, validate_device
 from lightning_sink.strategies.engine import StepEngine
 from lightning_sink.strategies.fit_lifecycle import SinkFit, WindowParts, fit_setting
-from lightning_sink.window import GradientStore, NoReduction
+from lightning_sink.window import NoReduction
 
 __all__ = ["SinkStrategy"]
 
@@ -106,8 +105,7 @@ class SinkStrategy(SingleDeviceStrategy):
 
     # ------------------------------------------------------------------ the parts this strategy passes
     def _window_parts(self) -> WindowParts:
-        store: Callable[[list[Parameter]], GradientStore] = self.sink_fit.flat_store
-        return WindowParts(make_store=store, reducer=NoReduction(), ranks_in_sum=1)
+        return WindowParts(make_store=self.sink_fit.flat_store, reducer=NoReduction(), ranks_in_sum=1)
 
     # ------------------------------------------------------------------ the fit (SinkFit) and the step (StepEngine)
     @property

@@ -65,4 +65,7 @@ class Window:
         self.micro_batches = int(state.get("micro_batches", state["micro_steps"]))
         self.drop = bool(state.get("drop", False))
         self.overflowed = bool(state.get("overflowed", False))
-        self.loss_divisor = int(state.get("loss_divisor", self.loss_divisor))
+        if self.micro_batches or self.backward_passes:
+            # an open window goes on with the division its losses had (a resume refuses other settings); a closed
+            # one leaves this run's own, which may differ (accumulation_steps may change at a window boundary)
+            self.loss_divisor = int(state.get("loss_divisor", self.loss_divisor))

@@ -110,3 +110,23 @@ def test_an_optimizer_of_frozen_parameters_under_skip_window_on_overflow_trains_
     sink, sink_trainer = fit(SinkStrategy(accumulation_steps=2, sink_size=sink_size))
     assert sink_trainer.global_step == stock_trainer.global_step == 8
     assert torch.equal(flat_params(sink), flat_params(stock))
+
+
+def test_a_resume_at_a_window_boundary_takes_the_new_accumulation_steps(tmp_path):
+    """The saved window is closed, so the resumed run divides as its own accumulation_steps says: windows of 4 in the
+    first epoch and of 2 in the second are a plain loop's updates over those windows."""
+    from tests.helpers import make_dataset, reference_train, reference_windows, relative_error
+
+    dataset = make_dataset(num_samples=32)
+    model = TinyClassifier(optimizer="sgd", lr=0.05)
+    reference = TinyClassifier(optimizer="sgd", lr=0.05)
+    first = quiet_trainer(strategy=SinkStrategy(accumulation_steps=4), max_epochs=1)
+    first.fit(model, DataLoader(dataset, batch_size=4))
+    first.save_checkpoint(tmp_path / "boundary.ckpt")
+
+    resumed = quiet_trainer(strategy=SinkStrategy(accumulation_steps=2), max_epochs=2)
+    resumed.fit(model, DataLoader(dataset, batch_size=4), ckpt_path=tmp_path / "boundary.ckpt")
+    windows = reference_windows(32, 4, 4, 1, "scale") + reference_windows(32, 4, 2, 1, "scale")
+    reference_train(reference, dataset, windows)
+    assert resumed.global_step == len(windows) == 6
+    assert relative_error(flat_params(model), flat_params(reference)) <= 1e-6
