@@ -186,3 +186,11 @@ def test_only_import_statements_are_renamed(tmp_path: Path):
         "from lightning_sink.layout import load_layout",
         "NAME = 'lightning.pytorch'",
     ]
+
+
+def test_every_lightning_bound_module_of_the_package_can_be_mirrored():
+    bound = _namespace_mirror.bound_modules()
+    assert {"lightning_sink.strategies.engine", "lightning_sink.precision", "lightning_sink.callbacks"} <= bound
+    assert "lightning_sink.loss_scale" not in bound and "lightning_sink._registration" not in bound  # shared
+    for name in sorted(bound):
+        _namespace_mirror.mirrored_source(_namespace_mirror._module_files()[name])  # raises MirrorError if not
