@@ -6,7 +6,7 @@ LeNet-5 on scikit-learn's bundled digits (offline; 1x32x32 inputs), micro-batch 
 Momentum(0.01, 0.9), ``LossScalePrecision("16-mixed", DynamicLossScale(init_scale=S))`` under
 ``SinkStrategy(accumulation_steps=4)``, fp16 autocast on the CPU (or CUDA when present). For each initial scale S
 (MindSpore's 2**24, torch GradScaler's 2**16 and others) and each seed: the windows skipped among the first 24
-updates, the scale after them, and the test accuracy after the run; fp32 without scaling is the anchor for accuracy.
+updates (all of them when the run is shorter: 2 epochs are 23), the scale after them, and the test accuracy after the run; fp32 without scaling is the anchor for accuracy.
 This is a numerics measurement, not a timing: nothing here depends on the machine's load. The last line is one JSON
 object.
 """

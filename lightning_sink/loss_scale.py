@@ -49,8 +49,8 @@ class DynamicLossScale:
     Args:
         init_scale: the first scale (2**16, torch ``GradScaler``'s start). MindSpore's ``DynamicLossScaleManager``
             starts at 2**24, which skips the first windows of a typical fp16 run while the scale halves down to what
-            the gradients allow (measured by benchmarks/loss_scale_start.py: 4 of a small CNN's first 24 windows
-            from 2**24, none from 2**20 or below); ``DynamicLossScale(init_scale=2**24)`` is MindSpore's setting.
+            the gradients allow (measured by benchmarks/loss_scale_start.py: 4 of LeNet-5's first 23 updates from
+            2**24, none from 2**20 or below); ``DynamicLossScale(init_scale=2**24)`` is MindSpore's setting.
         scale_factor: divide by this on overflow, multiply by it to grow (2.0).
         scale_window: grow after this many consecutive updates without overflow (2000).
         min_scale: the scale never drops below this (1.0).
