@@ -17,15 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["DigitsDataModule", "MissingDataError", "exit_on_missing_data", "find_mnist"]
+__all__ = [
+    "DATA_VARIABLE",
+    "DigitsDataModule",
+    "MissingDataError",
+    "exit_on_missing_data",
+    "find_mnist",
+    "find_mnist_quietly",
+]
 
 MNIST_MEAN, MNIST_STD = 0.1307, 0.3081
-# Places looked at when no --data-dir is given: an env var, the repo's sibling shared/data, ./data.
-_CANDIDATES = (
-    os.environ.get("LIGHTNING_SINK_DATA", ""),
-    str(Path(__file__).resolve().parents[2] / "shared" / "data"),
-    "data",
-)
+# The variable naming a folder that holds MNIST/raw, looked at (then ./data) when no --data-dir is given.
+DATA_VARIABLE = "LIGHTNING_SINK_DATA"
 
 
 class MissingDataError(FileNotFoundError):
@@ -58,7 +61,8 @@ def find_mnist(data_dir: str | None) -> Path | None:
                 f" {root / 'MNIST' / 'raw'}/{{train,t10k}}-{{images-idx3,labels-idx1}}-ubyte."
             )
         return root
-    for candidate in filter(None, _CANDIDATES):
+    # Read when called, not at import: a test or a launcher may set the variable after importing this module.
+    for candidate in filter(None, (os.environ.get(DATA_VARIABLE, ""), "data")):
         if _has_mnist(Path(candidate)):
             return Path(candidate)
     return None
@@ -104,8 +108,8 @@ class DigitsDataModule(pl.LightningDataModule):
     """MNIST (60k/10k) when found, else scikit-learn's bundled digits (1497/300); 1x32x32 inputs, 10 classes.
 
     Args:
-        data_dir: a folder holding ``MNIST/raw``; None looks in ``$LIGHTNING_SINK_DATA``, ``../shared/data`` next to
-            the repository, and ``./data``, then falls back to scikit-learn's digits.
+        data_dir: a folder holding ``MNIST/raw``; None looks in ``$LIGHTNING_SINK_DATA`` and ``./data``, then
+            falls back to scikit-learn's digits.
         batch_size: micro-batch size.
         max_train_samples: keep only the first this-many training samples (quick runs and tests).
         max_test_samples: the same for the test split.

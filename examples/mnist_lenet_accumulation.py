@@ -1,7 +1,7 @@
 """MindSpore's gradient-accumulation tutorial (standalone mode): LeNet-5 on MNIST, 4 micro-batches of 32 per update, Momentum(0.01, 0.9), 10 epochs.
 
-    python examples/mnist_lenet_accumulation.py --data-dir ../shared/data              # lightning-sink
-    python examples/mnist_lenet_accumulation.py --data-dir ../shared/data --compare-stock   # and stock Lightning
+    python examples/mnist_lenet_accumulation.py --data-dir DIR              # lightning-sink
+    python examples/mnist_lenet_accumulation.py --data-dir DIR --compare-stock   # and stock Lightning
     python examples/mnist_lenet_accumulation.py --eval-only --ckpt runs/mnist_lenet_accumulation/lenet5.ckpt
 
 MindSpore's tutorial reports about 96.31% test accuracy after 10 epochs. Here the two step programs of

@@ -1,9 +1,9 @@
 """MindSpore's data sinking example: LeNet-5 on MNIST, batch 32, Momentum(0.01, 0.9), K batches per sink.
 
-    python examples/mnist_lenet_sink.py --data-dir ../shared/data              # model.train(10, sink_size=1000)
-    python examples/mnist_lenet_sink.py --data-dir ../shared/data --mode step  # data_sink(): one step per sink
-    python examples/mnist_lenet_sink.py --data-dir ../shared/data --mode pass  # data_sink(sink_size=data_size)
-    python examples/mnist_lenet_sink.py --data-dir ../shared/data --mode all   # data_sink(sink_size=epochs*data_size)
+    python examples/mnist_lenet_sink.py --data-dir DIR              # model.train(10, sink_size=1000)
+    python examples/mnist_lenet_sink.py --data-dir DIR --mode step  # data_sink(): one step per sink
+    python examples/mnist_lenet_sink.py --data-dir DIR --mode pass  # data_sink(sink_size=data_size)
+    python examples/mnist_lenet_sink.py --data-dir DIR --mode all   # data_sink(sink_size=epochs*data_size)
 
 The default reproduces ``model.train(epoch=10, ..., callbacks=[LossMonitor()], dataset_sink_mode=True,
 sink_size=1000)``: each epoch is one sink of 1000 batches drawn from an endless traversal of the 1875 batches of

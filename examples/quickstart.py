@@ -1,7 +1,7 @@
 """Quick start: LeNet-5 on handwritten digits with lightning-sink's accumulation, loss scaling and sinking.
 
     python examples/quickstart.py                      # MNIST if found (see digits.py), else sklearn digits
-    python examples/quickstart.py --data-dir ../shared/data --epochs 2
+    python examples/quickstart.py --data-dir DIR --epochs 2
 
 What it shows, all from one ``Trainer``:
 

@@ -1,8 +1,8 @@
 """MindSpore's gradient-accumulation tutorial (parallel mode): ResNet-50, data-parallel with gradient accumulation over 6 micro-batches and dynamic
 loss scaling, the data sunk one pass per sink (``dataset_sink_mode=True``).
 
-    python examples/resnet_ddp_accumulation.py --data-dir ../shared/data          # small run: 2 CPU processes, gloo
-    python examples/resnet_ddp_accumulation.py --data-dir ../shared/data --full   # the tutorial's setting (slow on CPU)
+    python examples/resnet_ddp_accumulation.py --data-dir DIR          # small run: 2 CPU processes, gloo
+    python examples/resnet_ddp_accumulation.py --data-dir DIR --full   # the tutorial's setting (slow on CPU)
 
 MindSpore's tutorial trains ResNet-50 (10 classes) with ``grad_accumulation_step=6``, batch 32 per device,
 Momentum(0.01, 0.9), and prints one ``LossMonitor`` line per sink. Here ``SinkDDPStrategy(accumulation_steps=6,

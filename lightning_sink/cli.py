@@ -3,6 +3,7 @@
     lightning-sink reshard --src-checkpoints-dir SRC --dst-checkpoints-dir DST --dst-strategy-file LAYOUT ...
     lightning-sink verify DST
     lightning-sink layout --model PKG.MODULE.CLASS --data-parallel-size DP --tensor-parallel-size TP --output FILE
+    lightning-sink --version
 
 To add a subcommand (e.g. ``layout``), write ``configure(parser)`` and ``run(args) -> int`` and add a
 ``Command`` to ``COMMANDS``; bad input is reported as ``error: <message>`` with exit status 2.
@@ -17,6 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from lightning_sink import __version__
 from lightning_sink.cli_parser import OneLineErrorParser
 
 __all__ = ["Command", "COMMANDS", "main", "parse_size"]
@@ -135,15 +137,18 @@ def _run_reshard(args: argparse.Namespace) -> int:
         print(f"wrote {result.relative_path}: {result.bytes_written} bytes, sha256 {result.sha256}")
         return 0
     bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=None, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard", file=sys.stderr)
 
     def progress(done: int, total: int) -> None:
-        if bar is not None:
-            bar.total = total
-            bar.update(done - bar.n)
+        # The bar appears with the first bytes written: every refusal comes before those, as one line on its own.
+        nonlocal bar
+        if args.no_progress:
+            return
+        if bar is None:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard", file=sys.stderr)
+        bar.total = total
+        bar.update(done - bar.n)
 
     try:
         report = transform_checkpoints(
@@ -226,6 +231,7 @@ COMMANDS: list[Command] = [
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = OneLineErrorParser(prog="lightning-sink", description="lightning-sink command-line tools")
+    parser.add_argument("--version", action="version", version=f"lightning-sink {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
         sub = subparsers.add_parser(command.name, help=command.help, description=command.help)

@@ -29,3 +29,7 @@ def test_the_first_run_example_trains_as_described(
     assert all(0.0 < float(loss) < 10.0 for _, _, loss in lines)
     precision = trainer.precision_plugin
     assert type(precision).__name__ == "LossScalePrecision" and precision.skipped_updates == 0
+
+
+def test_the_readme_stays_within_its_10_kb_budget() -> None:
+    assert len(README.read_bytes()) < 10_000  # the front page; details belong in docs/

@@ -23,6 +23,18 @@ def test_registry_names_build_the_strategies():
     assert isinstance(spawn, SinkDDPStrategy) and spawn._start_method == "spawn"
 
 
+@pytest.mark.parametrize("misspelt, meant", [("sinkk", "sink"), ("snik", "sink"), ("sink-ddp", "sink_ddp")])
+def test_a_close_misspelling_of_a_registered_name_is_answered_with_the_name(misspelt, meant):
+    with pytest.raises(ValueError, match=rf"`strategy={misspelt!r}`\. Did you mean {meant!r}\?"):
+        quiet_trainer(strategy=misspelt)
+
+
+def test_names_far_from_ours_get_lightnings_own_message():
+    with pytest.raises(ValueError, match="You selected an invalid strategy name") as refused:
+        quiet_trainer(strategy="ddpp")
+    assert "Did you mean" not in str(refused.value)  # Lightning's message, untouched
+
+
 def test_cli_class_path_config(tmp_path):
     config = {
         "trainer": {

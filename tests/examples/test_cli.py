@@ -111,7 +111,7 @@ def test_printed_config_runs_again_unchanged(tmp_path):
             "accumulation_steps": 1,
             "partial_window": "scale",
             "sink_size": 5,
-            "prefetch_depth": 2,
+            "prefetch_depth": None,  # the default: no reading thread on CPU (sink.yaml runs on the CPU)
             "graph_mode": "eager",
             "device": None,
             "accelerator": None,

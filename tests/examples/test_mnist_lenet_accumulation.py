@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from tests.conftest import clean_subprocess_env
+from tests.examples.environment import MNIST_SKIP_REASON, REPO, SUBPROCESS_TIMEOUT_S, mnist_root
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED_DATA = REPO.parent / "shared" / "data"
-sys.path.insert(0, str(REPO / "examples"))
+MNIST = mnist_root()
 
 from digits import DigitsDataModule  # noqa: E402
 from lenet import LeNet5  # noqa: E402
@@ -23,7 +22,7 @@ from lenet import LeNet5  # noqa: E402
 def run_example(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
     command = [sys.executable, str(REPO / "examples" / "mnist_lenet_accumulation.py"), "--accelerator", "cpu", *args]
-    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
 
 
 def plain_test_accuracy(checkpoint: Path) -> float:
@@ -31,7 +30,7 @@ def plain_test_accuracy(checkpoint: Path) -> float:
     state = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
     net = LeNet5()
     net.load_state_dict({key.removeprefix("model."): value for key, value in state.items() if key.startswith("model.")})
-    data = DigitsDataModule(str(SHARED_DATA), source="mnist")
+    data = DigitsDataModule(str(MNIST), source="mnist")
     data.setup()
     x, y = data.test_set.tensors
     with torch.no_grad():
@@ -39,12 +38,12 @@ def plain_test_accuracy(checkpoint: Path) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (SHARED_DATA / "MNIST" / "raw").exists(), reason="MNIST is not next to this checkout")
+@pytest.mark.skipif(MNIST is None, reason=MNIST_SKIP_REASON)
 def test_small_run_compares_with_stock_and_its_checkpoint_evaluates(tmp_path):
     done = run_example(
         tmp_path,
         "--data-dir",
-        str(SHARED_DATA),
+        str(MNIST),
         "--epochs",
         "1",
         "--max-train-samples",
@@ -68,14 +67,14 @@ def test_small_run_compares_with_stock_and_its_checkpoint_evaluates(tmp_path):
     checkpoint = tmp_path / "out" / "lenet5.ckpt"
     assert plain_test_accuracy(checkpoint) == pytest.approx(sink, abs=1e-4)
 
-    evaluated = run_example(tmp_path, "--data-dir", str(SHARED_DATA), "--eval-only", "--ckpt", str(checkpoint))
+    evaluated = run_example(tmp_path, "--data-dir", str(MNIST), "--eval-only", "--ckpt", str(checkpoint))
     assert evaluated.returncode == 0, evaluated.stderr[-4000:]
     assert f"checkpoint {checkpoint}: test accuracy {sink:.4f}" in evaluated.stdout
 
 
 @pytest.mark.slow
 def test_eval_only_without_a_checkpoint_is_a_clear_error(tmp_path):
-    done = run_example(tmp_path, "--data-dir", str(SHARED_DATA), "--eval-only", "--ckpt", str(tmp_path / "no.ckpt"))
+    done = run_example(tmp_path, "--eval-only", "--ckpt", str(tmp_path / "no.ckpt"))  # refused before any data
     assert done.returncode != 0
     assert f"--eval-only needs --ckpt PATH of an existing checkpoint; got '{tmp_path / 'no.ckpt'}'" in done.stderr
 

@@ -13,17 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import clean_subprocess_env
+from tests.examples.environment import MNIST_SKIP_REASON, REPO, SUBPROCESS_TIMEOUT_S, mnist_root
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED_DATA = REPO.parent / "shared" / "data"
-sys.path.insert(0, str(REPO / "examples"))
+MNIST = mnist_root()
 
 from digits import DigitsDataModule  # noqa: E402
 from lenet import LeNet5Classifier  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
-    not (SHARED_DATA / "MNIST" / "raw").exists(), reason="MNIST is not next to this checkout"
-)
+pytestmark = pytest.mark.skipif(MNIST is None, reason=MNIST_SKIP_REASON)
 SAMPLES = 640  # 20 batches of 32 per data pass
 LINE = re.compile(r"^epoch: (\d+) step: (\d+), loss is ([0-9.e+-]+)$", re.MULTILINE)
 
@@ -36,12 +33,12 @@ def run_example(tmp_path: Path, *args: str) -> str:
         "--accelerator",
         "cpu",
         "--data-dir",
-        str(SHARED_DATA),
+        str(MNIST),
         "--max-train-samples",
         str(SAMPLES),
         *args,
     ]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     return done.stdout
 
@@ -50,7 +47,7 @@ def plain_loop_losses(batches: int) -> list[float]:
     """The example's recipe by hand: same seed, same loader, passes one after another; every batch's loss."""
     pl.seed_everything(0, verbose=False)
     net = LeNet5Classifier(lr=0.01, momentum=0.9).model
-    data = DigitsDataModule(str(SHARED_DATA), batch_size=32, max_train_samples=SAMPLES, seed=0, source="mnist")
+    data = DigitsDataModule(str(MNIST), batch_size=32, max_train_samples=SAMPLES, seed=0, source="mnist")
     data.setup()
     loader = data.train_dataloader()
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)

@@ -11,16 +11,16 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import clean_subprocess_env
+from tests.examples.environment import MNIST_SKIP_REASON, REPO, SUBPROCESS_TIMEOUT_S, mnist_root
 from tests.examples.output_checks import unexpected_warnings
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED_DATA = REPO.parent / "shared" / "data"
+MNIST = mnist_root()
 
 
 def run_quickstart(tmp_path: Path, *args: str) -> str:
     env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="2")
     command = [sys.executable, str(REPO / "examples" / "quickstart.py"), "--log-dir", str(tmp_path / "tb"), *args]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert unexpected_warnings(done.stdout + done.stderr) == []
     return done.stdout
@@ -55,12 +55,12 @@ def test_quickstart_on_sklearn_digits(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (SHARED_DATA / "MNIST" / "raw").exists(), reason="MNIST is not next to this checkout")
+@pytest.mark.skipif(MNIST is None, reason=MNIST_SKIP_REASON)
 def test_quickstart_on_mnist(tmp_path):
     stdout = run_quickstart(
-        tmp_path, "--data", "mnist", "--data-dir", str(SHARED_DATA), "--epochs", "1", "--max-train-samples", "8192"
+        tmp_path, "--data", "mnist", "--data-dir", str(MNIST), "--epochs", "1", "--max-train-samples", "8192"
     )
-    assert f"data: MNIST from {SHARED_DATA}" in stdout
+    assert f"data: MNIST from {MNIST}" in stdout
     assert final_accuracy(stdout) > 0.6  # 64 updates; chance is 0.1
     assert "trained 64 updates" in stdout  # 8192 // 32 // 4, one sink
     assert re.search(r"^epoch: 1 step: 256, loss is [0-9.e-]+$", stdout, re.MULTILINE)
@@ -71,7 +71,7 @@ def test_quickstart_on_mnist(tmp_path):
 def test_mnist_required_but_missing_is_a_clear_error(tmp_path):
     env = clean_subprocess_env(PYTHONPATH=str(REPO))
     command = [sys.executable, str(REPO / "examples" / "quickstart.py"), "--data-dir", str(tmp_path)]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert done.returncode != 0
     # One line saying where MNIST is expected, no traceback.
     assert done.stderr.startswith(f"error: --data-dir {str(tmp_path)!r} does not hold MNIST in torchvision's layout")

@@ -6,29 +6,28 @@ import math
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import clean_subprocess_env
+from tests.examples.environment import MNIST_SKIP_REASON, REPO, SUBPROCESS_TIMEOUT_S, mnist_root
 
-REPO = Path(__file__).resolve().parents[2]
-SHARED_DATA = REPO.parent / "shared" / "data"
+MNIST = mnist_root()
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (SHARED_DATA / "MNIST" / "raw").exists(), reason="MNIST is not next to this checkout")
+@pytest.mark.skipif(MNIST is None, reason=MNIST_SKIP_REASON)
 def test_small_run_on_two_processes(tmp_path):
     env = clean_subprocess_env(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     command = [
         sys.executable,
         str(REPO / "examples" / "resnet_ddp_accumulation.py"),
         "--data-dir",
-        str(SHARED_DATA),
+        str(MNIST),
         "--accelerator",
         "cpu",
     ]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     # 192 samples over 2 ranks in micro-batches of 8: 12 per rank, one sink (one data pass), 2 windows of 6.
     lines = re.findall(r"^epoch: 1 step: 12, loss is ([0-9.e+-]+)$", done.stdout, re.MULTILINE)
