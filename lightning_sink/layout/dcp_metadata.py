@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from lightning_sink.layout.from_state_dict import role_of
 from lightning_sink.layout.schema import Chunk, Layout, MeshLayout, PipelineLayout, TensorLayout
 from lightning_sink.layout.validation import validate_layout
+from lightning_sink.regular_file import open_regular
 
 __all__ = ["DCP_METADATA_FILE", "read_dcp_metadata", "storage_rank", "layout_from_dcp_metadata"]
 
@@ -66,7 +67,7 @@ def read_dcp_metadata(checkpoint_dir: str | os.PathLike) -> Metadata:
             f"DCP metadata file {str(path)!r} is a symbolic link; links inside a checkpoint folder are not followed"
         )
     try:
-        with open(path, "rb") as handle:
+        with os.fdopen(open_regular(path), "rb") as handle:
             metadata = _MetadataUnpickler(handle).load()
     except Exception as error:  # a truncated or foreign pickle raises anything from EOFError to KeyError
         raise ValueError(f"DCP metadata file {str(path)!r} is unreadable or not DCP metadata: {error}") from None
@@ -91,10 +92,19 @@ def layout_from_dcp_metadata(checkpoint_dir: str | os.PathLike, *, world_size: i
     checkpoint_dir = Path(checkpoint_dir)
     metadata = read_dcp_metadata(checkpoint_dir)
     storage = metadata.storage_data or {}
-    ranks_on_disk = [storage_rank(p.name) for p in checkpoint_dir.glob("__*_*.distcp") if _STORAGE_FILE.match(p.name)]
-    ranks_in_metadata = [storage_rank(info.relative_path) for info in storage.values()]
+    ranks_on_disk = {storage_rank(p.name) for p in checkpoint_dir.glob("__*_*.distcp") if _STORAGE_FILE.match(p.name)}
+    ranks_in_metadata = {storage_rank(info.relative_path) for info in storage.values()}
+    named = max(ranks_on_disk | ranks_in_metadata, default=0) + 1
+    # Every rank of a DCP save writes its own file (an empty one when it holds nothing), so a save by N ranks leaves
+    # N files: a rank number far beyond the files present is a name, not a save (and sizing anything by it would
+    # let one empty file claim any amount of memory). A few missing files are left for check_files to name.
+    if named > 2 * len(ranks_on_disk) + 1:
+        raise ValueError(
+            f"DCP checkpoint {str(checkpoint_dir)!r}: its storage files name rank {named - 1}, but only"
+            f" {len(ranks_on_disk)} rank(s) have a file (a save by N ranks writes __<rank>_0.distcp for each)"
+        )
     if world_size is None:
-        world_size = max(ranks_on_disk + ranks_in_metadata, default=0) + 1
+        world_size = named
     mesh = MeshLayout.one_dimensional(world_size)
     tensors: dict[str, TensorLayout] = {}
     non_tensor_state: dict[str, str] = {}
