@@ -51,6 +51,8 @@ def check_relative_name(name: object, what: str) -> PurePosixPath:
     if not isinstance(name, str) or not name:
         raise ValueError(f"{what}: {name!r} is not a file name")
     pure = PurePosixPath(name)
+    if not pure.parts or name.endswith("/"):
+        raise ValueError(f"{what}: {name!r} names no file")
     if pure.is_absolute() or ".." in pure.parts or "\\" in name or "\x00" in name:
         raise ValueError(f"{what}: path {name!r} would escape its folder")
     return pure

@@ -25,6 +25,7 @@ import torch
 
 from lightning_sink.checkpoint_format.fs import sha256_of_file
 from lightning_sink.checkpoint_format.manifest import MANIFEST_FILE_NAME, read_manifest
+from lightning_sink.error_text import reason_of
 from lightning_sink.layout.io import parse_layout
 from lightning_sink.layout.schema import Layout
 from lightning_sink.layout.validation import torch_dtype
@@ -90,12 +91,16 @@ def load_rank_payload(path: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"resharded checkpoint file {str(path)!r} does not exist")
     try:
-        with os.fdopen(open_regular(path), "rb") as handle:  # no link followed, no FIFO waited on
-            payload = torch.load(handle, map_location="cpu", weights_only=True)
+        handle = os.fdopen(open_regular(path), "rb")  # no link followed, no FIFO waited on
     except ValueError as error:
         raise ValueError(f"resharded checkpoint file: {error}") from None
+    try:
+        with handle:
+            payload = torch.load(handle, map_location="cpu", weights_only=True)
     except Exception as error:
-        raise ValueError(f"resharded checkpoint file {str(path)!r} is truncated or corrupt: {error}") from None
+        raise ValueError(
+            f"resharded checkpoint file {str(path)!r} is truncated or corrupt: {reason_of(error)}"
+        ) from None
     _check_header(payload, path)
     return payload
 
@@ -104,12 +109,14 @@ def read_rank_file_header(path: Path) -> dict[str, Any]:
     """The rank file's non-tensor parts (layout parsed), reading no tensor data (meta-device load); a ``torch.save``
     file of another kind gives ``{"layout": None}``."""
     try:
-        with os.fdopen(open_regular(path), "rb") as handle:  # no link followed, no FIFO waited on
-            payload = torch.load(handle, map_location="meta", weights_only=True)
+        handle = os.fdopen(open_regular(path), "rb")  # no link followed, no FIFO waited on
     except ValueError as error:
         raise ValueError(f"rank file: {error}") from None
+    try:
+        with handle:
+            payload = torch.load(handle, map_location="meta", weights_only=True)
     except Exception as error:
-        raise ValueError(f"rank file {str(path)!r} is truncated or corrupt: {error}") from None
+        raise ValueError(f"rank file {str(path)!r} is truncated or corrupt: {reason_of(error)}") from None
     if not isinstance(payload, dict) or payload.get("format") != RANK_FILE_FORMAT:
         return {"layout": None}
     _check_header(payload, path)

@@ -6,6 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from lightning_sink.error_text import reason_of
 from lightning_sink.layout.bounded_json import MAX_JSON_BYTES, loads_bounded
 from lightning_sink.layout.schema import LAYOUT_FILE_NAME, Layout
 from lightning_sink.layout.validation import validate_layout
@@ -57,4 +58,4 @@ def parse_layout(data: bytes | str, what: str) -> Layout:
         message = str(error)
         raise ValueError(message if message.startswith(what) else f"{what}: {message}") from None
     except (TypeError, KeyError, AttributeError, IndexError, OverflowError) as error:  # a field of the wrong kind
-        raise ValueError(f"{what}: malformed ({type(error).__name__}: {error})") from None
+        raise ValueError(f"{what}: malformed ({type(error).__name__}: {reason_of(error)})") from None
