@@ -171,7 +171,10 @@ def full_disk_reason(path: Path, error: OSError) -> str | None:
         return "the disk is full"
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     try:
-        written = path.stat().st_size if path.is_file() else 0
+        if path.is_dir():  # a folder being filled: its largest file is the one a size limit stops first
+            written = max((e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False)), default=0)
+        else:
+            written = path.stat().st_size if path.is_file() else 0
     except OSError:
         written = 0
     if error.errno == errno.EFBIG or (limit != resource.RLIM_INFINITY and written >= limit):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -26,7 +27,10 @@ def save_layout(layout: Layout, path: str | os.PathLike) -> Path:
     path = resolve_layout_path(path)
     validate_layout(layout, str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        descriptor, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as error:
+        raise OSError(f"could not write layout file {str(path)!r}: {_write_failure(error)}") from None
     try:
         with os.fdopen(descriptor, "w") as handle:
             handle.write(layout.to_json())
@@ -34,10 +38,21 @@ def save_layout(layout: Layout, path: str | os.PathLike) -> Path:
             os.fsync(handle.fileno())
         os.chmod(temp_name, 0o644)  # mkstemp makes it private; a layout file is shared like the checkpoint
         os.replace(temp_name, path)
+    except OSError as error:
+        Path(temp_name).unlink(missing_ok=True)
+        raise OSError(f"could not write layout file {str(path)!r}: {_write_failure(error)}") from None
     except BaseException:
         Path(temp_name).unlink(missing_ok=True)
         raise
     return path
+
+
+def _write_failure(error: OSError) -> str:
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "the disk is full"
+    if error.errno == errno.EFBIG:
+        return "the file reached this process's file-size limit"
+    return error.strerror or str(error)
 
 
 def load_layout(path: str | os.PathLike) -> Layout:
