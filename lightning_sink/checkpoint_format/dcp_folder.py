@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_sink.checkpoint_format.atomic import commit_folder, discard, staging_dir
 from lightning_sink.checkpoint_format.destination import full_disk_reason, write_errors_in_words
+from lightning_sink.checkpoint_format.save_digests import write_save_digests
 from lightning_sink.error_text import reason_of
 from lightning_sink.layout import LAYOUT_FILE_NAME, Layout, layout_from_state_dict, save_layout
 
@@ -69,6 +70,7 @@ def save_dcp_atomically(
             with write_errors_in_words(staging):
                 torch.save(metadata, staging / LIGHTNING_META_FILE)
                 save_layout(layout, staging / LAYOUT_FILE_NAME)
+                write_save_digests(staging)  # last: what binds this save's files together
                 commit_folder(staging, target)
     except BaseException as error:
         # DCP's own report holds every rank's traceback, many lines: one line in words instead (judged before the

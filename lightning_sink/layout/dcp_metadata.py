@@ -8,6 +8,8 @@ with an unpickler that admits only DCP's metadata classes and a few torch value 
 
 from __future__ import annotations
 
+import hashlib
+import io
 import math
 import os
 import pickle
@@ -23,7 +25,13 @@ from lightning_sink.layout.schema import Chunk, Layout, MeshLayout, PipelineLayo
 from lightning_sink.layout.validation import validate_layout
 from lightning_sink.regular_file import open_regular
 
-__all__ = ["DCP_METADATA_FILE", "read_dcp_metadata", "storage_rank", "layout_from_dcp_metadata"]
+__all__ = [
+    "DCP_METADATA_FILE",
+    "read_dcp_metadata",
+    "read_dcp_metadata_and_digest",
+    "storage_rank",
+    "layout_from_dcp_metadata",
+]
 
 DCP_METADATA_FILE = ".metadata"
 _STORAGE_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -59,18 +67,24 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_dcp_metadata(checkpoint_dir: str | os.PathLike) -> Metadata:
     """The DCP ``Metadata`` of ``checkpoint_dir``, loaded without running pickled code."""
+    return read_dcp_metadata_and_digest(checkpoint_dir)[0]
+
+
+def read_dcp_metadata_and_digest(checkpoint_dir: str | os.PathLike) -> tuple[Metadata, str]:
+    """The metadata and the SHA-256 of the very bytes it was read from (read once: a file replaced meanwhile cannot
+    give one save's metadata under another's digest)."""
     path = Path(checkpoint_dir) / DCP_METADATA_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(
             f"{str(Path(checkpoint_dir))!r} is not a DCP checkpoint folder: no {DCP_METADATA_FILE} file"
         )
-    if path.is_symlink():
-        raise ValueError(
-            f"DCP metadata file {str(path)!r} is a symbolic link; links inside a checkpoint folder are not followed"
-        )
     try:
         with os.fdopen(open_regular(path), "rb") as handle:
-            metadata = _MetadataUnpickler(handle).load()
+            data = handle.read()
+    except ValueError as error:
+        raise ValueError(f"DCP metadata file: {error}") from None
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as error:  # a truncated or foreign pickle raises anything from EOFError to KeyError
         raise ValueError(
             f"DCP metadata file {str(path)!r} is unreadable or not DCP metadata: {reason_of(error)}"
@@ -80,7 +94,7 @@ def read_dcp_metadata(checkpoint_dir: str | os.PathLike) -> Metadata:
     fault = _structure_fault(metadata)
     if fault is not None:
         raise ValueError(f"DCP metadata file {str(path)!r} is malformed: {fault}")
-    return metadata
+    return metadata, hashlib.sha256(data).hexdigest()
 
 
 def _is_count(value: object) -> bool:
@@ -146,13 +160,16 @@ def storage_rank(relative_path: str) -> int:
     return int(match.group(1))
 
 
-def layout_from_dcp_metadata(checkpoint_dir: str | os.PathLike, *, world_size: int | None = None) -> Layout:
+def layout_from_dcp_metadata(
+    checkpoint_dir: str | os.PathLike, *, world_size: int | None = None, metadata: Metadata | None = None
+) -> Layout:
     """The layout of a DCP folder: every stored chunk under the rank whose file holds it, on a 1-D mesh.
 
     ``world_size`` defaults to one more than the highest rank among the folder's storage files.
     """
     checkpoint_dir = Path(checkpoint_dir)
-    metadata = read_dcp_metadata(checkpoint_dir)
+    if metadata is None:
+        metadata = read_dcp_metadata(checkpoint_dir)
     storage = metadata.storage_data or {}
     ranks_on_disk = {storage_rank(p.name) for p in checkpoint_dir.glob("__*_*.distcp") if _STORAGE_FILE.match(p.name)}
     try:
