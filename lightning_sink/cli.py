@@ -69,7 +69,9 @@ def _configure_reshard(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dst-strategy-file", required=True, help="target layout file")
     parser.add_argument("--workers", type=_positive_int, help="parallel worker processes, one target rank each")
     parser.add_argument(
-        "--memory-budget", type=parse_size, help="cap workers so that workers x largest shard fits, e.g. 8GiB"
+        "--memory-budget",
+        type=_positive_size,
+        help="cap workers so that workers x largest shard fits, e.g. 8GiB",
     )
     parser.add_argument("--overwrite", action="store_true", help="replace a destination holding a different checkpoint")
     parser.add_argument("--rank-id", type=int, help="convert only this target rank (transform_checkpoint_by_rank)")
@@ -78,6 +80,13 @@ def _configure_reshard(parser: argparse.ArgumentParser) -> None:
         "--list-ranks", action="store_true", help="with --rank-id: print the source ranks it needs and exit"
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _positive_size(text: str) -> int:
+    value = parse_size(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: a memory budget must be at least 1 byte")
+    return value
 
 
 def _positive_int(text: str) -> int:

@@ -41,6 +41,7 @@ from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.checkpoint_format.dcp_folder import save_dcp_atomically
+from lightning_sink.checkpoint_format.destination import check_destination_path
 from lightning_sink.checkpoint_format.fs import check_file_prefix
 from lightning_sink.layout import load_layout
 from lightning_sink.reshard import ReshardReport, transform_checkpoints, verify_checkpoint
@@ -85,11 +86,7 @@ class ReshardCheckpoint(Callback):
     ) -> None:
         self.dst_strategy_file = _path("dst_strategy_file", dst_strategy_file)
         self.dst_dir = _path("dst_dir", dst_dir)
-        if self.dst_dir.resolve() == Path.cwd().resolve() or not self.dst_dir.resolve().name:
-            raise ValueError(
-                f"dst_dir={str(self.dst_dir)!r} is the working folder (or the root): the conversion"
-                " replaces dst_dir as a whole; name a folder of its own."
-            )
+        check_destination_path(self.dst_dir, [], "dst_dir")  # not the working, home or root folder, nor a link
         self.src_dir = (
             _path("src_dir", src_dir) if src_dir is not None else self.dst_dir.with_name(f"{self.dst_dir.name}.source")
         )
@@ -109,6 +106,7 @@ class ReshardCheckpoint(Callback):
             raise ValueError(
                 f"src_dir={str(self.src_dir)!r} and dst_dir={str(self.dst_dir)!r} must not be or contain one another."
             )
+        check_destination_path(self.src_dir, [], "src_dir")  # the source save replaces src_dir as a whole too
         self.ckpt_prefix, self.workers, self.overwrite, self.source = ckpt_prefix, workers, overwrite, source
         self.report: ReshardReport | None = None
 

@@ -8,14 +8,20 @@ commits the folder.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lightning_sink.checkpoint_format.atomic import commit_folder, discard, staging_dir
+from lightning_sink.checkpoint_format.destination import full_disk_reason, write_errors_in_words
+from lightning_sink.checkpoint_format.save_digests import write_save_digests
+from lightning_sink.error_text import reason_of
 from lightning_sink.layout import LAYOUT_FILE_NAME, Layout, layout_from_state_dict, save_layout
 
 __all__ = ["LIGHTNING_META_FILE", "META_STATE_NOTE", "checkpoint_layout", "save_dcp_atomically"]
@@ -54,12 +60,36 @@ def save_dcp_atomically(
     staging = staging_dir(target)
     if global_rank == 0:
         discard(staging)  # the leftovers of a save that crashed
-        staging.mkdir(parents=True)
+        with write_errors_in_words(staging):
+            staging.mkdir(parents=True)
     barrier()
     layout = checkpoint_layout(state, world_size) if global_rank == 0 else None
-    dcp.save(state, checkpoint_id=staging)
-    if global_rank == 0:
-        torch.save(metadata, staging / LIGHTNING_META_FILE)
-        save_layout(layout, staging / LAYOUT_FILE_NAME)
-        commit_folder(staging, target)
+    try:
+        dcp.save(state, checkpoint_id=staging)
+        if global_rank == 0:
+            with write_errors_in_words(staging):
+                torch.save(metadata, staging / LIGHTNING_META_FILE)
+                save_layout(layout, staging / LAYOUT_FILE_NAME)
+                write_save_digests(staging)  # last: what binds this save's files together
+                commit_folder(staging, target)
+    except BaseException as error:
+        # DCP's own report holds every rank's traceback, many lines: one line in words instead (judged before the
+        # staging folder, whose files tell a size limit, is removed).
+        in_words = _in_words(error, staging) if isinstance(error, CheckpointException) else None
+        if global_rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)  # a failed save leaves nothing behind
+        if in_words is not None:
+            raise in_words from None
+        raise
     barrier()
+
+
+def _in_words(error: CheckpointException, staging: Path) -> OSError:
+    """DCP's report of a failed write as one line naming the folder: the first rank's failure, in words."""
+    failures = list(getattr(error, "failures", {}).values())
+    first = failures[0] if failures else error
+    failure = first[0] if isinstance(first, tuple) else first  # (DCP pairs each rank's exception with its trace)
+    # torch's writer reports a failed write as a RuntimeError ("unexpected pos"): judged by the disk, like an OSError
+    as_os_error = failure if isinstance(failure, OSError) else OSError(errno.EIO, reason_of(failure))
+    reason = full_disk_reason(staging, as_os_error) or reason_of(failure)
+    return OSError(f"could not write the checkpoint into {str(staging)!r}: {reason}")

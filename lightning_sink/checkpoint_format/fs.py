@@ -21,6 +21,8 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
+from lightning_sink.regular_file import open_regular
+
 __all__ = [
     "DiskFullError",
     "check_file_prefix",
@@ -34,6 +36,7 @@ __all__ = [
     "remove_leftovers",
     "sha256_inside",
     "sha256_of_file",
+    "write_new_file",
 ]
 
 _HASH_BLOCK = 1 << 23
@@ -48,6 +51,8 @@ def check_relative_name(name: object, what: str) -> PurePosixPath:
     if not isinstance(name, str) or not name:
         raise ValueError(f"{what}: {name!r} is not a file name")
     pure = PurePosixPath(name)
+    if not pure.parts or name.endswith("/"):
+        raise ValueError(f"{what}: {name!r} names no file")
     if pure.is_absolute() or ".." in pure.parts or "\\" in name or "\x00" in name:
         raise ValueError(f"{what}: path {name!r} would escape its folder")
     return pure
@@ -77,15 +82,21 @@ def inside(folder: Path, name: str, what: str) -> Path:
 
 
 def open_nofollow(path: Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> int:
-    """``os.open`` that refuses a symbolic link as the last component (ValueError naming the file)."""
+    """``os.open`` that refuses a symbolic link as the last component and anything but a regular file (a FIFO, a
+    device, a socket): ValueError naming the file (see regular_file.py)."""
+    return open_regular(path, flags, mode)
+
+
+def write_new_file(path: Path, data: bytes) -> None:
+    """Create ``path`` exclusively (never through a planted link or onto an existing file), write ``data``, sync."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
     try:
-        return os.open(path, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), mode)
-    except OSError as error:
-        if error.errno == errno.ELOOP:
-            raise ValueError(
-                f"{str(path)!r} is a symbolic link; links inside a checkpoint folder are not followed"
-            ) from None
-        raise
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def open_inside(folder: Path, name: str, what: str, flags: int = os.O_RDONLY) -> int:
@@ -98,9 +109,14 @@ def open_inside(folder: Path, name: str, what: str, flags: int = os.O_RDONLY) ->
             following = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=directory)
             os.close(directory)
             directory = following
-        return os.open(parts[-1], flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), dir_fd=directory)
+        return open_regular(parts[-1], flags, dir_fd=directory)
     except FileNotFoundError:
         raise FileNotFoundError(f"{what}: {str(Path(folder, *parts))!r} does not exist") from None
+    except ValueError:
+        raise ValueError(
+            f"{what}: {str(Path(folder, *parts))!r} is a symbolic link or not a regular file; links and special"
+            " files inside a checkpoint folder are refused"
+        ) from None
     except OSError as error:
         if error.errno in (errno.ELOOP, errno.ENOTDIR):
             raise ValueError(
@@ -129,9 +145,9 @@ def sha256_inside(folder: Path, name: str, what: str) -> tuple[str, int]:
 
 
 def sha256_of_file(path: Path) -> str:
-    """SHA-256 hex of a file this process wrote or was handed by path."""
+    """SHA-256 hex of a file this process wrote or was handed by path (a regular file, not reached by a link)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with os.fdopen(open_nofollow(path), "rb") as handle:
         while data := handle.read(_HASH_BLOCK):
             digest.update(data)
     return digest.hexdigest()

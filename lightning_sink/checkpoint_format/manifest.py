@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_sink.checkpoint_format.fs import check_file_prefix, check_relative_name, read_inside
+from lightning_sink.checkpoint_format.fs import check_file_prefix, check_relative_name, read_inside, write_new_file
 from lightning_sink.layout.bounded_json import loads_bounded
 
 __all__ = [
@@ -54,10 +54,7 @@ def safe_relative_path(name: str, root: Path, what: str) -> Path:
 
 def write_manifest(folder: Path, manifest: Manifest) -> Path:
     path = folder / MANIFEST_FILE_NAME
-    with open(path, "w") as handle:
-        handle.write(manifest.to_json())
-        handle.flush()
-        os.fsync(handle.fileno())
+    write_new_file(path, manifest.to_json().encode())
     return path
 
 

@@ -25,8 +25,11 @@ import torch
 
 from lightning_sink.checkpoint_format.fs import sha256_of_file
 from lightning_sink.checkpoint_format.manifest import MANIFEST_FILE_NAME, read_manifest
+from lightning_sink.error_text import reason_of
+from lightning_sink.layout.io import parse_layout
 from lightning_sink.layout.schema import Layout
 from lightning_sink.layout.validation import torch_dtype
+from lightning_sink.regular_file import open_regular, read_regular
 
 __all__ = [
     "RANK_FILE_FORMAT",
@@ -46,6 +49,8 @@ __all__ = [
 RANK_FILE_FORMAT = "lightning-sink-resharded-rank"
 RANK_FILE_VERSION = 1
 RANK_DIR_PATTERN = re.compile(r"^rank_(\d+)$")
+_SIDECAR = re.compile(rb"([0-9a-f]{64}) (\d{1,20})\n?")
+_SIDECAR_BYTES = 128
 
 
 def rank_dir_name(rank: int) -> str:
@@ -71,10 +76,13 @@ def expected_digest(path: Path) -> tuple[str, int] | None:
         if entry is not None:
             return entry["sha256"], entry["bytes"]
     sidecar = sidecar_path(path)
-    if sidecar.is_file():
-        digest, _, size = sidecar.read_text().strip().partition(" ")
-        return digest, int(size)
-    return None
+    if not os.path.lexists(sidecar):
+        return None
+    data = read_regular(sidecar, _SIDECAR_BYTES, "digest sidecar")  # a link or FIFO refused, never followed
+    match = _SIDECAR.fullmatch(data)
+    if match is None:  # (its content is not quoted: it may be anything a link pointed at)
+        raise ValueError(f"digest sidecar {str(sidecar)!r} is not '<64 hex digits> <bytes>'")
+    return match.group(1).decode(), int(match.group(2))
 
 
 def load_rank_payload(path: str | os.PathLike) -> dict[str, Any]:
@@ -83,9 +91,16 @@ def load_rank_payload(path: str | os.PathLike) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"resharded checkpoint file {str(path)!r} does not exist")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        handle = os.fdopen(open_regular(path), "rb")  # no link followed, no FIFO waited on
+    except ValueError as error:
+        raise ValueError(f"resharded checkpoint file: {error}") from None
+    try:
+        with handle:
+            payload = torch.load(handle, map_location="cpu", weights_only=True)
     except Exception as error:
-        raise ValueError(f"resharded checkpoint file {str(path)!r} is truncated or corrupt: {error}") from None
+        raise ValueError(
+            f"resharded checkpoint file {str(path)!r} is truncated or corrupt: {reason_of(error)}"
+        ) from None
     _check_header(payload, path)
     return payload
 
@@ -94,13 +109,26 @@ def read_rank_file_header(path: Path) -> dict[str, Any]:
     """The rank file's non-tensor parts (layout parsed), reading no tensor data (meta-device load); a ``torch.save``
     file of another kind gives ``{"layout": None}``."""
     try:
-        payload = torch.load(path, map_location="meta", weights_only=True)
+        handle = os.fdopen(open_regular(path), "rb")  # no link followed, no FIFO waited on
+    except ValueError as error:
+        raise ValueError(f"rank file: {error}") from None
+    try:
+        with handle:
+            payload = torch.load(handle, map_location="meta", weights_only=True)
     except Exception as error:
-        raise ValueError(f"rank file {str(path)!r} is truncated or corrupt: {error}") from None
+        raise ValueError(f"rank file {str(path)!r} is truncated or corrupt: {reason_of(error)}") from None
     if not isinstance(payload, dict) or payload.get("format") != RANK_FILE_FORMAT:
         return {"layout": None}
     _check_header(payload, path)
-    return {**payload, "layout": Layout.from_json(payload["layout"]), "tensors": None}
+    return {**payload, "layout": _embedded_layout(payload, path), "tensors": None}
+
+
+def _embedded_layout(payload: Mapping[str, Any], path: Path) -> Layout:
+    """The layout a rank file embeds, validated like any layout file."""
+    text = payload.get("layout")
+    if not isinstance(text, str):
+        raise ValueError(f"rank file {str(path)!r}: its embedded layout is not JSON text")
+    return parse_layout(text, f"rank file {str(path)!r}: embedded layout")
 
 
 def _check_header(payload: Any, path: Path) -> None:
@@ -110,6 +138,24 @@ def _check_header(payload: Any, path: Path) -> None:
         raise ValueError(
             f"{str(path)!r}: unknown resharded file version {payload.get('version')!r} (this reads {RANK_FILE_VERSION})"
         )
+    rank = payload.get("rank")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise ValueError(f"rank file {str(path)!r}: 'rank' is not a rank number")
+    for key, kind in _HEADER_FIELDS.items():
+        value = payload.get(key)
+        if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, kind) for k, v in value.items()):
+            raise ValueError(f"rank file {str(path)!r}: {key!r} is not a map of names to {kind.__name__}")
+
+
+# The header fields of a rank file and the kind of value each maps its names to ("tensors": torch.Tensor, checked
+# where they are read).
+_HEADER_FIELDS: dict[str, type] = {
+    "tensors": torch.Tensor,
+    "non_tensor_state": bytes,
+    "extra_files": bytes,
+    "paths": list,
+    "provenance": object,
+}
 
 
 def check_rank_payload(payload: Mapping[str, Any], layout: Layout, rank: int, name: str) -> None:
@@ -150,7 +196,7 @@ def load_resharded_checkpoint(path: str | os.PathLike, *, verify: bool = True) -
                 f"{str(path)!r}: SHA-256 or size differs from the manifest: the file is corrupt or replaced"
             )
     payload = load_rank_payload(path)
-    layout = Layout.from_json(payload["layout"])
+    layout = _embedded_layout(payload, path)
     check_rank_payload(payload, layout, payload["rank"], str(path))
     return {**payload, "layout": layout}
 

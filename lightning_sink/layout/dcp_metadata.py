@@ -8,19 +8,30 @@ with an unpickler that admits only DCP's metadata classes and a few torch value 
 
 from __future__ import annotations
 
+import hashlib
+import io
 import math
 import os
 import pickle
 import re
 from pathlib import Path
 
+import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from lightning_sink.error_text import reason_of
 from lightning_sink.layout.from_state_dict import role_of
 from lightning_sink.layout.schema import Chunk, Layout, MeshLayout, PipelineLayout, TensorLayout
 from lightning_sink.layout.validation import validate_layout
+from lightning_sink.regular_file import open_regular
 
-__all__ = ["DCP_METADATA_FILE", "read_dcp_metadata", "storage_rank", "layout_from_dcp_metadata"]
+__all__ = [
+    "DCP_METADATA_FILE",
+    "read_dcp_metadata",
+    "read_dcp_metadata_and_digest",
+    "storage_rank",
+    "layout_from_dcp_metadata",
+]
 
 DCP_METADATA_FILE = ".metadata"
 _STORAGE_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -56,23 +67,89 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_dcp_metadata(checkpoint_dir: str | os.PathLike) -> Metadata:
     """The DCP ``Metadata`` of ``checkpoint_dir``, loaded without running pickled code."""
+    return read_dcp_metadata_and_digest(checkpoint_dir)[0]
+
+
+def read_dcp_metadata_and_digest(checkpoint_dir: str | os.PathLike) -> tuple[Metadata, str]:
+    """The metadata and the SHA-256 of the very bytes it was read from (read once: a file replaced meanwhile cannot
+    give one save's metadata under another's digest)."""
     path = Path(checkpoint_dir) / DCP_METADATA_FILE
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(
             f"{str(Path(checkpoint_dir))!r} is not a DCP checkpoint folder: no {DCP_METADATA_FILE} file"
         )
-    if path.is_symlink():
-        raise ValueError(
-            f"DCP metadata file {str(path)!r} is a symbolic link; links inside a checkpoint folder are not followed"
-        )
     try:
-        with open(path, "rb") as handle:
-            metadata = _MetadataUnpickler(handle).load()
+        with os.fdopen(open_regular(path), "rb") as handle:
+            data = handle.read()
+    except ValueError as error:
+        raise ValueError(f"DCP metadata file: {error}") from None
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as error:  # a truncated or foreign pickle raises anything from EOFError to KeyError
-        raise ValueError(f"DCP metadata file {str(path)!r} is unreadable or not DCP metadata: {error}") from None
+        raise ValueError(
+            f"DCP metadata file {str(path)!r} is unreadable or not DCP metadata: {reason_of(error)}"
+        ) from None
     if not isinstance(metadata, Metadata):
         raise ValueError(f"DCP metadata file {str(path)!r} holds a {type(metadata).__name__}, not DCP Metadata")
-    return metadata
+    fault = _structure_fault(metadata)
+    if fault is not None:
+        raise ValueError(f"DCP metadata file {str(path)!r} is malformed: {fault}")
+    return metadata, hashlib.sha256(data).hexdigest()
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _counts(value: object) -> bool:
+    return isinstance(value, (tuple, list)) and all(_is_count(item) for item in value)
+
+
+def _structure_fault(metadata: Metadata) -> str | None:
+    """What is wrong with the shape of unpickled metadata (the unpickler builds objects without their constructors,
+    so any field may be missing or of another kind), or None. Everything the package reads is checked here, once."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    items = getattr(metadata, "state_dict_metadata", None)
+    storage = getattr(metadata, "storage_data", None)
+    planner = getattr(metadata, "planner_data", None)
+    if not isinstance(items, dict):
+        return "state_dict_metadata is not a map"
+    if storage is not None and not isinstance(storage, dict):
+        return "storage_data is not a map"
+    if planner is not None and not (
+        isinstance(planner, dict)
+        and all(isinstance(v, (list, tuple)) and all(isinstance(k, (str, int)) for k in v) for v in planner.values())
+    ):
+        return "planner_data is not a map of key paths"
+    for fqn, item in items.items():
+        if not isinstance(fqn, str):
+            return f"entry {fqn!r} is not named by a string"
+        if isinstance(item, BytesStorageMetadata):
+            continue
+        if not isinstance(item, TensorStorageMetadata):
+            return f"entry {fqn!r} has unknown storage type {type(item).__name__}"
+        size, chunks = getattr(item, "size", None), getattr(item, "chunks", None)
+        dtype = getattr(getattr(item, "properties", None), "dtype", None)
+        if not _counts(size) or not isinstance(dtype, torch.dtype) or not isinstance(chunks, list):
+            return f"tensor {fqn!r} has no valid size, dtype or chunk list"
+        for chunk in chunks:
+            if not isinstance(chunk, ChunkStorageMetadata) or not (
+                _counts(getattr(chunk, "offsets", None))
+                and _counts(getattr(chunk, "sizes", None))
+                and len(chunk.offsets) == len(chunk.sizes) == len(size)
+            ):
+                return f"tensor {fqn!r} has a chunk without valid offsets and sizes"
+    for index, info in (storage or {}).items():
+        if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None), str):
+            return "storage_data has a key that is not a metadata index"
+        if not (
+            isinstance(getattr(info, "relative_path", None), str)
+            and _is_count(getattr(info, "offset", None))
+            and _is_count(getattr(info, "length", None))
+        ):
+            return f"the storage entry of {index.fqn!r} has no valid file name, offset or length"
+    return None
 
 
 def storage_rank(relative_path: str) -> int:
@@ -83,18 +160,33 @@ def storage_rank(relative_path: str) -> int:
     return int(match.group(1))
 
 
-def layout_from_dcp_metadata(checkpoint_dir: str | os.PathLike, *, world_size: int | None = None) -> Layout:
+def layout_from_dcp_metadata(
+    checkpoint_dir: str | os.PathLike, *, world_size: int | None = None, metadata: Metadata | None = None
+) -> Layout:
     """The layout of a DCP folder: every stored chunk under the rank whose file holds it, on a 1-D mesh.
 
     ``world_size`` defaults to one more than the highest rank among the folder's storage files.
     """
     checkpoint_dir = Path(checkpoint_dir)
-    metadata = read_dcp_metadata(checkpoint_dir)
+    if metadata is None:
+        metadata = read_dcp_metadata(checkpoint_dir)
     storage = metadata.storage_data or {}
-    ranks_on_disk = [storage_rank(p.name) for p in checkpoint_dir.glob("__*_*.distcp") if _STORAGE_FILE.match(p.name)]
-    ranks_in_metadata = [storage_rank(info.relative_path) for info in storage.values()]
+    ranks_on_disk = {storage_rank(p.name) for p in checkpoint_dir.glob("__*_*.distcp") if _STORAGE_FILE.match(p.name)}
+    try:
+        ranks_in_metadata = {storage_rank(info.relative_path) for info in storage.values()}
+    except ValueError as error:
+        raise ValueError(f"DCP checkpoint {str(checkpoint_dir)!r}: {error}") from None
+    named = max(ranks_on_disk | ranks_in_metadata, default=0) + 1
+    # Every rank of a DCP save writes its own file (an empty one when it holds nothing), so a save by N ranks leaves
+    # N files: a rank number far beyond the files present is a name, not a save (and sizing anything by it would
+    # let one empty file claim any amount of memory). A few missing files are left for check_files to name.
+    if named > 2 * len(ranks_on_disk) + 1:
+        raise ValueError(
+            f"DCP checkpoint {str(checkpoint_dir)!r}: its storage files name rank {named - 1}, but only"
+            f" {len(ranks_on_disk)} rank(s) have a file (a save by N ranks writes __<rank>_0.distcp for each)"
+        )
     if world_size is None:
-        world_size = max(ranks_on_disk + ranks_in_metadata, default=0) + 1
+        world_size = named
     mesh = MeshLayout.one_dimensional(world_size)
     tensors: dict[str, TensorLayout] = {}
     non_tensor_state: dict[str, str] = {}

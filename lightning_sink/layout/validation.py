@@ -11,10 +11,21 @@ from lightning_sink.layout.geometry import parse_placement
 from lightning_sink.layout.schema import TENSOR_ROLES, Chunk, Layout, MeshLayout, TensorLayout
 from lightning_sink.layout.tiling import MAX_INNER_DIMS, tiling_fault
 
-__all__ = ["MAX_DIMS", "MAX_INNER_DIMS", "MAX_TENSOR_BYTES", "MAX_WORLD_SIZE", "validate_layout", "torch_dtype"]
+__all__ = [
+    "MAX_DIMS",
+    "MAX_INNER_DIMS",
+    "MAX_PIPELINE_STAGES",
+    "MAX_TENSOR_BYTES",
+    "MAX_WORLD_SIZE",
+    "validate_layout",
+    "torch_dtype",
+]
 
 MAX_DIMS = 64  # torch's own limit on a tensor's dims
 MAX_WORLD_SIZE = 2**24  # far beyond any job; bounds the per-rank loops a per-stage layout's stage count could inflate
+# Far beyond any pipeline (a stage holds at least one layer); a per-stage layout's world is its mesh times this, so
+# an unbounded count would let a file of a few bytes claim millions of ranks.
+MAX_PIPELINE_STAGES = 1024
 MAX_TENSOR_BYTES = 2**63 - 1  # a tensor's byte size is an int64 in torch
 
 
@@ -32,8 +43,11 @@ def validate_layout(layout: Layout, source: str = "layout") -> Layout:
         raise ValueError(f"{source}: world_size must be a positive integer, got {layout.world_size!r}")
     _validate_mesh(layout.mesh, layout.world_size, source)
     pipeline = layout.pipeline
-    if not _is_int(pipeline.num_stages) or pipeline.num_stages < 1:
-        raise ValueError(f"{source}: pipeline.num_stages must be a positive integer, got {pipeline.num_stages!r}")
+    if not _is_int(pipeline.num_stages) or not 1 <= pipeline.num_stages <= MAX_PIPELINE_STAGES:
+        raise ValueError(
+            f"{source}: pipeline.num_stages must be an integer from 1 to {MAX_PIPELINE_STAGES},"
+            f" got {pipeline.num_stages!r}"
+        )
     _validate_world_size(layout, source)
     if pipeline.stage is not None and not (_is_int(pipeline.stage) and 0 <= pipeline.stage < pipeline.num_stages):
         raise ValueError(f"{source}: pipeline.stage {pipeline.stage!r} is outside 0..{pipeline.num_stages - 1}")

@@ -76,7 +76,7 @@ def _read_through(archive: zipfile.ZipFile, info: zipfile.ZipInfo, what: str) ->
         with archive.open(info) as record:
             while block := record.read(_READ_BLOCK):
                 read += len(block)
-    except (zipfile.BadZipFile, EOFError, OSError) as error:
+    except (zipfile.BadZipFile, EOFError, OSError, ValueError) as error:  # (a garbled name: UnicodeDecodeError)
         raise ValueError(
             f"{what}: record {info.filename!r} does not match its CRC-32 or is cut short ({error}): the bytes are"
             " corrupt"

@@ -10,11 +10,12 @@ from pathlib import Path
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from lightning_sink.checkpoint_format.dcp_folder import LIGHTNING_META_FILE
-from lightning_sink.checkpoint_format.fs import inside, open_nofollow, read_inside, sha256_of_file
+from lightning_sink.checkpoint_format.fs import inside, open_nofollow, read_inside
+from lightning_sink.checkpoint_format.save_digests import check_save_digests
 from lightning_sink.layout.dcp_metadata import (
     DCP_METADATA_FILE,
     layout_from_dcp_metadata,
-    read_dcp_metadata,
+    read_dcp_metadata_and_digest,
     storage_rank,
 )
 from lightning_sink.layout.io import load_layout, resolve_layout_path
@@ -29,10 +30,10 @@ __all__ = ["DcpSource"]
 class DcpSource(Source):
     def __init__(self, folder: Path, layout_file: Path | None, allowed: Mapping[int, Path] | None = None):
         self.folder = folder
-        self.metadata = read_dcp_metadata(folder)
+        self.metadata, metadata_digest = read_dcp_metadata_and_digest(folder)
         declared_path = layout_file or own_layout_file(folder)
         declared = load_layout(declared_path) if declared_path is not None else None
-        storage = layout_from_dcp_metadata(folder)
+        storage = layout_from_dcp_metadata(folder, metadata=self.metadata)
         if declared is not None:
             layout_name = str(resolve_layout_path(declared_path))
             if declared.world_size < storage.world_size:
@@ -41,7 +42,7 @@ class DcpSource(Source):
                     f" checkpoint was saved by {storage.world_size} ranks, the layout has world size"
                     f" {declared.world_size}"
                 )
-            storage = layout_from_dcp_metadata(folder, world_size=declared.world_size)
+            storage = layout_from_dcp_metadata(folder, world_size=declared.world_size, metadata=self.metadata)
             _check_layout_matches_storage(declared, storage, layout_name, str(folder))
         # A rank may have written several files (__{rank}_0.distcp, __{rank}_1.distcp, ...): keep them all.
         self.rank_files: dict[int, set[Path]] = {}
@@ -51,9 +52,7 @@ class DcpSource(Source):
         if allowed is not None:  # transform_checkpoint_by_rank: only the ranks in the map may be read
             files = {rank: path for rank, path in files.items() if rank in allowed}
         paths = {fqn: list(path) for fqn, path in (self.metadata.planner_data or {}).items()}
-        super().__init__(
-            f"DCP checkpoint {str(folder)!r}", storage, files, sha256_of_file(folder / DCP_METADATA_FILE), paths
-        )
+        super().__init__(f"DCP checkpoint {str(folder)!r}", storage, files, metadata_digest, paths)
 
     def _file(self, relative_path: str) -> Path:
         """A storage file named by the metadata, inside the folder and reached without a symbolic link."""
@@ -67,7 +66,10 @@ class DcpSource(Source):
         raise ValueError(f"{self.description}: tensor {fqn!r} has no stored chunk at offsets {list(chunk.offsets)}")
 
     def check_files(self, ranks: list[int]) -> None:
+        """Also: the needed files belong to one save (``SAVE_DIGESTS.json``, when this package saved the folder)
+        and are long enough for the records the metadata puts in them."""
         super().check_files(ranks)
+        self._check_one_save(ranks)
         for rank in ranks:
             for path in sorted(self.rank_files.get(rank, ())):
                 if not path.is_file():
@@ -92,6 +94,17 @@ class DcpSource(Source):
                         f" {list(stored.sizes)} {item.properties.dtype}, {nbytes} bytes, but its record in"
                         f" {str(path)!r} holds {info.length}"
                     )
+
+    def _check_one_save(self, ranks: list[int]) -> None:
+        names = [DCP_METADATA_FILE] + [p.name for rank in ranks for p in sorted(self.rank_files.get(rank, ()))]
+        if os.path.lexists(self.folder / LIGHTNING_META_FILE):
+            names.append(LIGHTNING_META_FILE)
+        read = check_save_digests(
+            self.folder, [n for n in names if str(self.folder / n) not in self.verified_files], self.description
+        )
+        if read is not None:
+            self.verify_bytes_read += read
+            self.verified_files.update(str(self.folder / name) for name in names)
 
     def locate(self, chunk: Chunk, fqn: str, stats: ReadStats, fds) -> TensorLocation:
         info = self._info(fqn, chunk)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from lightning_sink.checkpoint_format.dcp_folder import LIGHTNING_META_FILE
+from lightning_sink.error_text import reason_of
 from lightning_sink.layout.io import load_layout
 from lightning_sink.layout.schema import Chunk, Layout, MeshLayout, TensorLayout
 from lightning_sink.reshard.carried_integrity import check_untensored_records
@@ -111,7 +112,7 @@ class OneDeviceSource(Source):
         try:
             return torch.load(self.path, map_location="cpu", mmap=True, weights_only=True)
         except Exception as error:
-            raise ValueError(f"{self.description}: truncated or corrupt torch.save data: {error}") from None
+            raise ValueError(f"{self.description}: truncated or corrupt torch.save data: {reason_of(error)}") from None
 
     def non_tensor_state(self, stats: ReadStats) -> dict[str, bytes]:
         objects = self._objects()

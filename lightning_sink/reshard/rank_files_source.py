@@ -147,7 +147,8 @@ def rank_files_in(folder: Path) -> dict[int, Path]:
         candidates = sorted(
             inside(child, p.name, f"rank folder {str(child)!r}")
             for p in child.iterdir()
-            if p.suffix in (".pt", ".ckpt", ".pth") and (p.is_file() or p.is_symlink())
+            if p.suffix in (".pt", ".ckpt", ".pth")
+            and (p.is_symlink() or not p.is_dir())  # FIFOs too: refused when opened
         )
         if len(candidates) != 1:
             raise ValueError(

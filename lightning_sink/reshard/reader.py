@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from lightning_sink.checkpoint_format.fs import open_nofollow
+from lightning_sink.error_text import reason_of
 from lightning_sink.reshard.integrity import PartCrc, RecordChecks, WholeCrc
 from lightning_sink.reshard.plan import Box
 
@@ -125,7 +126,7 @@ def locate_tensors(fd: int, path: Path, base: int, length: int, what: str, stats
         loaded = torch.load(window, map_location="meta", weights_only=True)
     except Exception as error:  # a damaged zip raises RuntimeError, a damaged pickle UnpicklingError, ...
         raise ValueError(
-            f"{what}: truncated or corrupt torch.save data at bytes {base}..{base + length}: {error}"
+            f"{what}: truncated or corrupt torch.save data at bytes {base}..{base + length}: {reason_of(error)}"
         ) from None
     finally:
         stats.header_bytes_read += window.bytes_read

@@ -45,10 +45,15 @@ class Source:
         """Fail before any work when a needed rank file is missing."""
         for rank in ranks:
             path = self.files.get(rank)
-            if path is None or not path.is_file():
+            if path is None or not os.path.lexists(path):
                 raise FileNotFoundError(
                     f"{self.description}: the file of source rank {rank} is missing"
                     + (f" ({str(path)!r})" if path is not None else "")
+                )
+            if path.is_symlink() or not path.is_file():
+                raise ValueError(
+                    f"{self.description}: source rank {rank}'s file {str(path)!r} is a symbolic link or not a"
+                    " regular file (a FIFO, device or socket); links and special files are refused"
                 )
 
 

@@ -8,37 +8,37 @@ the destination, with a manifest of SHA-256 digests written last, then renamed i
 from __future__ import annotations
 
 import errno
-import fcntl
+import hashlib
 import math
 import os
-import resource
-import shutil
 import time
 import uuid
 import zipfile
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lightning_sink.checkpoint_format.atomic import commit_folder, staging_dir
+from lightning_sink.checkpoint_format.destination import (
+    check_destination_path,
+    check_replaceable,
+    exclusive,
+    staged_folder,
+    write_errors_in_words,
+)
 from lightning_sink.checkpoint_format.fs import (
-    DiskFullError,
     check_file_prefix,
     check_room_for,
     fsync_dir,
-    open_nofollow,
-    remove_leftovers,
     sha256_of_file,
+    write_new_file,
 )
 from lightning_sink.checkpoint_format.manifest import Manifest, read_manifest, write_manifest
 from lightning_sink.checkpoint_format.rank_file import (
     RANK_FILE_FORMAT,
     RANK_FILE_VERSION,
-    rank_dir_name,
     rank_file_name,
     read_rank_file_header,
     sidecar_path,
@@ -56,11 +56,13 @@ from lightning_sink.reshard.workers import run_in_workers
 from lightning_sink.reshard.writer import StreamedRankFile, write_memory_bytes
 
 __all__ = [
+    "Conversion",
     "ReshardReport",
     "RankResult",
     "transform_checkpoints",
     "transform_checkpoint_by_rank",
     "rank_list_for_transform",
+    "convert_one_rank",
 ]
 
 LayoutArg = str | os.PathLike | Layout | None
@@ -77,6 +79,14 @@ class RankResult:
     stats: ReadStats
     peak_rss_bytes: int
     seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {**vars(self), "stats": vars(self.stats)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> RankResult:
+        fields = {name: data[name] for name in cls.__dataclass_fields__}
+        return cls(**{**fields, "stats": ReadStats(**data["stats"])})
 
 
 @dataclass
@@ -198,7 +208,7 @@ def _convert_rank(
     """Write target rank ``plan.rank``'s file; the parts of records it read in part are left in ``checks``."""
     stats = ReadStats()
     payload = _payload(plan, source, dst, stats, provenance)
-    with _write_errors_in_words(out_path):
+    with write_errors_in_words(out_path):
         try:
             out = StreamedRankFile(out_path, payload)
         except RuntimeError as error:  # torch.save says a failed write so ("unexpected pos", "iostream error")
@@ -212,34 +222,6 @@ def _convert_rank(
     return digest, size, stats
 
 
-@contextmanager
-def _write_errors_in_words(path: Path) -> Iterator[None]:
-    """A write of ``path`` that fails (a full disk, the file-size limit, torch.save's own report of either) becomes
-    one OSError naming the file and, where it can be told, the reason in words."""
-    try:
-        yield
-    except DiskFullError:
-        raise
-    except OSError as error:
-        if error.filename is not None and Path(error.filename) != path:
-            raise  # not this file's write (e.g. a source that vanished)
-        reason = _full_disk_reason(path, error)
-        raise (DiskFullError if reason else OSError)(f"could not write {str(path)!r}: {reason or error}") from None
-
-
-def _full_disk_reason(path: Path, error: OSError) -> str | None:
-    if error.errno == errno.ENOSPC or error.errno == errno.EDQUOT:
-        return "the disk is full"
-    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    written = path.stat().st_size if path.exists() else 0
-    if error.errno == errno.EFBIG or (limit != resource.RLIM_INFINITY and written >= limit):
-        return f"the file reached this process's file-size limit ({limit} bytes)"
-    stats = os.statvfs(path.parent)
-    if stats.f_bavail == 0:
-        return "the disk is full"
-    return None
-
-
 def _check_room(plans: list[RankPlan], target: Layout, output: Path) -> None:
     """Refuse before writing when the rank files (at least their shards and layout) cannot fit."""
     header = len(target.to_json())
@@ -248,8 +230,6 @@ def _check_room(plans: list[RankPlan], target: Layout, output: Path) -> None:
 
 
 def _provenance(source: Source, dst: Layout, ckpt_prefix: str) -> dict[str, Any]:
-    import hashlib
-
     return {
         "source_fingerprint": source.fingerprint,
         "target_layout_sha256": hashlib.sha256(dst.to_json().encode()).hexdigest(),
@@ -273,102 +253,78 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+@dataclass(frozen=True)
+class Conversion:
+    """One conversion, described once: what the in-process path and every worker need to convert a target rank."""
+
+    src_dir: Path
+    src_layout: Path | None  # None: the source's own layout (its layout.json, DCP metadata or embedded)
+    target: Layout
+    ckpt_prefix: str
+    staging: Path  # where the rank files are written before the commit
+    verified_files: frozenset[str]  # source files whose whole SHA-256 was checked (their records need no CRC-32)
+
+    def open_source(self) -> Source:
+        roles = self.target if self.src_dir.is_file() else None  # a one-device file's buffers, by the target's roles
+        return open_source(self.src_dir, self.src_layout, roles=roles)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "src_dir": str(self.src_dir),
+            "src_layout": None if self.src_layout is None else str(self.src_layout),
+            "target": self.target.to_json(),
+            "ckpt_prefix": self.ckpt_prefix,
+            "staging": str(self.staging),
+            "verified_files": sorted(self.verified_files),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Conversion:
+        return cls(
+            Path(data["src_dir"]),
+            None if data["src_layout"] is None else Path(data["src_layout"]),
+            Layout.from_json(data["target"]),
+            data["ckpt_prefix"],
+            Path(data["staging"]),
+            frozenset(data["verified_files"]),
+        )
+
+
+def convert_one_rank(
+    conversion: Conversion,
+    source: Source,
+    plan: RankPlan,
+    checks: RecordChecks,
+    on_shard: Callable[[int], None] | None = None,
+) -> RankResult:
+    """Target rank ``plan.rank``'s file in the staging folder; the same steps in this process and in a worker."""
+    started = time.perf_counter()
+    relative = rank_file_name(plan.rank, conversion.ckpt_prefix)
+    out_path = conversion.staging / relative
+    with write_errors_in_words(out_path.parent):
+        out_path.parent.mkdir(exist_ok=True)
+    provenance = _provenance(source, conversion.target, conversion.ckpt_prefix)
+    digest, size, stats = _convert_rank(plan, source, conversion.target, out_path, provenance, checks, on_shard)
+    return RankResult(plan.rank, relative, digest, size, stats, peak_rss_bytes(), time.perf_counter() - started)
+
+
 def worker_main(task: dict) -> int:
     """A worker process's entry (see workers.py): convert one target rank, print the result as JSON."""
     import json
     import sys
 
     try:
-        result = _convert_task(task)
+        conversion = Conversion.from_json(task["conversion"])
+        source = conversion.open_source()
+        checks = RecordChecks(set(conversion.verified_files))
+        result = convert_one_rank(conversion, source, plan_rank(task["rank"], source.layout, conversion.target), checks)
     except (ValueError, FileNotFoundError, TypeError, OSError) as error:
         kind = type(error).__name__ if isinstance(error, (ValueError, FileNotFoundError, TypeError)) else "OSError"
         print(json.dumps({"error": kind, "message": str(error)}))
         return 1
-    print(json.dumps({"result": result}))
+    print(json.dumps({"result": {**result.to_json(), "checks": checks.to_json()}}))
     sys.stdout.flush()
     return 0
-
-
-def _convert_task(task: dict) -> dict:
-    started = time.perf_counter()
-    rank, staging, ckpt_prefix = task["rank"], Path(task["staging"]), task["ckpt_prefix"]
-    dst = Layout.from_json(task["dst_layout"])
-    source = open_source(task["src_dir"], task["src_layout"], roles=dst)
-    relative = rank_file_name(rank, ckpt_prefix)
-    (staging / rank_dir_name(rank)).mkdir(parents=True, exist_ok=True)
-    plan = plan_rank(rank, source.layout, dst)
-    checks = RecordChecks(set(task["verified_files"]))
-    digest, size, stats = _convert_rank(
-        plan, source, dst, staging / relative, _provenance(source, dst, ckpt_prefix), checks
-    )
-    return {
-        "rank": rank,
-        "relative_path": relative,
-        "sha256": digest,
-        "bytes_written": size,
-        "stats": vars(stats),
-        "checks": checks.to_json(),
-        "peak_rss_bytes": peak_rss_bytes(),
-        "seconds": time.perf_counter() - started,
-    }
-
-
-def _prepare_destination(dst: Path, provenance: dict, overwrite: bool) -> None:
-    """Refuse a destination holding anything but this same conversion, unless ``overwrite``; clear leftovers of
-    killed runs (staging and retired folders are never visible as the destination)."""
-    remove_leftovers(dst.parent, dst.name, ("staging",))
-    if not dst.exists():
-        return
-    if not dst.is_dir():
-        raise ValueError(f"dst_checkpoints_dir={str(dst)!r} exists and is not a folder")
-    if overwrite or not any(dst.iterdir()):
-        return
-    try:
-        previous = read_manifest(dst).provenance
-    except (FileNotFoundError, ValueError):
-        previous = None
-    same = previous is not None and all(
-        previous.get(k) == provenance[k] for k in ("source_fingerprint", "target_layout_sha256", "ckpt_prefix")
-    )
-    if not same:
-        raise ValueError(
-            f"dst_checkpoints_dir={str(dst)!r} already holds a different checkpoint (or other files);"
-            " pass overwrite=True (--overwrite on the command line) to replace it, or choose an empty"
-            " folder"
-        )
-
-
-@contextmanager
-def _exclusive(dst: Path) -> Iterator[None]:
-    """Only one conversion at a time into ``dst``: another would clear this one's staging folder as a leftover.
-
-    An ``flock`` on ``.<dst>.lock`` beside it; the kernel drops it when the process dies, so a killed conversion
-    never blocks the next. The file is removed on the way out; a waiter that locked a file removed meanwhile
-    sees another inode at the path and tries again.
-    """
-    path = dst.parent / f".{dst.name}.lock"
-    while True:
-        fd = open_nofollow(path, os.O_RDWR | os.O_CREAT)  # a planted link must not make us create its target
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise ValueError(
-                f"dst_checkpoints_dir={str(dst)!r}: another conversion into it is running (it holds"
-                f" {str(path)!r}); wait for it to finish or choose another destination"
-            ) from None
-        try:
-            current = os.stat(path).st_ino
-        except FileNotFoundError:
-            current = None
-        if current == os.fstat(fd).st_ino:
-            break
-        os.close(fd)
-    try:
-        yield
-    finally:
-        path.unlink(missing_ok=True)
-        os.close(fd)
 
 
 def transform_checkpoints(
@@ -389,98 +345,100 @@ def transform_checkpoints(
         src_checkpoints_dir: a DCP folder (this package's, or a Lightning ModelParallelStrategy/FSDPStrategy
             sharded checkpoint), a folder of ``rank_{x}/`` subfolders holding one checkpoint file each, or a
             one-device checkpoint file (a Lightning ``.ckpt``, or a plain ``torch.save`` state dict).
+        dst_checkpoints_dir: the output folder, replaced as a whole: a new or empty folder, or a previous output
+            of this package (never the working, home or root folder, nor one holding the source; see
+            ``checkpoint_format/destination.py``).
         src_strategy_file: the source layout; None: the folder's ``layout.json``, else derived from DCP metadata.
         dst_strategy_file: the target layout (file or :class:`Layout`).
         workers: None converts in this process; k converts in k spawned processes, one target rank each.
-        overwrite: replace a destination that holds a different checkpoint.
+        overwrite: replace a previous output of this package that holds a different conversion.
         memory_budget_bytes: caps the worker count at budget // (the writer's two windows of about the largest
             band of rows + read buffer + an idle worker's ~600 MiB); see ``worker_count``.
         progress: called with (target bytes done, target bytes in all) as shards fill (in process) or as
             target ranks finish (workers).
     """
     check_file_prefix(ckpt_prefix, "ckpt_prefix")
-    if Path(dst_checkpoints_dir).is_symlink():  # the output replaces dst as a whole: never at a link's target
-        raise ValueError(f"dst_checkpoints_dir={str(dst_checkpoints_dir)!r} is a symbolic link; name the folder itself")
-    src_dir, dst = Path(src_checkpoints_dir).resolve(), Path(dst_checkpoints_dir).resolve()
-    if dst == src_dir or src_dir in dst.parents or dst in src_dir.parents:
-        raise ValueError(
-            f"dst_checkpoints_dir={str(dst)!r} must not be, contain or lie inside src_checkpoints_dir={str(src_dir)!r}"
-        )
-    if workers is not None and (not isinstance(workers, int) or workers < 1):
+    src_dir = Path(src_checkpoints_dir).resolve()
+    dst = check_destination_path(dst_checkpoints_dir, [src_dir], "dst_checkpoints_dir")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ValueError(f"workers={workers!r} must be None or a positive integer")
+    if memory_budget_bytes is not None and (
+        isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, int) or memory_budget_bytes < 1
+    ):
+        raise ValueError(f"memory_budget_bytes={memory_budget_bytes!r} must be None or a positive number of bytes")
     roles = _layout(dst_strategy_file, "dst_strategy_file") if src_dir.is_file() else None  # a .ckpt's buffers
     source = open_source(src_dir, _source_layout_arg(src_strategy_file), roles=roles)
     target = roles or _layout(dst_strategy_file, "dst_strategy_file")
     plans = [plan_rank(rank, source.layout, target) for rank in range(target.world_size)]  # all errors before writing
     source.check_files(sorted({r for plan in plans for r in plan.source_ranks()}))
     provenance = _provenance(source, target, ckpt_prefix)
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    with write_errors_in_words(dst.parent):
+        dst.parent.mkdir(parents=True, exist_ok=True)
     _check_room(plans, target, dst)
-    with _exclusive(dst):
-        _prepare_destination(dst, provenance, overwrite)
-        return _convert_all(
-            plans,
-            source,
-            target,
-            src_dir,
-            src_strategy_file,
-            dst,
-            ckpt_prefix,
-            provenance,
-            workers,
-            memory_budget_bytes,
-            progress,
+    with exclusive(dst, "dst_checkpoints_dir"):
+        _check_destination_holds(dst, provenance, overwrite)
+        with staged_folder(dst) as staging:
+            conversion = Conversion(
+                src_dir,
+                _source_layout_arg(src_strategy_file),
+                target,
+                ckpt_prefix,
+                staging,
+                frozenset(source.verified_files),
+            )
+            return _convert_all(dst, conversion, source, plans, provenance, workers, memory_budget_bytes, progress)
+
+
+def _check_destination_holds(dst: Path, provenance: dict, overwrite: bool) -> None:
+    """A destination holding a previous output of a different conversion is replaced only with ``overwrite``; one
+    holding anything else never (``check_replaceable``)."""
+    if not check_replaceable(dst, "dst_checkpoints_dir") or overwrite:
+        return
+    previous = read_manifest(dst).provenance
+    if any(previous.get(k) != provenance[k] for k in ("source_fingerprint", "target_layout_sha256", "ckpt_prefix")):
+        raise ValueError(
+            f"dst_checkpoints_dir={str(dst)!r} already holds a different checkpoint; pass overwrite=True"
+            " (--overwrite on the command line) to replace it, or choose an empty folder"
         )
 
 
 def _convert_all(
-    plans,
-    source,
-    target,
-    src_dir,
-    src_strategy_file,
-    dst,
-    ckpt_prefix,
-    provenance,
-    workers,
-    memory_budget_bytes,
-    progress,
+    dst: Path,
+    conversion: Conversion,
+    source: Source,
+    plans: list[RankPlan],
+    provenance: dict[str, Any],
+    workers: int | None,
+    memory_budget_bytes: int | None,
+    progress: Callable[[int, int], None] | None,
 ) -> ReshardReport:
-    """Every target rank into a staging folder, then the manifest, then the rename into place."""
-    staging = staging_dir(dst, f"-{uuid.uuid4().hex[:8]}")  # unique: one conversion's leftovers never match another's
-    staging.mkdir()
+    """Every target rank into the staging folder, then the layout and the manifest (last)."""
+    staging = conversion.staging
     report = ReshardReport(dst)
     report.checks.verify_bytes_read += source.verify_bytes_read
-    checks = RecordChecks(source.verified_files)
-    try:
-        layout_arg = str(src_strategy_file) if src_strategy_file is not None else None
-        tasks = [
-            {
-                "rank": plan.rank,
-                "src_dir": str(src_dir),
-                "src_layout": layout_arg,
-                "dst_layout": target.to_json(),
-                "staging": str(staging),
-                "ckpt_prefix": ckpt_prefix,
-                "verified_files": sorted(source.verified_files),
-            }
-            for plan in plans
-        ]
-        total, done = sum(_shard_bytes(plan) for plan in plans), 0
+    checks = RecordChecks(set(conversion.verified_files))
+    total, done = sum(_shard_bytes(plan) for plan in plans), 0
 
-        def advance(count: int) -> None:
-            nonlocal done
-            done += count
-            if progress is not None:
-                progress(done, total)
+    def advance(count: int) -> None:
+        nonlocal done
+        done += count
+        if progress is not None:
+            progress(done, total)
 
-        for result in _run(
-            tasks, plans, source, target, staging, ckpt_prefix, workers, memory_budget_bytes, advance, checks
-        ):
+    if workers is None:
+        for plan in plans:
+            report.ranks.append(convert_one_rank(conversion, source, plan, checks, advance))
+    else:
+        tasks = [{"conversion": conversion.to_json(), "rank": plan.rank} for plan in plans]
+        for reply in run_in_workers(tasks, worker_count(plans, workers, memory_budget_bytes)):
+            checks.merge(RecordChecks.from_json(reply["checks"]))
+            result = RankResult.from_json(reply)
+            advance(_shard_bytes(plans[result.rank]))
             report.ranks.append(result)
-        checks.finish(report.checks)  # every record read in parts, before anything is committed
-        report.ranks.sort(key=lambda r: r.rank)
-        save_layout(target, staging / LAYOUT_FILE_NAME)
+    checks.finish(report.checks)  # every record read in parts, before anything is committed
+    report.ranks.sort(key=lambda r: r.rank)
+    with write_errors_in_words(staging):
+        save_layout(conversion.target, staging / LAYOUT_FILE_NAME)
         files = {r.relative_path: {"sha256": r.sha256, "bytes": r.bytes_written} for r in report.ranks}
         files[LAYOUT_FILE_NAME] = {
             "sha256": sha256_of_file(staging / LAYOUT_FILE_NAME),
@@ -488,40 +446,7 @@ def _convert_all(
         }
         write_manifest(staging, Manifest(files=files, provenance=provenance))
         fsync_dir(staging)
-        commit_folder(staging, dst)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return report
-
-
-def _run(
-    tasks, plans, source, target, staging, ckpt_prefix, workers, memory_budget_bytes, advance, checks: RecordChecks
-):
-    """Convert every target rank, in this process or in workers; the parts of records read in part are merged
-    into ``checks``."""
-    if workers is None:
-        provenance = _provenance(source, target, ckpt_prefix)
-        for plan in plans:
-            started = time.perf_counter()
-            relative = rank_file_name(plan.rank, ckpt_prefix)
-            (staging / rank_dir_name(plan.rank)).mkdir()
-            digest, size, stats = _convert_rank(plan, source, target, staging / relative, provenance, checks, advance)
-            peak = peak_rss_bytes()
-            yield RankResult(plan.rank, relative, digest, size, stats, peak, time.perf_counter() - started)
-        return
-    for result in run_in_workers(tasks, worker_count(plans, workers, memory_budget_bytes)):
-        checks.merge(RecordChecks.from_json(result["checks"]))
-        advance(_shard_bytes(plans[result["rank"]]))
-        yield RankResult(
-            result["rank"],
-            result["relative_path"],
-            result["sha256"],
-            result["bytes_written"],
-            ReadStats(**result["stats"]),
-            result["peak_rss_bytes"],
-            result["seconds"],
-        )
 
 
 def worker_count(plans: list[RankPlan], workers: int, memory_budget_bytes: int | None) -> int:
@@ -554,7 +479,8 @@ def transform_checkpoint_by_rank(
 ) -> RankResult:
     """Build target ``rank_id``'s file from the source files it needs ({source rank: file}; DCP ``.distcp``
     files of one folder, or rank files). Writes ``save_checkpoint_file_name`` atomically plus a ``.sha256``
-    sidecar that ``load_resharded_checkpoint`` checks."""
+    sidecar that ``load_resharded_checkpoint`` checks; an existing file there is replaced only when it is a rank
+    file of this package (with ``overwrite``, or when it holds this same rank of this same conversion)."""
     started = time.perf_counter()
     files = list(checkpoint_files_map.values())
     roles = _layout(dst_strategy_file, "dst_strategy_file") if len(files) == 1 else None  # a .ckpt's buffers
@@ -574,32 +500,52 @@ def transform_checkpoint_by_rank(
             f"save_checkpoint_file_name={str(out)!r} is a folder: name the rank file to write (e.g."
             f" {str(out / rank_file_name(rank_id, 'checkpoint_'))!r})"
         )
+    if out.is_symlink():
+        raise ValueError(f"save_checkpoint_file_name={str(out)!r} is a symbolic link; name the file itself")
+    if any(out.resolve() == path.resolve() for path in source.files.values()):
+        raise ValueError(f"save_checkpoint_file_name={str(out)!r} is a file of the source")
     provenance = _provenance(source, target, "")
-    if out.exists() and not overwrite:
-        header = read_rank_file_header(out) if out.is_file() else {}
-        previous = header.get("provenance") or {}
-        if header.get("rank") != rank_id or any(
-            previous.get(k) != provenance[k] for k in ("source_fingerprint", "target_layout_sha256")
-        ):
-            raise ValueError(
-                f"save_checkpoint_file_name={str(out)!r} already holds a different checkpoint; pass"
-                " overwrite=True (--overwrite on the command line)"
-            )
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(out):
+        _check_rank_file_replaceable(out, rank_id, provenance, overwrite)
+    with write_errors_in_words(out.parent):
+        out.parent.mkdir(parents=True, exist_ok=True)
     _check_room([plan], target, out)
     temp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}.tmp")
     sidecar = sidecar_path(out)
+    temp_sidecar = sidecar.with_name(f".{sidecar.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         checks = RecordChecks(source.verified_files)
         digest, size, stats = _convert_rank(plan, source, target, temp, provenance, checks)
         stats.verify_bytes_read += source.verify_bytes_read
         checks.finish(stats)  # this rank's parts of records: the rest of each is read for checking only
-        temp_sidecar = sidecar.with_name(f".{sidecar.name}.tmp")
-        temp_sidecar.write_text(f"{digest} {size}\n")
-        os.replace(temp, out)  # a kill between the two replaces leaves a digest mismatch that loaders report
-        os.replace(temp_sidecar, sidecar)
-        fsync_dir(out.parent)
+        with write_errors_in_words(temp_sidecar):
+            write_new_file(temp_sidecar, f"{digest} {size}\n".encode())
+        with write_errors_in_words(out):
+            os.replace(temp, out)  # a kill between the two replaces leaves a digest mismatch that loaders report
+            os.replace(temp_sidecar, sidecar)
+            fsync_dir(out.parent)
     finally:
         temp.unlink(missing_ok=True)
+        temp_sidecar.unlink(missing_ok=True)
     peak = peak_rss_bytes()
     return RankResult(rank_id, out.name, digest, size, stats, peak, time.perf_counter() - started)
+
+
+def _check_rank_file_replaceable(out: Path, rank_id: int, provenance: dict, overwrite: bool) -> None:
+    """An existing ``out`` is replaced only when it is a rank file of this package: this same rank of this same
+    conversion, or with ``overwrite`` any rank file; never another kind of file."""
+    name = f"save_checkpoint_file_name={str(out)!r}"
+    try:
+        header = read_rank_file_header(out)
+    except ValueError:
+        header = {}
+    if header.get("format") != RANK_FILE_FORMAT:
+        raise ValueError(f"{name} exists and is not a lightning-sink rank file; it is never replaced: name a new file")
+    previous = header.get("provenance") or {}
+    same = header.get("rank") == rank_id and all(
+        previous.get(k) == provenance[k] for k in ("source_fingerprint", "target_layout_sha256")
+    )
+    if not (same or overwrite):
+        raise ValueError(
+            f"{name} already holds a different checkpoint; pass overwrite=True (--overwrite on the command line)"
+        )

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from lightning_sink.regular_file import open_regular
 from lightning_sink.reshard.reader import ReadStats, TensorLocation, locate_tensors
 
 __all__ = ["StreamedRankFile", "write_memory_bytes"]
@@ -82,11 +83,11 @@ class _OutputFile:
         self.path = path
         self.direct = hasattr(os, "O_DIRECT")
         try:
-            self.fd = os.open(path, os.O_WRONLY | (os.O_DIRECT if self.direct else 0))
+            self.fd = open_regular(path, os.O_WRONLY | (os.O_DIRECT if self.direct else 0))
         except OSError as error:
             if error.errno != errno.EINVAL:
                 raise
-            self.direct, self.fd = False, os.open(path, os.O_WRONLY)  # e.g. tmpfs
+            self.direct, self.fd = False, open_regular(path, os.O_WRONLY)  # e.g. tmpfs
 
     def write(self, data: memoryview, offset: int) -> None:
         done = 0
@@ -97,7 +98,7 @@ class _OutputFile:
                 if not (self.direct and error.errno == errno.EINVAL):
                     raise
                 os.close(self.fd)  # accepted at open, refused at write (some network file systems)
-                self.direct, self.fd = False, os.open(self.path, os.O_WRONLY)
+                self.direct, self.fd = False, open_regular(self.path, os.O_WRONLY)
 
     def finish(self, size: int) -> None:
         os.ftruncate(self.fd, size)  # a direct write ends on a block boundary; cut the padding
@@ -121,10 +122,12 @@ class StreamedRankFile:
     def __init__(self, path: Path, payload: dict[str, Any]) -> None:
         _check_no_tensors_outside(payload)
         self.path = path
-        with torch.serialization.skip_data():
-            torch.save(payload, str(path))
+        # Created exclusively: never through a link planted at the name, never onto a file already there.
+        created = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(created, "wb") as handle, torch.serialization.skip_data():
+            torch.save(payload, handle)
         self.size = path.stat().st_size
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path)
         try:
             located = locate_tensors(fd, path, 0, self.size, f"new rank file {str(path)!r}", ReadStats())
             self._locations: dict[str, TensorLocation] = located["tensors"]

@@ -6,8 +6,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
-from lightning_sink.layout import MeshLayout, layout_on_mesh
+from lightning_sink.layout import Chunk, Layout, MeshLayout, TensorLayout, layout_on_mesh, save_layout
 from lightning_sink.layout.io import load_layout
 from tests.dcp_runs import save_dcp_checkpoint
 
@@ -62,3 +63,22 @@ def source(source_3: Path, tmp_path: Path) -> Path:
 def two_ranks(source_3: Path):
     """Rows in two halves: each target rank reads 2 of the 4 rows of every ``state_dict.v`` chunk."""
     return layout_on_mesh(load_layout(source_3), MeshLayout.one_dimensional(2), rows)
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> dict[str, Path]:
+    """A one-rank checkpoint of plain rank files (one 8-element tensor) and a two-rank target layout file."""
+    source = tmp_path / "src"
+    (source / "rank_0").mkdir(parents=True)
+    torch.save({"w": torch.arange(8.0)}, source / "rank_0" / "model.pt")
+    tensor = TensorLayout(
+        role="parameter",
+        global_shape=(8,),
+        dtype="float32",
+        placements=("Replicate()",),
+        chunks=(Chunk(0, (0,), (8,)),),
+    )
+    one = Layout(world_size=1, mesh=MeshLayout.one_dimensional(1), tensors={"w": tensor})
+    save_layout(one, source / "layout.json")
+    two = save_layout(layout_on_mesh(one, MeshLayout.one_dimensional(2), rows), tmp_path / "two.json")
+    return {"src": source, "two": two}

@@ -39,6 +39,11 @@ NEEDED = ("--src-checkpoints-dir", "src", "--dst-strategy-file", "layout.json")
             "invalid size 'lots'",
             id="bad-size",
         ),
+        pytest.param(
+            ("reshard", *NEEDED, "--dst-checkpoints-dir", "out", "--workers", "2", "--memory-budget", "0"),
+            "invalid size '0': a memory budget must be at least 1 byte",
+            id="zero-memory-budget",
+        ),
         pytest.param(("reshard", *NEEDED, "--rank-id", "one"), "invalid int value: 'one'", id="bad-int"),
         pytest.param(
             ("reshard", *NEEDED, "--dst-checkpoints-dir", "out", "--ckpt-prefix", "../x"),

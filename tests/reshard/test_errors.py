@@ -133,16 +133,19 @@ def test_destination_with_a_different_checkpoint_needs_overwrite(source: Path, t
     dst = tmp_path / "out"
     dst.mkdir()
     (dst / "precious.txt").write_text("keep me")
-    with pytest.raises(ValueError, match="already holds a different checkpoint.*overwrite=True"):
-        convert(source, two_ranks, dst)
+    with pytest.raises(ValueError, match="not a previous output of lightning-sink.*never replaced"):
+        convert(source, two_ranks, dst, overwrite=True)  # a folder of other files: never replaced (issue 31)
     assert (dst / "precious.txt").read_text() == "keep me"
-    convert(source, two_ranks, dst, overwrite=True)
-    assert not (dst / "precious.txt").exists() and verify_checkpoint(dst).world_size == 2
+    (dst / "precious.txt").unlink()
+    convert(source, two_ranks, dst)  # an empty folder is taken
+    assert verify_checkpoint(dst).world_size == 2
     convert(source, two_ranks, dst)  # the same conversion again: allowed, replaced atomically
     other = layout_on_mesh(load_layout(source), MeshLayout.one_dimensional(3), rows)
-    with pytest.raises(ValueError, match="already holds a different checkpoint"):
+    with pytest.raises(ValueError, match="already holds a different checkpoint.*overwrite=True"):
         convert(source, other, dst)
     assert verify_checkpoint(dst).world_size == 2
+    convert(source, other, dst, overwrite=True)  # a previous output of this package: replaced with overwrite
+    assert verify_checkpoint(dst).world_size == 3
 
 
 def test_verify_and_loader_catch_a_damaged_or_incomplete_output(source: Path, two_ranks, tmp_path: Path):

@@ -1,0 +1,50 @@
+"""The checkpoint-format fuzzer with a large budget (the suite runs a small one: tests/reshard/test_fuzz_formats.py).
+
+    python benchmarks/fuzz_checkpoints.py [--cases 2000] [--seed 0] [--formats layout manifest ...]
+
+Mutates every format read from untrusted hands (tests/fuzzing.py says which and how) and checks the oracle: a
+correct result or one clean line naming the file, never a traceback, a hang or a large memory growth. The last line
+printed is one JSON object: inputs tried per format, seconds, and every finding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.fuzzing import FORMATS, fuzz  # noqa: E402  (after the repository is on the path)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", type=int, default=2000, help="mutations per format")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    args = parser.parse_args()
+    started = time.perf_counter()
+    findings = fuzz(args.seed, args.cases, tuple(args.formats))
+    for finding in findings:
+        print(f"{finding.format} case {finding.case}: {finding.problem}")
+    print(
+        json.dumps(
+            {
+                "benchmark": "fuzz_checkpoints",
+                "seed": args.seed,
+                "cases_per_format": args.cases,
+                "formats": args.formats,
+                "seconds": round(time.perf_counter() - started, 1),
+                "findings": [vars(f) for f in findings],
+            }
+        )
+    )
+    return 1 if findings else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
