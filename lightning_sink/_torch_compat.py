@@ -36,6 +36,7 @@ __all__ = [
     "read_batches_with",
     "restore_batch_reads",
     "hooks_a_functional_step_would_skip",
+    "note_optimizer_step",
 ]
 
 StridedShard = _StridedShard  # FSDP2 + TP's row placement of a parameter sharded twice on one dim
@@ -144,3 +145,9 @@ def hooks_a_functional_step_would_skip(module: torch.nn.Module, optimizer: torch
     if optimizer_file._global_optimizer_pre_hooks or optimizer_file._global_optimizer_post_hooks:
         found.append("a global optimizer step hook")
     return found
+
+
+def note_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """Tell LR schedulers that ``optimizer`` has stepped, as its wrapped ``step`` would (a compiled update program
+    updates the parameters without calling it); otherwise a scheduler warns that it stepped before the optimizer."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]

@@ -23,14 +23,15 @@ class LoggedValues:
     """Collects what one ``training_step`` call logs."""
 
     def __init__(self) -> None:
-        self.values: dict[str, Tensor] = {}
-        self.options: dict[str, dict[str, Any]] = {}  # per name, the keyword arguments of its last log call
+        self.values: dict[str, Tensor] = {}  # of the call being traced (a program returns them)
+        self.call_options: dict[str, dict[str, Any]] = {}  # likewise, the keyword arguments of each log call
+        self.options: dict[str, dict[str, Any]] = {}  # per name, as the programs last returned them
         # bound once, so that the attributes installed on the module are the same objects at every call
         self._log, self._log_dict = self.log, self.log_dict
 
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         self.values[name] = value.detach() if isinstance(value, Tensor) else torch.as_tensor(value)
-        self.options[name] = kwargs
+        self.call_options[name] = kwargs
 
     def log_dict(self, dictionary: dict[str, Any], *args: Any, **kwargs: Any) -> None:
         for name, value in dictionary.items():

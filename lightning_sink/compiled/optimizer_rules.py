@@ -55,6 +55,7 @@ class OptimizerRule:
         for group in self.groups:
             group.scheduled = {name: torch.zeros((), dtype=torch.float64, device=device) for name in names}
         self.group_of = {i: group for group in self.groups for i in group.members}
+        self.created: list[Tensor] = []  # parameters whose optimizer state this rule created (see discard_created)
         self.state = [self._state_for(i) for i in range(len(params))]
         self.refresh()
 
@@ -93,9 +94,11 @@ class OptimizerRule:
     def _state_for(self, i: int) -> dict[str, Tensor]:
         """The optimizer's own state tensors of parameter ``i``, created as its first step would create them."""
         param, group = self.params[i], self.group_of.get(i)
-        state = self.optimizer.state[param]
         if group is None:  # a trainable parameter the optimizer does not hold: it never moves
             return {}
+        if param not in self.optimizer.state:
+            self.created.append(param)
+        state = self.optimizer.state[param]
         if self.kind == "sgd":
             settings = self.optimizer.param_groups[group.index]
             if settings["momentum"] != 0 and state.get("momentum_buffer") is None:
@@ -116,6 +119,12 @@ class OptimizerRule:
         return dict(state)
 
     # -- inside the compiled update program ----------------------------------------------------------------------
+
+    def discard_created(self) -> None:
+        """Remove the state this rule created (programs that were not built leave the optimizer as it was)."""
+        for param in self.created:
+            self.optimizer.state.pop(param, None)
+        self.created.clear()
 
     def tensors(self) -> tuple[list[dict[str, Tensor]], list[dict[str, Tensor]]]:
         """The state tensors per parameter and the hyperparameter tensors per group: the arguments of ``apply``."""

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value
 
+from lightning_sink._torch_compat import note_optimizer_step
 from lightning_sink.compiled.cuda_graphs import CapturedProgram
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
 from lightning_sink.compiled.logged_values import LoggedValues
@@ -151,38 +152,43 @@ class StepPrograms:
         self._accumulate: Callable[..., Any] = torch.compile(_own_code(self._accumulate_program), **options)
         self._update: Callable[..., Any] = torch.compile(_own_code(self._update_program), **options)
         self.compile_seconds: dict[str, float] = {}
-        self._captured: dict[str, CapturedProgram] = {}
+        self.captured: dict[str, CapturedProgram] = {}
 
     # -- the programs (traced by torch.compile; every tensor they touch comes in through `state`) -------------
 
-    def _gradients(self, state: dict[str, Any], batch: Any) -> tuple[list[Tensor], Tensor, dict[str, Tensor]]:
+    def _gradients(self, state: dict[str, Any], batch: Any) -> tuple[list[Tensor], Tensor, dict[str, Tensor], dict]:
         param_names, buffer_names, logged = self._param_names, self._buffer_names, self.logged
         if batch is None:  # the staged dataset's next micro-batch, gathered on the device
             batch = DeviceDataset.gather(list(self._dataset), state["data"]["rows"], state["data"]["cursor"])
         scale = state["scaler"]["scale"] if state["scaler"] is not None else None
+        options: dict[str, dict[str, Any]] = {}  # of each log call; not tensors, so not through grad's output
 
         def loss_of(params: list[Tensor], buffers: list[Tensor]) -> tuple[Tensor, tuple[Tensor, dict]]:
             values: dict[str, Tensor] = {}
-            logged.values = values
+            logged.values, logged.call_options = values, options
             tensors = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}
             loss = functional_call(self._step, tensors, (batch, state["batch_index"]))
-            logged.values = {}  # the recorded values leave through the return value (the recorder keeps none)
+            # what was logged leaves through the return value: the recorder keeps nothing between calls (a value
+            # kept there would be one more thing the compiled program is guarded on)
+            logged.values, logged.call_options = {}, {}
             scaled = loss if scale is None else loss * scale.to(loss.dtype)
             return scaled, (loss.detach(), values)
 
         grads, (_, (loss, values)) = grad_and_value(loss_of, has_aux=True)(state["params"], state["buffers"])
         state["batch_index"].add_(1)
-        return grads, loss, values
+        return grads, loss, values, options
 
-    def _accumulate_program(self, state: dict[str, Any], batch: Any) -> tuple[Tensor, dict[str, Tensor]]:
-        grads, loss, values = self._gradients(state, batch)
+    def _accumulate_program(self, state: dict[str, Any], batch: Any) -> tuple[Tensor, dict[str, Tensor], dict]:
+        grads, loss, values, options = self._gradients(state, batch)
         for buffer, grad in zip(state["window"], grads):
             buffer.add_(grad.to(buffer.dtype))
         state["micro_steps"].add_(1)
-        return loss, values
+        return loss, values, options
 
-    def _update_program(self, state: dict[str, Any], batch: Any) -> tuple[Tensor, dict[str, Tensor], Tensor | None]:
-        grads, loss, values = self._gradients(state, batch)
+    def _update_program(
+        self, state: dict[str, Any], batch: Any
+    ) -> tuple[Tensor, dict[str, Tensor], dict, Tensor | None]:
+        grads, loss, values, options = self._gradients(state, batch)
         divisor = state["micro_steps"] + 1
         scaler = state["scaler"]
         factor = 1.0 / divisor if scaler is None else 1.0 / (scaler["scale"] * divisor)
@@ -200,7 +206,7 @@ class StepPrograms:
         for buffer in state["window"]:
             buffer.zero_()
         state["micro_steps"].zero_()
-        return loss, values, None if scaler is None else scaler["found_inf"].clone()
+        return loss, values, options, None if scaler is None else scaler["found_inf"].clone()
 
     def _skips_overflow(self) -> bool:
         config = self.scaler.config  # type: ignore[union-attr]
@@ -223,7 +229,7 @@ class StepPrograms:
             yield
 
     def _call(self, name: str, batch: Any) -> Any:
-        captured = self._captured.get(name)
+        captured = self.captured.get(name)
         if captured is not None:
             return captured(batch)
         with self._running():
@@ -231,7 +237,8 @@ class StepPrograms:
 
     def accumulate(self, batch: Any = None) -> StepOutputs:
         """Run a micro-batch that does not end its window (``None``: the staged dataset's next one)."""
-        loss, logs = self._call("accumulate", batch)
+        loss, logs, options = self._call("accumulate", batch)
+        self.logged.options.update(options)
         return StepOutputs(loss, logs)
 
     def update(self, batch: Any = None) -> StepOutputs:
@@ -240,7 +247,9 @@ class StepPrograms:
         if changed is not None:
             raise ProgramUnavailable(f"the update program no longer applies: {changed}")
         self.rule.refresh()
-        loss, logs, found_inf = self._call("update", batch)
+        loss, logs, options, found_inf = self._call("update", batch)
+        note_optimizer_step(self.rule.optimizer)
+        self.logged.options.update(options)
         return StepOutputs(loss, logs, found_inf)
 
     def compile(self, example_batch: Any) -> None:
@@ -262,7 +271,7 @@ class StepPrograms:
         for name, program in (("accumulate", self._accumulate), ("update", self._update)):
             start = time.perf_counter()
             with self._running():
-                self._captured[name] = CapturedProgram(program, self._state, example_batch, _clone, device)
+                self.captured[name] = CapturedProgram(program, self._state, example_batch, _clone, device)
             torch.cuda.synchronize(device)
             self.compile_seconds[f"{name}_capture"] = time.perf_counter() - start
 
@@ -328,6 +337,7 @@ def build_step_programs(
         if cuda_graph:
             programs.capture(example_batch)
     except Exception as error:  # a graph break, an unsupported operation, a backend failure: all say no program
+        rule.discard_created()
         first_line = (str(error).strip().splitlines() or [""])[0]
         return Unavailable(
             f"training_step did not compile to one graph ({type(error).__name__}: {first_line[:200]}); make it"
