@@ -1,11 +1,12 @@
 """Whole-step compiled programs (lightning_sink.compiled) against the eager hand-written loop, per micro-step.
 
     python benchmarks/compiled_step.py [--repeats 7] [--steps 400] [--device cpu|cuda]
-        [--models tiny_mlp lenet5] [--optimizers sgd adamw] [--accumulation 1 4]
+        [--models tiny_mlp lenet5] [--optimizers sgd adamw] [--accumulation 1 4] [--unroll 8]
 
 Each configuration (model x optimizer x accumulation) trains two copies of the same seeded model on the same
 pre-built batches: (a) the plain PyTorch loop (``loss / N``, ``backward``, ``optimizer.step`` and ``zero_grad`` at
-each window's end) and (b) the accumulate/update programs, one compiled call per micro-batch. On CUDA (b) is the
+each window's end), (b) the accumulate/update programs, one compiled call per micro-batch, and (c) ``--unroll``
+micro-steps (whole windows) unrolled into one compiled call (a third copy). On CUDA (b) is the
 programs captured as CUDA graphs over the dataset staged on the GPU, each sink of ``--steps`` micro-batches one
 index upload; (a) reads batches already on the GPU. The two alternate within each repeat (order swapped every
 repeat) in one process; figures are medians over repeats, the ratio also per repeat (median, min, max). Compile
@@ -90,9 +91,11 @@ def spread(values: list[float]) -> dict[str, float]:
 class Configuration:
     """One model x optimizer x accumulation: both copies, their batches, and the compiled programs."""
 
-    def __init__(self, model_name: str, optimizer: str, accumulation: int, steps: int, device: torch.device) -> None:
+    def __init__(
+        self, model_name: str, optimizer: str, accumulation: int, steps: int, device: torch.device, unroll: int
+    ) -> None:
         self.name = f"{model_name}_{optimizer}_acc{accumulation}"
-        self.accumulation, self.steps, self.device = accumulation, steps, device
+        self.accumulation, self.steps, self.device, self.unroll = accumulation, steps, device, unroll
         dataset = make_data(model_name, steps)
         self.batches = [
             (x.to(device), y.to(device))
@@ -100,25 +103,36 @@ class Configuration:
         ]
         self.eager = Classifier(make_model(model_name)).to(device)
         self.eager_optimizer = make_optimizer(optimizer, self.eager.parameters())
-        self.compiled = Classifier(make_model(model_name)).to(device)  # make_model seeds: the same start
-        self.compiled_optimizer = make_optimizer(optimizer, self.compiled.parameters())
-        self.sink = None
         start = time.perf_counter()
-        if device.type == "cuda":
-            staged = DeviceDataset.stage(dataset, device, budget_bytes=1 << 30)
+        self.compiled, self.programs, self.sink = self.build(model_name, optimizer, dataset, {})
+        self.compile_seconds = time.perf_counter() - start
+        self.compile_parts = {name: round(seconds, 2) for name, seconds in self.programs.compile_seconds.items()}
+        if unroll > 1:  # a third copy trains through the unrolled program (each copy as many micro-steps)
+            start = time.perf_counter()
+            several = {"micro_steps_per_call": unroll, "accumulation_steps": accumulation}
+            self.unrolled, self.unrolled_programs, self.unrolled_sink = self.build(
+                model_name, optimizer, dataset, several
+            )
+            self.unrolled_compile_seconds = time.perf_counter() - start
+        self.sink_rows = [list(range(i * BATCH, (i + 1) * BATCH)) for i in range(steps)]  # a sampler's draw
+
+    def build(self, model_name: str, optimizer: str, dataset: TensorDataset, several: dict) -> tuple:
+        """A seeded copy of the model (the same start as the eager one) and its compiled programs."""
+        model = Classifier(make_model(model_name)).to(self.device)
+        model_optimizer = make_optimizer(optimizer, model.parameters())
+        sink = None
+        if self.device.type == "cuda":
+            staged = DeviceDataset.stage(dataset, self.device, budget_bytes=1 << 30)
             assert not isinstance(staged, Unavailable), staged.reason
-            self.sink = SinkIndices(steps, BATCH, device)
-            self.sink_rows = [list(range(i * BATCH, (i + 1) * BATCH)) for i in range(steps)]  # a sampler's draw
+            sink = SinkIndices(self.steps, BATCH, self.device)
             programs = build_step_programs(
-                self.compiled, self.compiled_optimizer, None, cuda_graph=True, data=(staged, self.sink)
+                model, model_optimizer, None, cuda_graph=True, data=(staged, sink), **several
             )
         else:
-            programs = build_step_programs(self.compiled, self.compiled_optimizer, self.batches[0])
+            programs = build_step_programs(model, model_optimizer, self.batches[0], **several)
         if isinstance(programs, Unavailable):
             raise SystemExit(f"{self.name}: no compiled programs: {programs.reason}")
-        self.programs = programs
-        self.compile_seconds = time.perf_counter() - start
-        self.compile_parts = {name: round(seconds, 2) for name, seconds in programs.compile_seconds.items()}
+        return model, programs, sink
 
     def run_eager(self) -> float:
         model, optimizer, n = self.eager, self.eager_optimizer, self.accumulation
@@ -162,10 +176,25 @@ class Configuration:
         synchronize(self.device)
         return (time.perf_counter() - start) / self.steps, syncs
 
-    def max_relative_difference(self) -> float:
+    def run_several(self) -> float:
+        """The same micro-batches, ``unroll`` of them (whole windows) per compiled call."""
+        programs, unroll = self.unrolled_programs, self.unroll
+        synchronize(self.device)
+        start = time.perf_counter()
+        if self.unrolled_sink is not None:
+            self.unrolled_sink.load(self.sink_rows)
+            for _ in range(self.steps // unroll):
+                programs.run_several()
+        else:
+            for first in range(0, self.steps, unroll):
+                programs.run_several(self.batches[first : first + unroll])
+        synchronize(self.device)
+        return (time.perf_counter() - start) / self.steps
+
+    def max_relative_difference(self, model: nn.Module) -> float:
         return max(
             ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
-            for a, b in zip(self.compiled.parameters(), self.eager.parameters())
+            for a, b in zip(model.parameters(), self.eager.parameters())
         )
 
 
@@ -178,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
     parser.add_argument("--accumulation", nargs="+", type=int, default=[1, 4])
+    parser.add_argument(
+        "--unroll", type=int, default=8, help="also time this many micro-steps per compiled call (1: not timed)"
+    )
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
@@ -186,6 +218,11 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--{name} must be >= 1; got {getattr(args, name)}")
     if any(n < 1 or args.steps % n for n in args.accumulation):
         parser.error(f"--accumulation values must be >= 1 and divide --steps={args.steps}; got {args.accumulation}")
+    if args.unroll < 1 or args.steps % args.unroll or any(args.unroll % n for n in args.accumulation):
+        parser.error(
+            f"--unroll must be >= 1, divide --steps={args.steps} and be a multiple of every --accumulation value;"
+            f" got {args.unroll}"
+        )
     torch.set_num_threads(args.threads)
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     machine = torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU, {args.threads} thread(s)"
@@ -201,27 +238,50 @@ def main(argv: list[str] | None = None) -> None:
         for accumulation in args.accumulation:
             if model_name == "lenet5" and accumulation != args.accumulation[0]:
                 continue  # LeNet-5 is the no-regression check: one accumulation suffices
-            config = Configuration(model_name, optimizer, accumulation, args.steps, device)
+            config = Configuration(model_name, optimizer, accumulation, args.steps, device, args.unroll)
+            several = args.unroll > 1
             config.run_eager()  # one untimed run each: allocator and caches warm
             config.run_compiled()
-            eager, compiled, syncs = [], [], None
+            if several:
+                config.run_several()
+            eager, compiled, unrolled, syncs = [], [], [], None
             for repeat in range(args.repeats):
-                if repeat % 2 == 0:
-                    eager.append(config.run_eager())
-                    seconds, syncs = config.run_compiled(count_syncs=repeat == 0)
-                    compiled.append(seconds)
-                else:
-                    seconds, _ = config.run_compiled()
-                    compiled.append(seconds)
-                    eager.append(config.run_eager())
+                runs = ["eager", "compiled"] + (["several"] if several else [])
+                for run in runs if repeat % 2 == 0 else runs[::-1]:
+                    if run == "eager":
+                        eager.append(config.run_eager())
+                    elif run == "several":
+                        unrolled.append(config.run_several())
+                    else:
+                        seconds, counted = config.run_compiled(count_syncs=repeat == 0)
+                        compiled.append(seconds)
+                        syncs = counted if repeat == 0 else syncs
             figures = {
                 "eager_us_per_step": round(1e6 * statistics.median(eager), 1),
                 "compiled_us_per_step": round(1e6 * statistics.median(compiled), 1),
                 "speedup_vs_eager": round(statistics.median(eager) / statistics.median(compiled), 3),
                 "speedup_per_repeat": spread([e / c for e, c in zip(eager, compiled)]),
+                **(
+                    {
+                        f"unrolled{args.unroll}_us_per_step": round(1e6 * statistics.median(unrolled), 1),
+                        f"unrolled{args.unroll}_speedup_vs_eager": round(
+                            statistics.median(eager) / statistics.median(unrolled), 3
+                        ),
+                        f"unrolled{args.unroll}_speedup_per_repeat": spread([e / u for e, u in zip(eager, unrolled)]),
+                        f"unrolled{args.unroll}_compile_seconds": round(config.unrolled_compile_seconds, 1),
+                        f"unrolled{args.unroll}_program_compile_seconds": round(
+                            config.unrolled_programs.compile_seconds["several"], 1
+                        ),
+                        f"unrolled{args.unroll}_params_max_rel_diff": float(
+                            f"{config.max_relative_difference(config.unrolled):.3g}"
+                        ),
+                    }
+                    if several
+                    else {}
+                ),
                 "compile_seconds": round(config.compile_seconds, 1),
                 "compile_parts_seconds": config.compile_parts,
-                "params_max_rel_diff": float(f"{config.max_relative_difference():.3g}"),
+                "params_max_rel_diff": float(f"{config.max_relative_difference(config.compiled):.3g}"),
             }
             if syncs is not None:
                 figures["host_syncs_in_one_sink"] = syncs

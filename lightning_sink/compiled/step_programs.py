@@ -118,6 +118,7 @@ class StepPrograms:
         clip: tuple[str, float] | None,
         backend: str,
         data: tuple[DeviceDataset, SinkIndices] | None = None,
+        several: tuple[int, int] | None = None,
     ) -> None:
         self.module, self.rule, self.scaler, self.clip = module, rule, scaler, clip
         self.sink_indices = data[1] if data is not None else None
@@ -151,6 +152,9 @@ class StepPrograms:
         options = dict(fullgraph=True, backend=backend, dynamic=False)
         self._accumulate: Callable[..., Any] = torch.compile(_own_code(self._accumulate_program), **options)
         self._update: Callable[..., Any] = torch.compile(_own_code(self._update_program), **options)
+        # several micro-steps per call: (micro-steps per call, accumulation steps), the call ending on an update
+        self.several = several
+        self._several: Callable[..., Any] = torch.compile(_own_code(self._several_program), **options)
         self.compile_seconds: dict[str, float] = {}
         self.captured: dict[str, CapturedProgram] = {}
 
@@ -208,6 +212,17 @@ class StepPrograms:
         state["micro_steps"].zero_()
         return loss, values, options, None if scaler is None else scaler["found_inf"].clone()
 
+    def _several_program(self, state: dict[str, Any], batches: list[Any]) -> list[tuple]:
+        """``len(batches)`` micro-steps unrolled into one program: an update at each window's last micro-batch."""
+        accumulation = self.several[1]  # type: ignore[index]
+        outputs = []
+        for position, batch in enumerate(batches):
+            if (position + 1) % accumulation == 0:
+                outputs.append(self._update_program(state, batch))
+            else:
+                outputs.append(self._accumulate_program(state, batch))
+        return outputs
+
     def _skips_overflow(self) -> bool:
         config = self.scaler.config  # type: ignore[union-attr]
         return isinstance(config, DynamicLossScale) or config.drop_overflow_update
@@ -252,15 +267,51 @@ class StepPrograms:
         self.logged.options.update(options)
         return StepOutputs(loss, logs, found_inf)
 
+    def run_several(self, batches: list[Any] | None = None) -> list[StepOutputs]:
+        """Run whole windows, ``micro_steps_per_call`` micro-batches (``None``: that many from the staged dataset),
+        in one call. The hyperparameters are read once per call: every update of the call uses the same ones."""
+        if self.several is None:
+            raise ProgramUnavailable("built without micro_steps_per_call > 1: call accumulate/update instead")
+        count = self.several[0]
+        if batches is not None and len(batches) != count:
+            raise ValueError(f"run_several takes exactly micro_steps_per_call={count} batches; got {len(batches)}")
+        changed = self.rule.changed_flags()
+        if changed is not None:
+            raise ProgramUnavailable(f"the update program no longer applies: {changed}")
+        self.rule.refresh()
+        captured = self.captured.get("several")
+        if captured is not None:
+            results = captured(batches)
+        else:
+            with self._running():
+                results = self._several(self._state, batches if batches is not None else [None] * count)
+        note_optimizer_step(self.rule.optimizer)
+        outputs = []
+        for result in results:
+            self.logged.options.update(result[2])
+            outputs.append(StepOutputs(result[0], result[1], result[3] if len(result) == 4 else None))
+        return outputs
+
+    def _programs(self) -> list[tuple[str, Callable[..., Any], Callable[[Any], Any]]]:
+        """Name, compiled program and how to make its batch argument from one example batch."""
+        programs: list[tuple[str, Callable[..., Any], Callable[[Any], Any]]] = [
+            ("accumulate", self._accumulate, lambda example: example),
+            ("update", self._update, lambda example: example),
+        ]
+        if self.several is not None:
+            count = self.several[0]
+            programs.append(("several", self._several, lambda example: [example] * count))
+        return programs
+
     def compile(self, example_batch: Any) -> None:
         """Compile both programs now, on copies of the state (nothing of the run changes, random numbers
         included), timing each."""
         device = self.params[0].device
         devices = [device] if device.type == "cuda" else []
-        for name, program in (("accumulate", self._accumulate), ("update", self._update)):
+        for name, program, batch_of in self._programs():
             start = time.perf_counter()
             with torch.random.fork_rng(devices=devices), self._running():
-                program(_clone(self._state), _clone(example_batch))
+                program(_clone(self._state), _clone(batch_of(example_batch)))
             if devices:
                 torch.cuda.synchronize(device)
             self.compile_seconds[name] = time.perf_counter() - start
@@ -268,10 +319,10 @@ class StepPrograms:
     def capture(self, example_batch: Any) -> None:
         """Capture both compiled programs as CUDA graphs (after ``compile``); later calls replay them."""
         device = self.params[0].device
-        for name, program in (("accumulate", self._accumulate), ("update", self._update)):
+        for name, program, batch_of in self._programs():
             start = time.perf_counter()
             with self._running():
-                self.captured[name] = CapturedProgram(program, self._state, example_batch, _clone, device)
+                self.captured[name] = CapturedProgram(program, self._state, batch_of(example_batch), _clone, device)
             torch.cuda.synchronize(device)
             self.compile_seconds[f"{name}_capture"] = time.perf_counter() - start
 
@@ -287,6 +338,8 @@ def build_step_programs(
     backend: str = "inductor",
     cuda_graph: bool = False,
     data: tuple[DeviceDataset, SinkIndices] | None = None,
+    micro_steps_per_call: int = 1,
+    accumulation_steps: int = 1,
 ) -> StepPrograms | Unavailable:
     """Compile ``module``'s ``training_step`` with ``optimizer`` into the accumulate and update programs.
 
@@ -303,6 +356,9 @@ def build_step_programs(
         cuda_graph: also capture both programs as CUDA graphs (the module must be on a CUDA device).
         data: a staged dataset and the sink-indices buffer its batches are gathered from; then ``example_batch``
             is None and ``accumulate()`` / ``update()`` take no batch (load each sink's indices first).
+        micro_steps_per_call: above 1, also build ``run_several``: that many micro-steps unrolled into one program
+            (whole windows of ``accumulation_steps``; a multiple of it).
+        accumulation_steps: the window length ``run_several`` assumes.
 
     Returns: the programs, or ``Unavailable`` with the one-line reason (then run the eager step instead).
     """
@@ -325,11 +381,24 @@ def build_step_programs(
     if isinstance(loss_scale, (DynamicLossScale, FixedLossScale)):
         loss_scale = LossScaler(loss_scale).to(device)
     clip = None if gradient_clip_val is None else (gradient_clip_algorithm, float(gradient_clip_val))
+    for name, value in (("micro_steps_per_call", micro_steps_per_call), ("accumulation_steps", accumulation_steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is not valid: pass an int >= 1")
+    if micro_steps_per_call % accumulation_steps:
+        raise ValueError(
+            f"micro_steps_per_call={micro_steps_per_call} is not a multiple of accumulation_steps="
+            f"{accumulation_steps}: a call runs whole windows"
+        )
+    several = (micro_steps_per_call, accumulation_steps) if micro_steps_per_call > 1 else None
+    if data is not None and data[1].capacity < micro_steps_per_call:
+        raise ValueError(
+            f"micro_steps_per_call={micro_steps_per_call} exceeds the sink indices' capacity={data[1].capacity}"
+        )
     if cuda_graph and device.type != "cuda":
         raise ValueError(f"cuda_graph=True needs the module on a CUDA device; its parameters are on {device}")
     if data is not None and example_batch is not None:
         raise ValueError("with data=(dataset, indices) the programs gather their own batches: pass example_batch=None")
-    programs = StepPrograms(module, rule, loss_scale, clip, backend, data)
+    programs = StepPrograms(module, rule, loss_scale, clip, backend, data, several)
     try:
         if data is not None:  # an example to compile with: the first row of the buffer (all zeros: sample 0)
             data[1].cursor.zero_()

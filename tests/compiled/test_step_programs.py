@@ -195,3 +195,27 @@ def test_the_inductor_backend_matches_the_plain_loop():
     run_programs(programs, windows)
     eager_loop(reference, reference_opt, windows, clip=("norm", 0.5))
     assert max_relative_difference(model, reference) < 1e-5
+
+
+def test_several_micro_steps_per_call_match_the_plain_loop():
+    windows = windows_of(make_batches(2 * 40), 2)
+    model, opt, reference, reference_opt = pair("adamw")
+    programs = build(model, opt, windows[0][0], micro_steps_per_call=4, accumulation_steps=2)
+    logged = []
+    for call in range(20):  # 4 micro-batches (2 windows) per call
+        batches = [batch for window in windows[2 * call : 2 * call + 2] for batch in window]
+        logged += [{name: value.item() for name, value in out.logs.items()} for out in programs.run_several(batches)]
+    expected = eager_loop(reference, reference_opt, windows)
+    assert max_relative_difference(model, reference) < 1e-5
+    assert [row["double_loss"] for row in logged] == pytest.approx([row["double_loss"] for row in expected], rel=1e-5)
+    assert set(programs.compile_seconds) == {"accumulate", "update", "several"}
+
+
+def test_several_micro_steps_per_call_run_whole_windows():
+    model = Classifier()
+    with pytest.raises(ValueError, match=r"micro_steps_per_call=6 is not a multiple of accumulation_steps=4"):
+        build_step_programs(
+            model, OPTIMIZERS["sgd"](model.parameters()), None, micro_steps_per_call=6, accumulation_steps=4
+        )
+    with pytest.raises(ValueError, match=r"micro_steps_per_call=0 is not valid: pass an int >= 1"):
+        build_step_programs(model, OPTIMIZERS["sgd"](model.parameters()), None, micro_steps_per_call=0)
