@@ -219,3 +219,18 @@ def test_several_micro_steps_per_call_run_whole_windows():
         )
     with pytest.raises(ValueError, match=r"micro_steps_per_call=0 is not valid: pass an int >= 1"):
         build_step_programs(model, OPTIMIZERS["sgd"](model.parameters()), None, micro_steps_per_call=0)
+
+
+def test_dropout_draws_the_eager_random_numbers_on_the_cpu():
+    windows = windows_of(make_batches(20), 2)
+    model, opt, reference, reference_opt = pair("sgd", dropout=0.5)
+    programs = build(model, opt, windows[0][0])  # compiling restores the random state it used
+    torch.manual_seed(123)
+    run_programs(programs, windows)
+    torch.manual_seed(123)
+    eager_loop(reference, reference_opt, windows)
+    assert max_relative_difference(model, reference) < 1e-5
+    other, other_opt, _, _ = pair("sgd", dropout=0.5)
+    torch.manual_seed(7)
+    eager_loop(other, other_opt, windows)
+    assert max_relative_difference(other, reference) > 1e-2  # the masks matter: other numbers, other parameters
