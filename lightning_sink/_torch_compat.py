@@ -35,6 +35,8 @@ __all__ = [
     "batch_reading_iterator",
     "read_batches_with",
     "restore_batch_reads",
+    "hooks_a_functional_step_would_skip",
+    "note_optimizer_step",
 ]
 
 StridedShard = _StridedShard  # FSDP2 + TP's row placement of a parameter sharded twice on one dim
@@ -123,3 +125,32 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def hooks_a_functional_step_would_skip(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The backward and optimizer-step hooks registered on ``module`` (and its submodules), its parameters,
+    ``optimizer`` or globally: a compiled step computes gradients with ``torch.func`` and updates parameters
+    functionally, so none of them would run. torch has no public reader of registered hooks."""
+    from torch.nn.modules import module as module_file
+    from torch.optim import optimizer as optimizer_file
+
+    found = []
+    for name, submodule in module.named_modules():
+        if submodule._backward_hooks or submodule._backward_pre_hooks:
+            found.append(f"a backward hook on module {name or type(module).__name__!r}")
+    for name, param in module.named_parameters():
+        if param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None):
+            found.append(f"a gradient hook on parameter {name!r}")
+    if module_file._global_backward_hooks or module_file._global_backward_pre_hooks:
+        found.append("a global module backward hook")
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+        found.append(f"a step hook on the {type(optimizer).__name__} optimizer")
+    if optimizer_file._global_optimizer_pre_hooks or optimizer_file._global_optimizer_post_hooks:
+        found.append("a global optimizer step hook")
+    return found
+
+
+def note_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """Tell LR schedulers that ``optimizer`` has stepped, as its wrapped ``step`` would (a compiled update program
+    updates the parameters without calling it); otherwise a scheduler warns that it stepped before the optimizer."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]

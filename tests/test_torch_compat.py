@@ -10,6 +10,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -121,3 +122,27 @@ def test_the_fake_process_group_comes_without_torch_testing():
             assert not [name for name in names if name.startswith("torch.testing")], f"{path} imports torch.testing"
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_the_hooks_a_functional_step_would_skip_are_found():
+    module = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    assert compat.hooks_a_functional_step_would_skip(module, optimizer) == []
+    module[0].register_full_backward_hook(lambda *args: None)
+    module[0].bias.register_post_accumulate_grad_hook(lambda param: None)
+    optimizer.register_step_post_hook(lambda *args: None)
+    assert compat.hooks_a_functional_step_would_skip(module, optimizer) == [
+        "a backward hook on module '0'",
+        "a gradient hook on parameter '0.bias'",
+        "a step hook on the SGD optimizer",
+    ]
+
+
+def test_a_noted_optimizer_step_keeps_schedulers_from_warning():
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    compat.note_optimizer_step(optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01)

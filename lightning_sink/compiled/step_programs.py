@@ -1,0 +1,415 @@
+"""The two step programs of a gradient-accumulation window, each one compiled function over the whole step.
+
+- **accumulate** (every micro-batch but a window's last): forward, backward, the gradients added into the window's
+  fp32 buffers.
+- **update** (a window's last micro-batch): forward and backward, the sum, division by the window's micro-step
+  count, unscaling and the overflow check, clipping (norm or value), the optimizer update (or, on overflow, none:
+  ``torch.where``, no host sync), the loss-scale update and the window reset.
+
+Route: ``torch.func.grad_and_value`` over ``torch.func.functional_call`` of the module's ``training_step`` (one graph
+for forward and backward), the optimizer's update written functionally (``optimizer_rules``), and
+``torch.compile(fullgraph=True)`` over a function that takes every tensor it reads or writes as an argument: the
+parameters, buffers, optimizer state, hyperparameters, window buffers and loss-scale state. Everything it changes
+it writes back in place, so the module, the optimizer (``state_dict``, schedulers) and the ``LossScaler`` hold the
+current values between calls.
+
+Both programs are compiled when built, on copies of that state with an example batch (the random-number state
+restored afterwards), so a ``training_step`` that cannot be one graph is refused before anything changed and the
+first real call runs at full speed. One object answers ``accumulate(batch)`` / ``update(batch)`` per micro-batch,
+the window's state (buffers, micro-step count) explicit in ``window``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad_and_value
+
+from lightning_sink._torch_compat import note_optimizer_step
+from lightning_sink.compiled.cuda_graphs import CapturedProgram
+from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
+from lightning_sink.compiled.logged_values import LoggedValues
+from lightning_sink.compiled.optimizer_rules import OptimizerRule, optimizer_rule
+from lightning_sink.compiled.scale_rule import scaler_tensors, update_scale
+from lightning_sink.compiled.support import Unavailable, unsupported_reason
+from lightning_sink.loss_scale import DynamicLossScale, FixedLossScale, LossScaler
+
+__all__ = ["ProgramUnavailable", "StepOutputs", "StepPrograms", "Window", "build_step_programs"]
+
+_CLIP_ALGORITHMS = ("norm", "value")
+_PROGRAM_NUMBERS = itertools.count()
+
+
+class ProgramUnavailable(RuntimeError):
+    """A program stopped applying after it was built (e.g. a ``param_groups`` flag it was compiled for changed)."""
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """What one program call returns, on the device (reading any of it is the caller's host sync, not ours)."""
+
+    loss: Tensor  # the micro-batch's loss as training_step returned it (unscaled, detached)
+    logs: dict[str, Tensor] = field(default_factory=dict)  # self.log values of this micro-batch, by name
+    found_inf: Tensor | None = None  # update with loss scaling: the window overflowed and was skipped
+
+
+@dataclass
+class Window:
+    """The open window: the fp32 gradient sum per trainable parameter and how many micro-steps it holds."""
+
+    buffers: list[Tensor]
+    micro_steps: Tensor  # 0-dim float32 on the device
+
+    def reset(self) -> None:
+        for buffer in self.buffers:
+            buffer.zero_()
+        self.micro_steps.zero_()
+
+
+class _TrainingStep(nn.Module):
+    """Calls the wrapped module's ``training_step`` as ``forward``, so ``functional_call`` can run it with the
+    program's parameter and buffer tensors; returns the loss (a returned dict's ``"loss"``)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, batch: Any, batch_idx: Tensor) -> Tensor:
+        output = self.module.training_step(batch, batch_idx)
+        return output["loss"] if isinstance(output, dict) else output
+
+
+def _own_code(method: Any) -> Callable[..., Any]:
+    """``method`` with a code object of its own: torch.compile keeps its compiled variants (and their limit) per
+    code object, so each programs object gets its own instead of sharing, and filling, one cache with every other."""
+    function = method.__func__
+    code = function.__code__.replace(co_name=f"{function.__name__}_{next(_PROGRAM_NUMBERS)}")
+    copy = types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__, function.__closure__)
+    return types.MethodType(copy, method.__self__)
+
+
+def _clone(tree: Any) -> Any:
+    if isinstance(tree, Tensor):
+        return tree.clone()
+    if isinstance(tree, dict):
+        return {key: _clone(value) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_clone(value) for value in tree)
+    return tree
+
+
+class StepPrograms:
+    """The compiled accumulate and update programs of one module and optimizer (build with
+    ``build_step_programs``)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        rule: OptimizerRule,
+        scaler: LossScaler | None,
+        clip: tuple[str, float] | None,
+        backend: str,
+        data: tuple[DeviceDataset, SinkIndices] | None = None,
+        several: tuple[int, int] | None = None,
+    ) -> None:
+        self.module, self.rule, self.scaler, self.clip = module, rule, scaler, clip
+        self.sink_indices = data[1] if data is not None else None
+        self.logged = LoggedValues()
+        self._step = _TrainingStep(module)
+        trainable = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
+        self._param_names = [f"module.{name}" for name, _ in trainable]
+        frozen = [(f"module.{name}", p) for name, p in module.named_parameters() if not p.requires_grad]
+        buffers = [(f"module.{name}", b) for name, b in module.named_buffers()]
+        self._buffer_names = [name for name, _ in frozen + buffers]
+        self.params = rule.params
+        device = self.params[0].device
+        self.window = Window(
+            [torch.zeros_like(param, dtype=torch.float32) for param in self.params],
+            torch.zeros((), dtype=torch.float32, device=device),
+        )
+        self.batch_index = torch.zeros((), dtype=torch.int64, device=device)  # training_step's batch_idx
+        states, hyper = rule.tensors()
+        self._state: dict[str, Any] = {
+            "params": [param.detach() for param in self.params],
+            "buffers": [tensor.detach() for _, tensor in frozen + buffers],
+            "window": self.window.buffers,
+            "micro_steps": self.window.micro_steps,
+            "batch_index": self.batch_index,
+            "scaler": scaler_tensors(scaler) if scaler is not None else None,
+            "optimizer": states,
+            "hyper": hyper,
+            "data": None if data is None else {"rows": data[1].rows, "cursor": data[1].cursor},
+        }
+        self._dataset = tuple(data[0].tensors) if data is not None else ()  # read only: never copied
+        options = dict(fullgraph=True, backend=backend, dynamic=False)
+        self._accumulate: Callable[..., Any] = torch.compile(_own_code(self._accumulate_program), **options)
+        self._update: Callable[..., Any] = torch.compile(_own_code(self._update_program), **options)
+        # several micro-steps per call: (micro-steps per call, accumulation steps), the call ending on an update
+        self.several = several
+        self._several: Callable[..., Any] = torch.compile(_own_code(self._several_program), **options)
+        self.compile_seconds: dict[str, float] = {}
+        self.captured: dict[str, CapturedProgram] = {}
+
+    # -- the programs (traced by torch.compile; every tensor they touch comes in through `state`) -------------
+
+    def _gradients(self, state: dict[str, Any], batch: Any) -> tuple[list[Tensor], Tensor, dict[str, Tensor], dict]:
+        param_names, buffer_names, logged = self._param_names, self._buffer_names, self.logged
+        if batch is None:  # the staged dataset's next micro-batch, gathered on the device
+            batch = DeviceDataset.gather(list(self._dataset), state["data"]["rows"], state["data"]["cursor"])
+        scale = state["scaler"]["scale"] if state["scaler"] is not None else None
+        options: dict[str, dict[str, Any]] = {}  # of each log call; not tensors, so not through grad's output
+
+        def loss_of(params: list[Tensor], buffers: list[Tensor]) -> tuple[Tensor, tuple[Tensor, dict]]:
+            values: dict[str, Tensor] = {}
+            logged.values, logged.call_options = values, options
+            tensors = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}
+            loss = functional_call(self._step, tensors, (batch, state["batch_index"]))
+            # what was logged leaves through the return value: the recorder keeps nothing between calls (a value
+            # kept there would be one more thing the compiled program is guarded on)
+            logged.values, logged.call_options = {}, {}
+            scaled = loss if scale is None else loss * scale.to(loss.dtype)
+            return scaled, (loss.detach(), values)
+
+        grads, (_, (loss, values)) = grad_and_value(loss_of, has_aux=True)(state["params"], state["buffers"])
+        state["batch_index"].add_(1)
+        return grads, loss, values, options
+
+    def _accumulate_program(self, state: dict[str, Any], batch: Any) -> tuple[Tensor, dict[str, Tensor], dict]:
+        grads, loss, values, options = self._gradients(state, batch)
+        for buffer, grad in zip(state["window"], grads):
+            buffer.add_(grad.to(buffer.dtype))
+        state["micro_steps"].add_(1)
+        return loss, values, options
+
+    def _update_program(
+        self, state: dict[str, Any], batch: Any
+    ) -> tuple[Tensor, dict[str, Tensor], dict, Tensor | None]:
+        grads, loss, values, options = self._gradients(state, batch)
+        divisor = state["micro_steps"] + 1
+        scaler = state["scaler"]
+        factor = 1.0 / divisor if scaler is None else 1.0 / (scaler["scale"] * divisor)
+        sums = [(buffer + grad.to(buffer.dtype)) * factor for buffer, grad in zip(state["window"], grads)]
+        overflow = None
+        if scaler is not None:
+            overflow = torch.stack([torch.isfinite(total).all() for total in sums]).logical_not().any()
+        if self.clip is not None:
+            sums = self._clipped(sums)
+        skip = overflow if self.scaler is not None and self._skips_overflow() else None
+        grads = [total.to(param.dtype) for total, param in zip(sums, state["params"])]
+        self.rule.apply(state["params"], grads, state["optimizer"], state["hyper"], skip)
+        if scaler is not None:
+            update_scale(self.scaler.config, scaler, overflow)
+        for buffer in state["window"]:
+            buffer.zero_()
+        state["micro_steps"].zero_()
+        return loss, values, options, None if scaler is None else scaler["found_inf"].clone()
+
+    def _several_program(self, state: dict[str, Any], batches: list[Any]) -> list[tuple]:
+        """``len(batches)`` micro-steps unrolled into one program: an update at each window's last micro-batch."""
+        accumulation = self.several[1]  # type: ignore[index]
+        outputs = []
+        for position, batch in enumerate(batches):
+            if (position + 1) % accumulation == 0:
+                outputs.append(self._update_program(state, batch))
+            else:
+                outputs.append(self._accumulate_program(state, batch))
+        return outputs
+
+    def _skips_overflow(self) -> bool:
+        config = self.scaler.config  # type: ignore[union-attr]
+        return isinstance(config, DynamicLossScale) or config.drop_overflow_update
+
+    def _clipped(self, sums: list[Tensor]) -> list[Tensor]:
+        algorithm, value = self.clip  # type: ignore[misc]
+        if algorithm == "value":
+            return [total.clamp(-value, value) for total in sums]
+        # torch.nn.utils.clip_grad_norm_'s rule: the 2-norm of the per-tensor norms, a coefficient at most 1
+        total_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(total) for total in sums]))
+        coefficient = torch.clamp(value / (total_norm + 1e-6), max=1.0)
+        return [total * coefficient for total in sums]
+
+    # -- host side -------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _running(self) -> Iterator[None]:
+        with self.logged.installed_on(self.module):
+            yield
+
+    def _call(self, name: str, batch: Any) -> Any:
+        captured = self.captured.get(name)
+        if captured is not None:
+            return captured(batch)
+        with self._running():
+            return (self._accumulate if name == "accumulate" else self._update)(self._state, batch)
+
+    def accumulate(self, batch: Any = None) -> StepOutputs:
+        """Run a micro-batch that does not end its window (``None``: the staged dataset's next one)."""
+        loss, logs, options = self._call("accumulate", batch)
+        self.logged.options.update(options)
+        return StepOutputs(loss, logs)
+
+    def update(self, batch: Any = None) -> StepOutputs:
+        """Run a window's last micro-batch, then update (or skip, on overflow) and reset the window."""
+        changed = self.rule.changed_flags()
+        if changed is not None:
+            raise ProgramUnavailable(f"the update program no longer applies: {changed}")
+        self.rule.refresh()
+        loss, logs, options, found_inf = self._call("update", batch)
+        note_optimizer_step(self.rule.optimizer)
+        self.logged.options.update(options)
+        return StepOutputs(loss, logs, found_inf)
+
+    def run_several(self, batches: list[Any] | None = None) -> list[StepOutputs]:
+        """Run whole windows, ``micro_steps_per_call`` micro-batches (``None``: that many from the staged dataset),
+        in one call. The hyperparameters are read once per call: every update of the call uses the same ones."""
+        if self.several is None:
+            raise ProgramUnavailable("built without micro_steps_per_call > 1: call accumulate/update instead")
+        count = self.several[0]
+        if batches is not None and len(batches) != count:
+            raise ValueError(f"run_several takes exactly micro_steps_per_call={count} batches; got {len(batches)}")
+        changed = self.rule.changed_flags()
+        if changed is not None:
+            raise ProgramUnavailable(f"the update program no longer applies: {changed}")
+        self.rule.refresh()
+        captured = self.captured.get("several")
+        if captured is not None:
+            results = captured(batches)
+        else:
+            with self._running():
+                results = self._several(self._state, batches if batches is not None else [None] * count)
+        note_optimizer_step(self.rule.optimizer)
+        outputs = []
+        for result in results:
+            self.logged.options.update(result[2])
+            outputs.append(StepOutputs(result[0], result[1], result[3] if len(result) == 4 else None))
+        return outputs
+
+    def _programs(self) -> list[tuple[str, Callable[..., Any], Callable[[Any], Any]]]:
+        """Name, compiled program and how to make its batch argument from one example batch."""
+        programs: list[tuple[str, Callable[..., Any], Callable[[Any], Any]]] = [
+            ("accumulate", self._accumulate, lambda example: example),
+            ("update", self._update, lambda example: example),
+        ]
+        if self.several is not None:
+            count = self.several[0]
+            programs.append(("several", self._several, lambda example: [example] * count))
+        return programs
+
+    def compile(self, example_batch: Any) -> None:
+        """Compile both programs now, on copies of the state (nothing of the run changes, random numbers
+        included), timing each."""
+        device = self.params[0].device
+        devices = [device] if device.type == "cuda" else []
+        for name, program, batch_of in self._programs():
+            start = time.perf_counter()
+            with torch.random.fork_rng(devices=devices), self._running():
+                program(_clone(self._state), _clone(batch_of(example_batch)))
+            if devices:
+                torch.cuda.synchronize(device)
+            self.compile_seconds[name] = time.perf_counter() - start
+
+    def capture(self, example_batch: Any) -> None:
+        """Capture both compiled programs as CUDA graphs (after ``compile``); later calls replay them."""
+        device = self.params[0].device
+        for name, program, batch_of in self._programs():
+            start = time.perf_counter()
+            with self._running():
+                self.captured[name] = CapturedProgram(program, self._state, batch_of(example_batch), _clone, device)
+            torch.cuda.synchronize(device)
+            self.compile_seconds[f"{name}_capture"] = time.perf_counter() - start
+
+
+def build_step_programs(
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    example_batch: Any,
+    *,
+    loss_scale: DynamicLossScale | FixedLossScale | LossScaler | None = None,
+    gradient_clip_val: float | None = None,
+    gradient_clip_algorithm: str = "norm",
+    backend: str = "inductor",
+    cuda_graph: bool = False,
+    data: tuple[DeviceDataset, SinkIndices] | None = None,
+    micro_steps_per_call: int = 1,
+    accumulation_steps: int = 1,
+) -> StepPrograms | Unavailable:
+    """Compile ``module``'s ``training_step`` with ``optimizer`` into the accumulate and update programs.
+
+    Args:
+        module: a module with ``training_step(batch, batch_idx)`` returning the loss (or a dict with ``"loss"``);
+            ``batch_idx`` arrives as a 0-dim tensor counting micro-batches. Its parameters and buffers must already
+            be on the training device.
+        optimizer: ``SGD``, ``Adam`` or ``AdamW`` over the module's parameters.
+        example_batch: a batch as ``training_step`` will get it (same shapes, on the device); used to compile.
+        loss_scale: a loss-scale setting (a ``LossScaler`` is used as is: the programs write its tensors), or None.
+        gradient_clip_val: clip the window's gradient (after unscaling) to this norm or value; None: no clipping.
+        gradient_clip_algorithm: ``"norm"`` (2-norm over all parameters, as ``clip_grad_norm_``) or ``"value"``.
+        backend: ``torch.compile``'s backend (``"inductor"``; ``"aot_eager"`` compiles faster and generates no code).
+        cuda_graph: also capture both programs as CUDA graphs (the module must be on a CUDA device).
+        data: a staged dataset and the sink-indices buffer its batches are gathered from; then ``example_batch``
+            is None and ``accumulate()`` / ``update()`` take no batch (load each sink's indices first).
+        micro_steps_per_call: above 1, also build ``run_several``: that many micro-steps unrolled into one program
+            (whole windows of ``accumulation_steps``; a multiple of it).
+        accumulation_steps: the window length ``run_several`` assumes.
+
+    Returns: the programs, or ``Unavailable`` with the one-line reason (then run the eager step instead).
+    """
+    if gradient_clip_algorithm not in _CLIP_ALGORITHMS:
+        raise ValueError(
+            f"gradient_clip_algorithm={gradient_clip_algorithm!r} is not valid: pass one of {_CLIP_ALGORITHMS}"
+        )
+    if gradient_clip_val is not None and (
+        isinstance(gradient_clip_val, bool) or not isinstance(gradient_clip_val, (int, float)) or gradient_clip_val <= 0
+    ):
+        raise ValueError(f"gradient_clip_val={gradient_clip_val!r} is not valid: pass a number > 0 or None")
+    reason = unsupported_reason(module, optimizer)
+    if reason is not None:
+        return Unavailable(reason)
+    params = [param for param in module.parameters() if param.requires_grad]
+    rule = optimizer_rule(optimizer, params)
+    if isinstance(rule, str):
+        return Unavailable(rule)
+    device = params[0].device
+    if isinstance(loss_scale, (DynamicLossScale, FixedLossScale)):
+        loss_scale = LossScaler(loss_scale).to(device)
+    clip = None if gradient_clip_val is None else (gradient_clip_algorithm, float(gradient_clip_val))
+    for name, value in (("micro_steps_per_call", micro_steps_per_call), ("accumulation_steps", accumulation_steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} is not valid: pass an int >= 1")
+    if micro_steps_per_call % accumulation_steps:
+        raise ValueError(
+            f"micro_steps_per_call={micro_steps_per_call} is not a multiple of accumulation_steps="
+            f"{accumulation_steps}: a call runs whole windows"
+        )
+    several = (micro_steps_per_call, accumulation_steps) if micro_steps_per_call > 1 else None
+    if data is not None and data[1].capacity < micro_steps_per_call:
+        raise ValueError(
+            f"micro_steps_per_call={micro_steps_per_call} exceeds the sink indices' capacity={data[1].capacity}"
+        )
+    if cuda_graph and device.type != "cuda":
+        raise ValueError(f"cuda_graph=True needs the module on a CUDA device; its parameters are on {device}")
+    if data is not None and example_batch is not None:
+        raise ValueError("with data=(dataset, indices) the programs gather their own batches: pass example_batch=None")
+    programs = StepPrograms(module, rule, loss_scale, clip, backend, data, several)
+    try:
+        if data is not None:  # an example to compile with: the first row of the buffer (all zeros: sample 0)
+            data[1].cursor.zero_()
+        programs.compile(example_batch)
+        if cuda_graph:
+            programs.capture(example_batch)
+    except Exception as error:  # a graph break, an unsupported operation, a backend failure: all say no program
+        rule.discard_created()
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        return Unavailable(
+            f"training_step did not compile to one graph ({type(error).__name__}: {first_line[:200]}); make it"
+            " traceable or use graph_mode='eager'"
+        )
+    return programs
