@@ -3,6 +3,10 @@
 Each target rank's file is built from exact byte ranges of the source chunks it overlaps; ranks are independent
 (``workers`` processes convert one target rank each). The whole output is written into a staging folder beside
 the destination, with a manifest of SHA-256 digests written last, then renamed into place.
+
+One ``Conversion`` describes a whole conversion; ``convert_one_rank`` converts one target rank of it, the same
+function in this process and in a worker (which receives the description as JSON). What the destination may be,
+its lock, its staging folder and write failures in words live in ``checkpoint_format/destination.py``.
 """
 
 from __future__ import annotations
