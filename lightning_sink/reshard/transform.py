@@ -363,7 +363,7 @@ def transform_checkpoints(
     """
     check_file_prefix(ckpt_prefix, "ckpt_prefix")
     src_dir = Path(src_checkpoints_dir).resolve()
-    dst = check_destination_path(dst_checkpoints_dir, [src_dir], "dst_checkpoints_dir")
+    dst = check_destination_path(dst_checkpoints_dir, {"src_checkpoints_dir": src_dir}, "dst_checkpoints_dir")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ValueError(f"workers={workers!r} must be None or a positive integer")
     if memory_budget_bytes is not None and (
