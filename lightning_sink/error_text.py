@@ -15,8 +15,9 @@ def reason_of(error: BaseException) -> str:
     """The gist of ``error`` on one line (at most a few hundred characters)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     refused = [line for line in lines if line.startswith("WeightsUnpickler error:")]
-    if refused:
-        text = "the pickle is not plain data (" + refused[0].removeprefix("WeightsUnpickler error:").strip() + ")"
+    if refused:  # (torch's advice to allow the class or to unpickle everything is left out)
+        what = refused[0].removeprefix("WeightsUnpickler error:").strip().split(" Please use", 1)[0]
+        text = f"Weights only load failed: the pickle is not plain data ({what})"
     else:
         text = " ".join(lines) or type(error).__name__
     return text if len(text) <= _MAX_CHARS else text[: _MAX_CHARS - 3] + "..."

@@ -86,7 +86,7 @@ class ReshardCheckpoint(Callback):
     ) -> None:
         self.dst_strategy_file = _path("dst_strategy_file", dst_strategy_file)
         self.dst_dir = _path("dst_dir", dst_dir)
-        check_destination_path(self.dst_dir, [], "dst_dir")  # not the working, home or root folder, nor a link
+        check_destination_path(self.dst_dir, {}, "dst_dir")  # not the working, home or root folder, nor a link
         self.src_dir = (
             _path("src_dir", src_dir) if src_dir is not None else self.dst_dir.with_name(f"{self.dst_dir.name}.source")
         )
@@ -106,7 +106,7 @@ class ReshardCheckpoint(Callback):
             raise ValueError(
                 f"src_dir={str(self.src_dir)!r} and dst_dir={str(self.dst_dir)!r} must not be or contain one another."
             )
-        check_destination_path(self.src_dir, [], "src_dir")  # the source save replaces src_dir as a whole too
+        check_destination_path(self.src_dir, {}, "src_dir")  # the source save replaces src_dir as a whole too
         self.ckpt_prefix, self.workers, self.overwrite, self.source = ckpt_prefix, workers, overwrite, source
         self.report: ReshardReport | None = None
 

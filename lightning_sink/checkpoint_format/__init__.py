@@ -2,6 +2,9 @@
 
 - ``fs``: opening inside a folder without following links, checked names, exact-name cleanup, free space, digests;
 - ``atomic``: a folder written under a staging name and renamed into place;
+- ``destination``: which folders a conversion may replace, one writer at a time, staging removed on failure,
+  write failures in words naming the file;
+- ``save_digests``: ``SAVE_DIGESTS.json``, what binds the files of one DCP save together;
 - ``manifest``: ``MANIFEST.json``, every file's SHA-256 and the conversion's provenance;
 - ``rank_file``: one target rank's file of a resharded checkpoint (``rank_{r}/{prefix}{r}.pt``);
 - ``resharded_folder``: which rank file a rank reads, and ``verify_checkpoint``;

@@ -75,7 +75,7 @@ def save_dcp_atomically(
     except BaseException as error:
         # DCP's own report holds every rank's traceback, many lines: one line in words instead (judged before the
         # staging folder, whose files tell a size limit, is removed).
-        in_words = _in_words(error, staging) if isinstance(error, CheckpointException) else None
+        in_words = _in_words(error, staging) if _is_write_failure(error) else None
         if global_rank == 0:
             shutil.rmtree(staging, ignore_errors=True)  # a failed save leaves nothing behind
         if in_words is not None:
@@ -84,11 +84,24 @@ def save_dcp_atomically(
     barrier()
 
 
-def _in_words(error: CheckpointException, staging: Path) -> OSError:
-    """DCP's report of a failed write as one line naming the folder: the first rank's failure, in words."""
+def _first_failure(error: CheckpointException) -> BaseException:
     failures = list(getattr(error, "failures", {}).values())
     first = failures[0] if failures else error
-    failure = first[0] if isinstance(first, tuple) else first  # (DCP pairs each rank's exception with its trace)
+    return first[0] if isinstance(first, tuple) else first  # (DCP pairs each rank's exception with its trace)
+
+
+def _is_write_failure(error: BaseException) -> bool:
+    """DCP's report of a write the file system refused (an OSError, or torch's writer's RuntimeError); other
+    failures (a value that does not pickle) stay DCP's own exception."""
+    if not isinstance(error, CheckpointException):
+        return False
+    failure = _first_failure(error)
+    return isinstance(failure, OSError) or (isinstance(failure, RuntimeError) and "unexpected pos" in str(failure))
+
+
+def _in_words(error: CheckpointException, staging: Path) -> OSError:
+    """DCP's report of a failed write as one line naming the folder: the first rank's failure, in words."""
+    failure = _first_failure(error)
     # torch's writer reports a failed write as a RuntimeError ("unexpected pos"): judged by the disk, like an OSError
     as_os_error = failure if isinstance(failure, OSError) else OSError(errno.EIO, reason_of(failure))
     reason = full_disk_reason(staging, as_os_error) or reason_of(failure)

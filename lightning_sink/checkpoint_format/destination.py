@@ -18,7 +18,7 @@ import os
 import resource
 import shutil
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -35,10 +35,10 @@ __all__ = [
 ]
 
 
-def check_destination_path(dst: str | os.PathLike, sources: Iterable[str | os.PathLike], what: str) -> Path:
+def check_destination_path(dst: str | os.PathLike, sources: Mapping[str, str | os.PathLike], what: str) -> Path:
     """``dst`` resolved, after refusing (one ValueError naming ``what``) a destination whose replacement would delete
-    something that is not a checkpoint: a link, the working, home or root folder or one holding them, a source or a
-    folder inside or around one."""
+    something that is not a checkpoint: a link, the working, home or root folder or one holding them, a source
+    (``sources``: argument name -> path) or a folder inside or around one."""
     given = Path(dst)
     if given.is_symlink():  # the output replaces dst as a whole: never at a link's target
         raise ValueError(f"{what}={str(dst)!r} is a symbolic link; name the folder itself")
@@ -53,11 +53,11 @@ def check_destination_path(dst: str | os.PathLike, sources: Iterable[str | os.Pa
                 f"{what}={str(dst)!r} {relation} {name} ({str(folder)!r}): the output replaces the destination"
                 " as a whole; name a folder of its own"
             )
-    for source in sources:
+    for name, source in sources.items():
         src = Path(source).resolve()
         if resolved == src or src in resolved.parents or resolved in src.parents:
             raise ValueError(
-                f"{what}={str(dst)!r} must not be, contain or lie inside the source {str(src)!r}: the output"
+                f"{what}={str(dst)!r} must not be, contain or lie inside {name}={str(src)!r}: the output"
                 " replaces the destination as a whole"
             )
     return resolved

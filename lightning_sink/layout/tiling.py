@@ -54,7 +54,7 @@ def tiling_fault(boxes: Sequence[Box], shape: Sequence[int]) -> TilingFault | No
     grid = _grid_fault(boxes, shape)
     if grid is not None:
         return grid or None
-    budget = CORNER_BUDGET * len(boxes) + 2**MAX_INNER_DIMS
+    budget = CORNER_BUDGET * len(boxes) + 2 ** (MAX_INNER_DIMS + 1)  # room for a few chunks at the dims limit
     counts: Counter[tuple[int, ...]] = Counter({tuple(0 for _ in shape): -1})  # minus the tensor's own corner
     for box in boxes:
         steps = _steps(box, shape)

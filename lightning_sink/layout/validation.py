@@ -43,12 +43,14 @@ def validate_layout(layout: Layout, source: str = "layout") -> Layout:
         raise ValueError(f"{source}: world_size must be a positive integer, got {layout.world_size!r}")
     _validate_mesh(layout.mesh, layout.world_size, source)
     pipeline = layout.pipeline
-    if not _is_int(pipeline.num_stages) or not 1 <= pipeline.num_stages <= MAX_PIPELINE_STAGES:
+    if not _is_int(pipeline.num_stages) or pipeline.num_stages < 1:
+        raise ValueError(f"{source}: pipeline.num_stages must be a positive integer, got {pipeline.num_stages!r}")
+    _validate_world_size(layout, source)
+    if pipeline.num_stages > MAX_PIPELINE_STAGES:
         raise ValueError(
             f"{source}: pipeline.num_stages must be an integer from 1 to {MAX_PIPELINE_STAGES},"
             f" got {pipeline.num_stages!r}"
         )
-    _validate_world_size(layout, source)
     if pipeline.stage is not None and not (_is_int(pipeline.stage) and 0 <= pipeline.stage < pipeline.num_stages):
         raise ValueError(f"{source}: pipeline.stage {pipeline.stage!r} is outside 0..{pipeline.num_stages - 1}")
     for fqn, tensor in layout.tensors.items():

@@ -3,6 +3,10 @@
 Each target rank's file is built from exact byte ranges of the source chunks it overlaps; ranks are independent
 (``workers`` processes convert one target rank each). The whole output is written into a staging folder beside
 the destination, with a manifest of SHA-256 digests written last, then renamed into place.
+
+One ``Conversion`` describes a whole conversion; ``convert_one_rank`` converts one target rank of it, the same
+function in this process and in a worker (which receives the description as JSON). What the destination may be,
+its lock, its staging folder and write failures in words live in ``checkpoint_format/destination.py``.
 """
 
 from __future__ import annotations
@@ -359,7 +363,7 @@ def transform_checkpoints(
     """
     check_file_prefix(ckpt_prefix, "ckpt_prefix")
     src_dir = Path(src_checkpoints_dir).resolve()
-    dst = check_destination_path(dst_checkpoints_dir, [src_dir], "dst_checkpoints_dir")
+    dst = check_destination_path(dst_checkpoints_dir, {"src_checkpoints_dir": src_dir}, "dst_checkpoints_dir")
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise ValueError(f"workers={workers!r} must be None or a positive integer")
     if memory_budget_bytes is not None and (

@@ -121,7 +121,7 @@ def test_a_fifo_as_meta_pt_does_not_hang_reshard(source: Path, two_ranks, tmp_pa
 def test_an_empty_file_named_for_a_huge_rank_is_refused_before_allocating(source: Path, two_ranks, tmp_path: Path):
     """An empty ``__300000000_0.distcp`` made the source's world size 3e8 (a mesh of that many ranks built)."""
     (source / "__300000000_0.distcp").touch()
-    with pytest.raises(ValueError, match=r"name rank 300000000, but only 3 rank\(s\) have a file"):
+    with pytest.raises(ValueError, match=r"name rank 300000000, but only 4 rank\(s\) have a file"):
         transform_checkpoints(source, tmp_path / "out", "ckpt_", None, two_ranks)
 
 
