@@ -52,8 +52,8 @@ class OptimizerRule:
             self.groups.append(_Group(index, members, {}, flags, {}))
         device = params[0].device if params else torch.device("cpu")
         names = _SGD_SCHEDULED if kind == "sgd" else _ADAM_SCHEDULED
-        for group in self.groups:
-            group.scheduled = {name: torch.zeros((), dtype=torch.float64, device=device) for name in names}
+        for rule_group in self.groups:
+            rule_group.scheduled = {name: torch.zeros((), dtype=torch.float64, device=device) for name in names}
         self.group_of = {i: group for group in self.groups for i in group.members}
         self.created: list[Tensor] = []  # parameters whose optimizer state this rule created (see discard_created)
         self.state = [self._state_for(i) for i in range(len(params))]

@@ -27,7 +27,7 @@ import time
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -83,7 +83,7 @@ class _TrainingStep(nn.Module):
         self.module = module
 
     def forward(self, batch: Any, batch_idx: Tensor) -> Tensor:
-        output = self.module.training_step(batch, batch_idx)
+        output = cast(Any, self.module).training_step(batch, batch_idx)  # a LightningModule's, typed as Module
         return output["loss"] if isinstance(output, dict) else output
 
 
@@ -149,12 +149,15 @@ class StepPrograms:
             "data": None if data is None else {"rows": data[1].rows, "cursor": data[1].cursor},
         }
         self._dataset = tuple(data[0].tensors) if data is not None else ()  # read only: never copied
-        options = dict(fullgraph=True, backend=backend, dynamic=False)
-        self._accumulate: Callable[..., Any] = torch.compile(_own_code(self._accumulate_program), **options)
-        self._update: Callable[..., Any] = torch.compile(_own_code(self._update_program), **options)
+
+        def compiled(program: Callable[..., Any]) -> Callable[..., Any]:
+            return torch.compile(_own_code(program), fullgraph=True, backend=backend, dynamic=False)
+
+        self._accumulate = compiled(self._accumulate_program)
+        self._update = compiled(self._update_program)
         # several micro-steps per call: (micro-steps per call, accumulation steps), the call ending on an update
         self.several = several
-        self._several: Callable[..., Any] = torch.compile(_own_code(self._several_program), **options)
+        self._several = compiled(self._several_program)
         self.compile_seconds: dict[str, float] = {}
         self.captured: dict[str, CapturedProgram] = {}
 
@@ -206,6 +209,7 @@ class StepPrograms:
         grads = [total.to(param.dtype) for total, param in zip(sums, state["params"])]
         self.rule.apply(state["params"], grads, state["optimizer"], state["hyper"], skip)
         if scaler is not None:
+            assert self.scaler is not None and overflow is not None  # both exist exactly when scaler does
             update_scale(self.scaler.config, scaler, overflow)
         for buffer in state["window"]:
             buffer.zero_()
@@ -214,8 +218,9 @@ class StepPrograms:
 
     def _several_program(self, state: dict[str, Any], batches: list[Any]) -> list[tuple]:
         """``len(batches)`` micro-steps unrolled into one program: an update at each window's last micro-batch."""
-        accumulation = self.several[1]  # type: ignore[index]
-        outputs = []
+        assert self.several is not None  # built with micro_steps_per_call
+        accumulation = self.several[1]
+        outputs: list[tuple[Any, ...]] = []
         for position, batch in enumerate(batches):
             if (position + 1) % accumulation == 0:
                 outputs.append(self._update_program(state, batch))
@@ -224,11 +229,13 @@ class StepPrograms:
         return outputs
 
     def _skips_overflow(self) -> bool:
-        config = self.scaler.config  # type: ignore[union-attr]
+        assert self.scaler is not None  # asked only when the programs scale the loss
+        config = self.scaler.config
         return isinstance(config, DynamicLossScale) or config.drop_overflow_update
 
     def _clipped(self, sums: list[Tensor]) -> list[Tensor]:
-        algorithm, value = self.clip  # type: ignore[misc]
+        assert self.clip is not None  # asked only when the programs clip
+        algorithm, value = self.clip
         if algorithm == "value":
             return [total.clamp(-value, value) for total in sums]
         # torch.nn.utils.clip_grad_norm_'s rule: the 2-norm of the per-tensor norms, a coefficient at most 1
@@ -373,7 +380,7 @@ def build_step_programs(
     reason = unsupported_reason(module, optimizer)
     if reason is not None:
         return Unavailable(reason)
-    params = [param for param in module.parameters() if param.requires_grad]
+    params: list[Tensor] = [param for param in module.parameters() if param.requires_grad]
     rule = optimizer_rule(optimizer, params)
     if isinstance(rule, str):
         return Unavailable(rule)
