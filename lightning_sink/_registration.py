@@ -101,7 +101,7 @@ def suggest_close_names(registry: Any) -> None:
     def available_strategies() -> list:
         return _NamesWithSuggestion(registry.keys())
 
-    available_strategies.suggests_close_names = True  # type: ignore[attr-defined]
+    available_strategies.__dict__["suggests_close_names"] = True  # a mark on the function: installed once
     registry.available_strategies = available_strategies  # on this one registry object, shadowing its method
 
 

@@ -153,4 +153,4 @@ def hooks_a_functional_step_would_skip(module: torch.nn.Module, optimizer: torch
 def note_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     """Tell LR schedulers that ``optimizer`` has stepped, as its wrapped ``step`` would (a compiled update program
     updates the parameters without calling it); otherwise a scheduler warns that it stepped before the optimizer."""
-    optimizer._opt_called = True  # type: ignore[attr-defined]
+    optimizer.__dict__["_opt_called"] = True  # the flag its wrapped step sets (torch.optim.lr_scheduler reads it)

@@ -12,7 +12,7 @@ import errno
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -69,6 +69,7 @@ def save_dcp_atomically(
         if global_rank == 0:
             with write_errors_in_words(staging):
                 torch.save(metadata, staging / LIGHTNING_META_FILE)
+                assert layout is not None  # rank 0 made it above
                 save_layout(layout, staging / LAYOUT_FILE_NAME)
                 write_save_digests(staging)  # last: what binds this save's files together
                 commit_folder(staging, target)
@@ -90,7 +91,7 @@ def _first_failure(error: CheckpointException) -> BaseException:
     return first[0] if isinstance(first, tuple) else first  # (DCP pairs each rank's exception with its trace)
 
 
-def _is_write_failure(error: BaseException) -> bool:
+def _is_write_failure(error: BaseException) -> TypeGuard[CheckpointException]:
     """DCP's report of a write the file system refused (an OSError, or torch's writer's RuntimeError); other
     failures (a value that does not pickle) stay DCP's own exception."""
     if not isinstance(error, CheckpointException):

@@ -15,6 +15,7 @@ import os
 import pickle
 import re
 from pathlib import Path
+from typing import TypeGuard
 
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
@@ -101,7 +102,7 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _counts(value: object) -> bool:
+def _counts(value: object) -> TypeGuard[tuple[int, ...] | list[int]]:
     return isinstance(value, (tuple, list)) and all(_is_count(item) for item in value)
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import errno
 import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any, cast
 
 from lightning_sink.error_text import reason_of
 from lightning_sink.layout.bounded_json import MAX_JSON_BYTES, loads_bounded
@@ -68,7 +70,8 @@ def parse_layout(data: bytes | str, what: str) -> Layout:
     failure one ValueError starting with ``what``."""
     parsed = loads_bounded(data, what)
     try:
-        return validate_layout(Layout.from_dict(parsed), what)
+        # any JSON value: from_dict refuses what is not a mapping (one ValueError)
+        return validate_layout(Layout.from_dict(cast(Mapping[str, Any], parsed)), what)
     except ValueError as error:
         message = str(error)
         raise ValueError(message if message.startswith(what) else f"{what}: {message}") from None

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from lightning_sink.layout.bounded_json import loads_bounded
 
@@ -215,7 +215,8 @@ class Layout:
 
     @classmethod
     def from_json(cls, text: str) -> Layout:
-        return cls.from_dict(loads_bounded(text, "layout JSON"))
+        # any JSON value: from_dict refuses what is not a mapping (one ValueError)
+        return cls.from_dict(cast(Mapping[str, Any], loads_bounded(text, "layout JSON")))
 
 
 def _mapping(value: Any, name: str) -> Mapping[str, Any]:

@@ -24,6 +24,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 __all__ = ["MAX_INNER_DIMS", "Box", "TilingFault", "tiling_fault"]
 
@@ -75,7 +76,7 @@ def tiling_fault(boxes: Sequence[Box], shape: Sequence[int]) -> TilingFault | No
     return TilingFault(point=point, coverage=coverage, boxes=covering[:2])
 
 
-def _grid_fault(boxes: Sequence[Box], shape: Sequence[int]) -> TilingFault | bool | None:
+def _grid_fault(boxes: Sequence[Box], shape: Sequence[int]) -> TilingFault | Literal[False] | None:
     """When every box is one cell of the grid of its dims' cut points: False (a tiling) or the first cell left
     uncovered. None when some box spans several cells (the corner count decides)."""
     cuts = [

@@ -35,6 +35,7 @@ class DcpSource(Source):
         declared = load_layout(declared_path) if declared_path is not None else None
         storage = layout_from_dcp_metadata(folder, metadata=self.metadata)
         if declared is not None:
+            assert declared_path is not None  # the layout was read from it
             layout_name = str(resolve_layout_path(declared_path))
             if declared.world_size < storage.world_size:
                 raise ValueError(
@@ -60,6 +61,8 @@ class DcpSource(Source):
 
     def _info(self, fqn: str, chunk: Chunk):
         item = self.metadata.state_dict_metadata[fqn]
+        if isinstance(item, BytesStorageMetadata):
+            raise ValueError(f"DCP checkpoint {str(self.folder)!r}: {fqn!r} is stored as bytes, not as a tensor")
         for index, stored in enumerate(item.chunks):
             if tuple(stored.offsets) == chunk.offsets:
                 return self.metadata.storage_data[MetadataIndex(fqn, stored.offsets, index)]

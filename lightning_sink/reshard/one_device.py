@@ -25,7 +25,7 @@ import hashlib
 import io
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -82,7 +82,10 @@ class OneDeviceSource(Source):
         self.lightning = is_lightning_checkpoint(loaded)
         self.parameter_names: list[dict[int, str]] = []  # per optimizer: parameter index -> name
         if self.lightning:
-            self.locations, paths, self.parameter_names = _lightning_tensors(loaded, declared or roles, what)
+            # is_lightning_checkpoint checked that it is a dict
+            self.locations, paths, self.parameter_names = _lightning_tensors(
+                cast(dict[Any, Any], loaded), declared or roles, what
+            )
         else:
             if not isinstance(loaded, dict):
                 raise ValueError(f"{what} holds a {type(loaded).__name__}, not a state dict")

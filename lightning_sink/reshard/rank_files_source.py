@@ -7,6 +7,7 @@ import dataclasses
 import hashlib
 import os
 from pathlib import Path
+from typing import Any
 
 from lightning_sink.checkpoint_format.fs import inside, sha256_of_file
 from lightning_sink.checkpoint_format.rank_file import (
@@ -28,7 +29,7 @@ class RankFilesSource(Source):
     """``rank_{x}/<one>.pt`` files (this package's resharded output, or plain dicts of local shards + a layout)."""
 
     def __init__(self, files: dict[int, Path], layout_file: Path | None, description: str):
-        self._located: dict[int, object] = {}
+        self._located: dict[int, dict[Any, Any]] = {}
         if layout_file is not None:
             layout = load_layout(layout_file)
         else:

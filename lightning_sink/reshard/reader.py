@@ -14,6 +14,7 @@ import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, cast
 
 import torch
 
@@ -123,7 +124,8 @@ def locate_tensors(fd: int, path: Path, base: int, length: int, what: str, stats
     """
     window = RangeFile(fd, base, length)
     try:
-        loaded = torch.load(window, map_location="meta", weights_only=True)
+        # a binary file object (RawIOBase); torch.load reads any, its stub names only IO[bytes]
+        loaded = torch.load(cast(IO[bytes], window), map_location="meta", weights_only=True)
     except Exception as error:  # a damaged zip raises RuntimeError, a damaged pickle UnpicklingError, ...
         raise ValueError(
             f"{what}: truncated or corrupt torch.save data at bytes {base}..{base + length}: {reason_of(error)}"
@@ -145,14 +147,17 @@ def _replace_tensors(node: object, convert) -> object:
 
 def _location(tensor: torch.Tensor, path: Path, base: int, what: str) -> TensorLocation:
     storage = tensor.untyped_storage()
+    offset = storage._checkpoint_offset  # set by torch.load for every storage it reads from a file
+    if offset is None:
+        raise ValueError(f"{what}: a tensor of {str(path)!r} has no storage in the file")
     return TensorLocation(
         path=path,
-        data_offset=base + storage._checkpoint_offset,
+        data_offset=base + offset,
         storage_nbytes=storage.nbytes(),
         dtype=tensor.dtype,
         shape=tuple(tensor.shape),
         stride=tuple(tensor.stride()),
-        storage_offset=tensor.storage_offset(),
+        storage_offset=int(tensor.storage_offset()),
         what=what,
     )
 
@@ -166,7 +171,7 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _as_bytes(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
 def copy_region(

@@ -29,7 +29,7 @@ import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -130,7 +130,8 @@ class StreamedRankFile:
         fd = open_regular(path)
         try:
             located = locate_tensors(fd, path, 0, self.size, f"new rank file {str(path)!r}", ReadStats())
-            self._locations: dict[str, TensorLocation] = located["tensors"]
+            # the file this writer just saved: a dict whose "tensors" are located
+            self._locations: dict[str, TensorLocation] = cast(dict[str, Any], located)["tensors"]
             storages = sorted(
                 (loc.data_offset, loc.data_offset + loc.storage_nbytes) for loc in self._locations.values()
             )
