@@ -17,7 +17,9 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-from lightning_sink import _HOMES, __version__
+from lightning_sink import _HOMES
+from lightning_sink import __all__ as _ROOT_NAMES
+from lightning_sink import __version__ as __version__  # re-exported (named in __all__)
 from lightning_sink import _namespace_mirror as mirror
 
 if importlib.util.find_spec("pytorch_lightning") is None:
@@ -28,16 +30,7 @@ if importlib.util.find_spec("pytorch_lightning") is None:
 
 mirror.install()
 
-__all__ = [
-    "SinkStrategy",
-    "SinkDDPStrategy",
-    "SinkModelParallelStrategy",
-    "LossScalePrecision",
-    "DynamicLossScale",
-    "FixedLossScale",
-    "GradientAccumulator",
-    "__version__",
-]
+__all__ = list(_ROOT_NAMES)  # the same names as lightning_sink, on pytorch_lightning's classes
 
 
 def __getattr__(name: str) -> Any:
