@@ -29,6 +29,7 @@ __all__ = [
     "install_loop_overrides",
     "remove_loop_overrides",
     "is_last_batch_of_epoch",
+    "batch_index_in_epoch",
     "UpdateCounters",
     "set_logging_step",
     "run_zero_grad",
@@ -142,8 +143,19 @@ def remove_loop_overrides(trainer: pl.Trainer) -> None:
 
 
 def is_last_batch_of_epoch(trainer: pl.Trainer) -> bool:
-    """Whether the Lightning batch in flight is the last one of this epoch (known before it runs)."""
-    return bool(type(_epoch_loop(trainer))._num_ready_batches_reached(_epoch_loop(trainer)))
+    """Whether the Lightning batch in flight is the last one of this epoch (known before it runs).
+
+    Lightning's ``_TrainingEpochLoop._num_ready_batches_reached``, computed from the same attributes rather than
+    called: it runs for every micro-batch, and the attribute reads stay inside this package (a guard test compares
+    the two over fits with sized, limited and unsized loaders)."""
+    progress = _epoch_loop(trainer).batch_progress
+    return progress.current.ready == trainer.fit_loop.max_batches or bool(progress.is_last_batch)
+
+
+def batch_index_in_epoch(trainer: pl.Trainer) -> int:
+    """``trainer.fit_loop.batch_idx`` (the batch in flight, within its epoch), read from the progress counter that
+    Lightning's property derives it from."""
+    return int(_epoch_loop(trainer).batch_progress.current.ready) - 1
 
 
 def _step_progress(trainer: pl.Trainer) -> Any:

@@ -95,9 +95,6 @@ class LossScalePrecision(Precision):
         self._inner = _inner_plugin(name, self.device)
         self.scaler = LossScaler(loss_scale) if loss_scale is not None else None
         self._overflow_on_host: bool | None = None
-        # Set by the strategy for a micro-batch whose window already overflowed (skip_window_on_overflow): its
-        # forward ran without autograd, as the window's update is skipped anyway, so there is nothing to backpropagate.
-        self.skip_backward = False
 
     # ------------------------------------------------------------------ autocast / dtypes: Lightning's own plugin
     @override
@@ -140,9 +137,18 @@ class LossScalePrecision(Precision):
 
     @override
     def backward(  # type: ignore[override]
-        self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
+        self,
+        tensor: Tensor,
+        model: pl.LightningModule,
+        optimizer: Any,
+        *args: Any,
+        skip_backward: bool = False,
+        **kwargs: Any,
     ) -> None:
-        if not self.skip_backward:
+        """``skip_backward``: the micro-batch's window already overflowed (``skip_window_on_overflow``), so its forward
+        ran without autograd and there is nothing to backpropagate. The sink strategies pass it through Lightning's
+        ``Strategy.backward``, which hands its keyword arguments on to this method."""
+        if not skip_backward:
             super().backward(tensor, model, optimizer, *args, **kwargs)
 
     def unscale_window(self, flat_gradients: Tensor, divisor: float) -> Tensor | None:

@@ -273,3 +273,50 @@ def test_strategy_registry_is_the_one_strategies_register_in():
 
     assert isinstance(StrategyRegistry, compat.StrategyRegistry)
     assert "sink" in StrategyRegistry
+
+
+class _IterableNoLength(torch.utils.data.IterableDataset):
+    def __init__(self, samples: int) -> None:
+        self.data = make_dataset(samples)
+
+    def __iter__(self):
+        return iter(self.data)
+
+
+class _RecordsBatchPosition(TinyClassifier):
+    """Reads the batch position both ways at every ``training_step``, where the engine reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[bool, bool, int, int]] = []
+
+    def training_step(self, batch, batch_idx):
+        trainer = self.trainer
+        loop = trainer.fit_loop.epoch_loop
+        self.seen.append(
+            (
+                compat.is_last_batch_of_epoch(trainer),
+                bool(loop._num_ready_batches_reached()),
+                compat.batch_index_in_epoch(trainer),
+                trainer.fit_loop.batch_idx,
+            )
+        )
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(
+    "data, limit",
+    [("sized", 1.0), ("sized", 5), ("iterable", 1.0), ("iterable", 4)],
+    ids=["sized", "sized-limited", "iterable", "iterable-limited"],
+)
+def test_batch_position_reads_equal_lightnings_own(data, limit):
+    """``is_last_batch_of_epoch`` and ``batch_index_in_epoch`` read Lightning's progress attributes instead of calling
+    its private method and property: both ways agree at every batch of every epoch."""
+    dataset = make_dataset(56) if data == "sized" else _IterableNoLength(56)
+    module = _RecordsBatchPosition()
+    trainer = quiet_trainer(max_epochs=2, limit_train_batches=limit, strategy=SinkStrategy(accumulation_steps=3))
+    trainer.fit(module, torch.utils.data.DataLoader(dataset, batch_size=8))
+    assert len(module.seen) >= 8
+    assert sum(last for last, *_ in module.seen) == 2  # one last batch per epoch
+    for ours_last, lightnings_last, ours_index, lightnings_index in module.seen:
+        assert (ours_last, ours_index) == (lightnings_last, lightnings_index)

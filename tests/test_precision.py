@@ -31,8 +31,8 @@ from tests.strategies.test_sink_strategy import SaveAtBatch
 MICRO, STEPS = 4, 4
 
 
-def fit(model, plugin, epochs=2, num_samples=64, ckpt_path=None, **kwargs):
-    strategy = SinkStrategy(accumulation_steps=STEPS)
+def fit(model, plugin, epochs=2, num_samples=64, ckpt_path=None, sink_size=None, **kwargs):
+    strategy = SinkStrategy(accumulation_steps=STEPS, sink_size=sink_size)
     trainer = quiet_trainer(strategy=strategy, plugins=[plugin], max_epochs=epochs, **kwargs)
     trainer.fit(model, loader(make_dataset(num_samples=num_samples), MICRO), ckpt_path=ckpt_path)
     return trainer
@@ -179,21 +179,32 @@ def test_sync_counter_sees_syncs():
     assert counter.per_accumulate == [0, 1, 1] * 8
 
 
-def test_skip_window_on_overflow_skips_the_rest_of_the_window_backward():
+@pytest.mark.parametrize("sink_size", [None, 16], ids=["no sinks", "one pass per sink"])
+def test_skip_window_on_overflow_skips_the_rest_of_the_window_backward(sink_size):
+    """The skip reaches the precision plugin as an argument of Lightning's backward (the hooked path: a module
+    ``backward`` and ``on_after_backward`` are overridden), in and out of sinks."""
     backwards, hooks = [], []
 
-    class CountBackward(InjectingClassifier):
+    class CountBackward(TinyClassifier):
+        micro_batch = -1  # counted here: in sink mode Lightning's batch index counts sinks
+
+        def training_step(self, batch, batch_idx):
+            self.micro_batch += 1
+            loss = super().training_step(batch, batch_idx)
+            return loss * float("inf") if self.micro_batch == 4 else loss  # first micro-step of window 1
+
         def backward(self, loss, *args, **kwargs):
-            backwards.append(self.trainer.fit_loop.total_batch_idx)
+            backwards.append(self.micro_batch)
             super().backward(loss, *args, **kwargs)
 
         def on_after_backward(self):
-            hooks.append(self.trainer.fit_loop.total_batch_idx)
+            hooks.append(self.micro_batch)
 
-    model = CountBackward(inf_at=(4,), optimizer="sgd", lr=0.02)  # first micro-step of window 1
+    model = CountBackward(optimizer="sgd", lr=0.02)
     reference = InjectingClassifier(optimizer="sgd", lr=0.02)
     plugin = LossScalePrecision("32-true", DynamicLossScale(init_scale=2.0**10), skip_window_on_overflow=True)
-    fit(model, plugin)
+    fit(model, plugin, sink_size=sink_size)
+    assert not hasattr(plugin, "skip_backward")  # no flag set on the plugin from outside
     assert [index for index in range(32) if index not in backwards] == [5, 6, 7]
     assert hooks == list(range(32))  # Lightning's backward hooks run for every micro-batch, as with stock
     reference_train(reference, make_dataset(num_samples=64), reference_windows(64, MICRO, STEPS, 2, "scale"), skip={1})

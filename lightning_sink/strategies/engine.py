@@ -194,7 +194,7 @@ class StepEngine:
         if self.partial_window != "scale":
             self.batch_has_no_update()  # fix the plan for this batch before its state changes
             window.drop = self.plan_micro_step() is MicroStep.ACCUMULATE_THEN_DROP
-        elif self.trainer.fit_loop.batch_idx % self.accumulation_steps == 0 and window.micro_batches:
+        elif window.micro_batches and compat.batch_index_in_epoch(self.trainer) % self.accumulation_steps == 0:
             self.end_window()  # an optimizer_step hook that ran the closure without stepping
         if self.in_update or self.passthrough:
             output = self.forward(*args, **kwargs)
@@ -212,9 +212,7 @@ class StepEngine:
     def forward(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """The module's ``training_step``; without autograd when the window already overflowed."""
         skip_backward = self.window_already_overflowed()
-        self.window.overflowed = skip_backward
-        if self.scaling is not None:
-            self.scaling.skip_backward = skip_backward  # Lightning's backward reaches the plugin without arguments
+        self.window.overflowed = skip_backward  # read by the backward that follows (``backward``/``hooked_backward``)
         if not self._needs_step_context and not skip_backward and torch.is_grad_enabled():
             output = self._step_function(*args, **kwargs)  # nothing to enter: skip the two context managers
         else:
@@ -265,6 +263,16 @@ class StepEngine:
         self.backward(closure_loss, skip=self.window.overflowed)
         self.post_backward()
         return closure_loss
+
+    def hooked_backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None = None, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        """Lightning's ``Strategy.backward`` with its hooks, bound as the strategy's ``backward`` for a fit whose loss
+        scaling skips overflowed windows: a micro-batch of a window that already overflowed ran its forward without
+        autograd, and the precision plugin is told so as an argument of this backward."""
+        if self.window.overflowed:
+            kwargs["skip_backward"] = True
+        return type(self.host).backward(self.host, closure_loss, optimizer, *args, **kwargs)
 
     # ------------------------------------------------------------------ the window's update
     def update_step(self, optimizer: Optimizer, closure: Callable[[], Any], **kwargs: Any) -> Any:

@@ -256,6 +256,8 @@ class SinkFit:
             # precision plugin; see HookPlan): this fit's backward is the engine's, skipping four hook dispatches per
             # micro-batch. An attribute of the strategy object, removed at fit end (not when someone replaced it).
             vars(host)["backward"] = engine.window_backward
+        elif scaling is not None and scaling.skip_window_on_overflow and not passthrough:
+            vars(host)["backward"] = engine.hooked_backward  # Lightning's, told when a window already overflowed
         if scaling is not None:
             scaling.to_device(host.root_device)
         if self.pending_state is not None:
@@ -329,7 +331,8 @@ class SinkFit:
 
     def _unbind_direct_backward(self) -> None:
         engine = self.engine
-        if engine is not None and vars(self.host).get("backward") == engine.window_backward:  # ours, not a wrapper
+        bound = vars(self.host).get("backward")
+        if engine is not None and bound in (engine.window_backward, engine.hooked_backward):  # ours, not a wrapper
             del self.host.backward
 
     # ------------------------------------------------------------------ checkpoints
