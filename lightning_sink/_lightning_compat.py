@@ -35,6 +35,7 @@ __all__ = [
     "lightning_optimizer",
     "process_group_backend",
     "logging_step_set_to",
+    "hook_name_set_to",
     "run_before_optimizer_step",
     "call_lightning_module_hook",
     "before_batch_transfer",
@@ -210,6 +211,19 @@ def logging_step_set_to(trainer: pl.Trainer, step: int) -> Iterator[None]:
         yield
     finally:
         loop._batches_that_stepped = saved
+
+
+@contextmanager
+def hook_name_set_to(module: pl.LightningModule, name: str) -> Iterator[None]:
+    """Lightning's current hook name on the module (what ``self.log`` files its values under, and whose change
+    during an epoch's first batch resets that hook's accumulated values) set to ``name`` for the block, then
+    restored, as Lightning's own hook calls do."""
+    saved = module._current_fx_name
+    module._current_fx_name = name
+    try:
+        yield
+    finally:
+        module._current_fx_name = saved
 
 
 def run_before_optimizer_step(trainer: pl.Trainer, optimizer: Any) -> None:

@@ -51,6 +51,11 @@ def test_private_lightning_attributes_still_exist():
     assert isinstance(trainer.fit_loop.total_batch_idx, int)
     assert trainer.fit_loop._combined_loader_states_to_load == []  # forget_saved_loader_states empties it
     assert trainer.fit_loop._data_fetcher is None  # skip_training_batches reads it once fit has created it
+    module = pl.LightningModule()
+    assert module._current_fx_name is None  # hook_name_set_to sets and restores it
+    with compat.hook_name_set_to(module, "training_step"):
+        assert module._current_fx_name == "training_step"
+    assert module._current_fx_name is None
 
 
 def test_process_group_backend_is_read_from_the_parent_strategy():
