@@ -36,6 +36,8 @@ __all__ = [
     "process_group_backend",
     "logging_step_set_to",
     "hook_name_set_to",
+    "metric_step_value",
+    "metric_step_value_set_to",
     "run_before_optimizer_step",
     "call_lightning_module_hook",
     "before_batch_transfer",
@@ -224,6 +226,23 @@ def hook_name_set_to(module: pl.LightningModule, name: str) -> Iterator[None]:
         yield
     finally:
         module._current_fx_name = saved
+
+
+def metric_step_value(metric: Any) -> Any:
+    """What Lightning writes as a logged torchmetrics ``Metric``'s step value: the result of the metric's latest
+    forward call (the ``_forward_cache`` Lightning's result collection reads; None before any)."""
+    return metric._forward_cache
+
+
+@contextmanager
+def metric_step_value_set_to(metric: Any, value: Any) -> Iterator[None]:
+    """The Metric's step value, as Lightning reads it when it is logged, set to ``value`` for the block."""
+    saved = metric._forward_cache
+    metric._forward_cache = value
+    try:
+        yield
+    finally:
+        metric._forward_cache = saved
 
 
 def run_before_optimizer_step(trainer: pl.Trainer, optimizer: Any) -> None:

@@ -7,6 +7,7 @@ import inspect
 import lightning.pytorch as pl
 import pytest
 import torch
+import torchmetrics
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
@@ -56,6 +57,15 @@ def test_private_lightning_attributes_still_exist():
     with compat.hook_name_set_to(module, "training_step"):
         assert module._current_fx_name == "training_step"
     assert module._current_fx_name is None
+
+    mean = torchmetrics.MeanMetric()
+    assert compat.metric_step_value(mean) is None  # no forward call yet
+    mean(torch.tensor([1.0, 3.0]))
+    assert float(compat.metric_step_value(mean)) == 2.0  # the latest forward call's own value
+    mean(torch.tensor([6.0]))
+    with compat.metric_step_value_set_to(mean, torch.tensor(5.0)):
+        assert float(compat.metric_step_value(mean)) == 5.0
+    assert float(compat.metric_step_value(mean)) == 6.0
 
 
 def test_process_group_backend_is_read_from_the_parent_strategy():
