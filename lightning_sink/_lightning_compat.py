@@ -36,6 +36,8 @@ __all__ = [
     "process_group_backend",
     "logging_step_set_to",
     "hook_name_set_to",
+    "first_batch_flag",
+    "set_first_batch_flag",
     "metric_step_value",
     "metric_step_value_set_to",
     "run_before_optimizer_step",
@@ -226,6 +228,16 @@ def hook_name_set_to(module: pl.LightningModule, name: str) -> Iterator[None]:
         yield
     finally:
         module._current_fx_name = saved
+
+
+def first_batch_flag(trainer: pl.Trainer) -> bool | None:
+    """Whether Lightning's logging treats the running batch as its epoch's first (``None`` between epochs): while it
+    does, ``self.log`` resets a hook's accumulated values whenever the hook name changes."""
+    return cast(bool | None, trainer._logger_connector._first_loop_iter)
+
+
+def set_first_batch_flag(trainer: pl.Trainer, value: bool | None) -> None:
+    trainer._logger_connector._first_loop_iter = value
 
 
 def metric_step_value(metric: Any) -> Any:

@@ -52,6 +52,11 @@ def test_private_lightning_attributes_still_exist():
     assert isinstance(trainer.fit_loop.total_batch_idx, int)
     assert trainer.fit_loop._combined_loader_states_to_load == []  # forget_saved_loader_states empties it
     assert trainer.fit_loop._data_fetcher is None  # skip_training_batches reads it once fit has created it
+    assert compat.first_batch_flag(trainer) is None  # between epochs
+    compat.set_first_batch_flag(trainer, False)
+    assert not trainer._logger_connector.should_reset_tensors("training_step")  # what the flag is for
+    compat.set_first_batch_flag(trainer, True)
+    assert trainer._logger_connector.should_reset_tensors("training_step")
     module = pl.LightningModule()
     assert module._current_fx_name is None  # hook_name_set_to sets and restores it
     with compat.hook_name_set_to(module, "training_step"):

@@ -119,6 +119,8 @@ class SinkLogBuffer:
         self._keys: dict[str, _Key] = {}
         self._updates: list[_Update] = []
         self._micro_steps_since_update = 0
+        self._micro_steps_in_sink = 0
+        self._first_batch_flag: bool | None = None  # Lightning's, as the sink started
         self._micro_batch: Any = None
         self._micro_batch_size: int | None = None
         self._real_log: Callable[..., None] = module.log  # (the module's own, taken again at each install)
@@ -132,6 +134,8 @@ class SinkLogBuffer:
 
     # ------------------------------------------------------------------ around a sink
     def install(self) -> None:
+        self._micro_steps_in_sink = 0
+        self._first_batch_flag = compat.first_batch_flag(self._trainer)
         if self._stands_in:
             self._real_log = self._module.log
             vars(self._module)["log"] = (
@@ -145,10 +149,18 @@ class SinkLogBuffer:
         self._updates.clear()
         self._micro_steps_since_update = 0
         self._micro_batch = None
+        if self._micro_steps_in_sink > 1:
+            compat.set_first_batch_flag(self._trainer, self._first_batch_flag)
 
     def begin_micro_step(self, batch: Any) -> None:
         self._micro_batch, self._micro_batch_size = batch, None
         self._micro_steps_since_update += 1
+        self._micro_steps_in_sink += 1
+        if self._micro_steps_in_sink == 2:
+            # A sink is one Lightning batch, often its epoch's first, during which Lightning resets a hook's values
+            # at each change of hook name (training_step, then a hook such as on_after_backward, which also log).
+            # Without sinking only the epoch's first micro-batch is such a batch: the rest of the sink is not.
+            compat.set_first_batch_flag(self._trainer, False)
 
     def end_update(self) -> None:
         """Called by the strategy after each optimizer update inside the sink (after its LR schedulers stepped)."""
