@@ -35,7 +35,7 @@ __all__ = [
     "lightning_optimizer",
     "process_group_backend",
     "logging_step_set_to",
-    "hook_name_set_to",
+    "swap_hook_name",
     "first_batch_flag",
     "set_first_batch_flag",
     "metric_step_value",
@@ -217,23 +217,21 @@ def logging_step_set_to(trainer: pl.Trainer, step: int) -> Iterator[None]:
         loop._batches_that_stepped = saved
 
 
-@contextmanager
-def hook_name_set_to(module: pl.LightningModule, name: str) -> Iterator[None]:
-    """Lightning's current hook name on the module (what ``self.log`` files its values under, and whose change
-    during an epoch's first batch resets that hook's accumulated values) set to ``name`` for the block, then
-    restored, as Lightning's own hook calls do."""
-    saved = module._current_fx_name
-    module._current_fx_name = name
-    try:
-        yield
-    finally:
-        module._current_fx_name = saved
+def swap_hook_name(module: pl.LightningModule, name: str | None) -> str | None:
+    """Set Lightning's current hook name on the module (what ``self.log`` files its values under, and whose change
+    during an epoch's first batch resets that hook's accumulated values) and return the previous one, to be put
+    back as Lightning's own hook calls do. (A plain string attribute: written to the instance's ``__dict__``, where
+    ``nn.Module.__setattr__`` would put it after its checks for parameters, buffers and submodules.)"""
+    attributes = vars(module)
+    previous = attributes["_current_fx_name"]
+    attributes["_current_fx_name"] = name
+    return cast(str | None, previous)
 
 
 def first_batch_flag(trainer: pl.Trainer) -> bool | None:
     """Whether Lightning's logging treats the running batch as its epoch's first (``None`` between epochs): while it
     does, ``self.log`` resets a hook's accumulated values whenever the hook name changes."""
-    return cast(bool | None, trainer._logger_connector._first_loop_iter)
+    return trainer._logger_connector._first_loop_iter
 
 
 def set_first_batch_flag(trainer: pl.Trainer, value: bool | None) -> None:

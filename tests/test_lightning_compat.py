@@ -58,10 +58,10 @@ def test_private_lightning_attributes_still_exist():
     compat.set_first_batch_flag(trainer, True)
     assert trainer._logger_connector.should_reset_tensors("training_step")
     module = pl.LightningModule()
-    assert module._current_fx_name is None  # hook_name_set_to sets and restores it
-    with compat.hook_name_set_to(module, "training_step"):
-        assert module._current_fx_name == "training_step"
-    assert module._current_fx_name is None
+    assert module._current_fx_name is None  # what swap_hook_name sets and returns
+    assert compat.swap_hook_name(module, "training_step") is None
+    assert module._current_fx_name == "training_step"
+    assert compat.swap_hook_name(module, None) == "training_step" and module._current_fx_name is None
 
     mean = torchmetrics.MeanMetric()
     assert compat.metric_step_value(mean) is None  # no forward call yet

@@ -99,8 +99,11 @@ class _Hooked:
         def closure() -> Tensor | None:
             # Inside the module's optimizer_step hook Lightning's current hook name is "optimizer_step"; its own
             # closure runs training_step as the "training_step" hook, and self.log files values under that name.
-            with compat.hook_name_set_to(module, "training_step"):
+            hook = compat.swap_hook_name(module, "training_step")
+            try:
                 output = engine.forward(*_step_args(engine, batch, batch_idx))
+            finally:
+                compat.swap_hook_name(module, hook)
             step = ClosureResult.from_training_step_output(output, self.loss_divisor)
             if starts:
                 compat.run_zero_grad(trainer, batch_idx, optimizer)
