@@ -36,6 +36,11 @@ __all__ = [
     "lightning_optimizer",
     "process_group_backend",
     "logging_step_set_to",
+    "swap_hook_name",
+    "first_batch_flag",
+    "set_first_batch_flag",
+    "metric_step_value",
+    "metric_step_value_set_to",
     "run_before_optimizer_step",
     "call_lightning_module_hook",
     "before_batch_transfer",
@@ -222,6 +227,44 @@ def logging_step_set_to(trainer: pl.Trainer, step: int) -> Iterator[None]:
         yield
     finally:
         loop._batches_that_stepped = saved
+
+
+def swap_hook_name(module: pl.LightningModule, name: str | None) -> str | None:
+    """Set Lightning's current hook name on the module (what ``self.log`` files its values under, and whose change
+    during an epoch's first batch resets that hook's accumulated values) and return the previous one, to be put
+    back as Lightning's own hook calls do. (A plain string attribute: written to the instance's ``__dict__``, where
+    ``nn.Module.__setattr__`` would put it after its checks for parameters, buffers and submodules.)"""
+    attributes = vars(module)
+    previous = attributes["_current_fx_name"]
+    attributes["_current_fx_name"] = name
+    return cast(str | None, previous)
+
+
+def first_batch_flag(trainer: pl.Trainer) -> bool | None:
+    """Whether Lightning's logging treats the running batch as its epoch's first (``None`` between epochs): while it
+    does, ``self.log`` resets a hook's accumulated values whenever the hook name changes."""
+    return trainer._logger_connector._first_loop_iter
+
+
+def set_first_batch_flag(trainer: pl.Trainer, value: bool | None) -> None:
+    trainer._logger_connector._first_loop_iter = value
+
+
+def metric_step_value(metric: Any) -> Any:
+    """What Lightning writes as a logged torchmetrics ``Metric``'s step value: the result of the metric's latest
+    forward call (the ``_forward_cache`` Lightning's result collection reads; None before any)."""
+    return metric._forward_cache
+
+
+@contextmanager
+def metric_step_value_set_to(metric: Any, value: Any) -> Iterator[None]:
+    """The Metric's step value, as Lightning reads it when it is logged, set to ``value`` for the block."""
+    saved = metric._forward_cache
+    metric._forward_cache = value
+    try:
+        yield
+    finally:
+        metric._forward_cache = saved
 
 
 def run_before_optimizer_step(trainer: pl.Trainer, optimizer: Any) -> None:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import functools
 import io
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from types import CodeType
 from typing import Any
 
 import torch
@@ -37,6 +39,10 @@ __all__ = [
     "restore_batch_reads",
     "hooks_a_functional_step_would_skip",
     "note_optimizer_step",
+    "RecompiledFunction",
+    "recompiled_functions",
+    "recompile_limit",
+    "user_function_name",
 ]
 
 StridedShard = _StridedShard  # FSDP2 + TP's row placement of a parameter sharded twice on one dim
@@ -154,3 +160,49 @@ def note_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     """Tell LR schedulers that ``optimizer`` has stepped, as its wrapped ``step`` would (a compiled update program
     updates the parameters without calling it); otherwise a scheduler warns that it stepped before the optimizer."""
     optimizer.__dict__["_opt_called"] = True  # the flag its wrapped step sets (torch.optim.lr_scheduler reads it)
+
+
+@dataclass(frozen=True)
+class RecompiledFunction:
+    """A function TorchDynamo has compiled more than once in this process."""
+
+    code: CodeType
+    versions: int  # compiled versions it holds now (TorchDynamo stops compiling it at ``recompile_limit()``)
+    last_guard_failure: str  # a guard that failed at the latest recompile, as TorchDynamo words it, and its source
+
+
+def recompiled_functions() -> list[RecompiledFunction]:
+    """Every function TorchDynamo recompiled in this process, from its own records: the guard failures it notes
+    at each recompile (kept whether or not ``TORCH_LOGS="recompiles"`` is on) and each function's compiled
+    versions (its cache entries). Call only once ``torch._dynamo`` is loaded (``torch.compile`` loads it)."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.utils import guard_failures
+
+    found = []
+    for code, reasons in list(guard_failures.items()):
+        if not isinstance(code, CodeType) or not reasons:
+            continue
+        # "<frame>/<version>: <guard>  # <source line>  # <file:line> in <function>", then the user's stack
+        reason = str(reasons[-1]).split("\n", 1)[0].split(": ", 1)[-1]
+        guard, *source = [" ".join(part.split()) for part in reason.split(" # ")]
+        if source and source[0]:
+            guard = f"{guard} (from: {source[0]})"
+        found.append(RecompiledFunction(code, len(_debug_get_cache_entry_list(code)), guard))
+    return found
+
+
+def recompile_limit() -> int:
+    """How many versions of one function TorchDynamo compiles before it runs the function eagerly for good."""
+    import torch._dynamo
+
+    return int(torch._dynamo.config.recompile_limit)
+
+
+def user_function_name(code: CodeType) -> str:
+    """The user's name for a function TorchDynamo compiled: the part of a function after a graph break is compiled
+    as a resume function that TorchDynamo names ``torch_dynamo_resume_in_<function>_at_<line>``."""
+    prefix = "torch_dynamo_resume_in_"
+    if not code.co_name.startswith(prefix) or "_at_" not in code.co_name:
+        return code.co_name
+    function, line = code.co_name[len(prefix) :].rsplit("_at_", 1)
+    return f"{function} (its part after the graph break at line {line})"

@@ -7,6 +7,7 @@ import inspect
 import lightning.pytorch as pl
 import pytest
 import torch
+import torchmetrics
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
@@ -51,6 +52,25 @@ def test_private_lightning_attributes_still_exist():
     assert isinstance(trainer.fit_loop.total_batch_idx, int)
     assert trainer.fit_loop._combined_loader_states_to_load == []  # forget_saved_loader_states empties it
     assert trainer.fit_loop._data_fetcher is None  # skip_training_batches reads it once fit has created it
+    assert compat.first_batch_flag(trainer) is None  # between epochs
+    compat.set_first_batch_flag(trainer, False)
+    assert not trainer._logger_connector.should_reset_tensors("training_step")  # what the flag is for
+    compat.set_first_batch_flag(trainer, True)
+    assert trainer._logger_connector.should_reset_tensors("training_step")
+    module = pl.LightningModule()
+    assert module._current_fx_name is None  # what swap_hook_name sets and returns
+    assert compat.swap_hook_name(module, "training_step") is None
+    assert module._current_fx_name == "training_step"
+    assert compat.swap_hook_name(module, None) == "training_step" and module._current_fx_name is None
+
+    mean = torchmetrics.MeanMetric()
+    assert compat.metric_step_value(mean) is None  # no forward call yet
+    mean(torch.tensor([1.0, 3.0]))
+    assert float(compat.metric_step_value(mean)) == 2.0  # the latest forward call's own value
+    mean(torch.tensor([6.0]))
+    with compat.metric_step_value_set_to(mean, torch.tensor(5.0)):
+        assert float(compat.metric_step_value(mean)) == 5.0
+    assert float(compat.metric_step_value(mean)) == 6.0
 
 
 def test_process_group_backend_is_read_from_the_parent_strategy():

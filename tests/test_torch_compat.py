@@ -146,3 +146,33 @@ def test_a_noted_optimizer_step_keeps_schedulers_from_warning():
         warnings.simplefilter("error")  # "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
         scheduler.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01)
+
+
+def test_recompiled_functions_reads_torchdynamos_own_records_of_recompiles():
+    torch._dynamo.reset()
+    seen: list[torch.Tensor] = []
+
+    def grows(x):
+        seen.append(x)
+        return x * len(seen)
+
+    def breaks_then_grows(x):
+        y = x + 1
+        torch._dynamo.graph_break()
+        seen.append(y)
+        return y * len(seen)
+
+    try:
+        compiled, with_break = torch.compile(grows, backend="eager"), torch.compile(breaks_then_grows, backend="eager")
+        for _ in range(3):
+            compiled(torch.ones(2))
+            with_break(torch.ones(2))
+        found = {function.code.co_name: function for function in compat.recompiled_functions()}
+        assert found["grows"].versions == 3  # one version per length of the list
+        assert "seen" in found["grows"].last_guard_failure and "seen.append(x)" in found["grows"].last_guard_failure
+        (resume,) = [function for name, function in found.items() if name.startswith("torch_dynamo_resume_in_")]
+        assert compat.user_function_name(resume.code).startswith("breaks_then_grows (its part after the graph break")
+        assert compat.user_function_name(grows.__code__) == "grows"
+        assert compat.recompile_limit() == torch._dynamo.config.recompile_limit == 8
+    finally:
+        torch._dynamo.reset()

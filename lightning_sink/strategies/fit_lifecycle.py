@@ -33,6 +33,7 @@ from lightning_sink.strategies.fit_checks import (
 )
 from lightning_sink.strategies.graph_modes import check_graph_mode_device, step_function
 from lightning_sink.strategies.hooks import HookPlan
+from lightning_sink.strategies.recompile_watch import RecompileWatch
 from lightning_sink.strategies.resume_check import check_resume_settings
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
 from lightning_sink.strategies.sink_loop import SinkLoop
@@ -276,7 +277,10 @@ class SinkFit:
                 self._sink_loader.loader, self.data_position, self._prefetch_depth(), copier=self._device_copier()
             )
             module = trainer.lightning_module
-            self.sink_loop = loop = SinkLoop(engine, stream, self.data_position, SinkLogBuffer(module), self.sink_size)
+            watch = RecompileWatch(self.sink_size, self.graph_mode) if self.graph_mode != "eager" else None
+            self.sink_loop = loop = SinkLoop(
+                engine, stream, self.data_position, SinkLogBuffer(module), self.sink_size, recompile_watch=watch
+            )
             compat.install_loop_overrides(trainer, compat.LoopOverrides.for_sinks(loop.made_no_update))
             return
         holds = engine.scaling is not None and bool(engine.step_scheduler_configs)

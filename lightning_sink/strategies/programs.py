@@ -94,10 +94,16 @@ class _Hooked:
 
     def _closure(self, batch: Any, batch_idx: int, starts: bool, result: list[Tensor | None]) -> Callable[[], Any]:
         engine = self._engine
-        trainer, optimizer = engine.trainer, engine.optimizer()
+        trainer, optimizer, module = engine.trainer, engine.optimizer(), engine.trainer.lightning_module
 
         def closure() -> Tensor | None:
-            output = engine.forward(*_step_args(engine, batch, batch_idx))
+            # Inside the module's optimizer_step hook Lightning's current hook name is "optimizer_step"; its own
+            # closure runs training_step as the "training_step" hook, and self.log files values under that name.
+            hook = compat.swap_hook_name(module, "training_step")
+            try:
+                output = engine.forward(*_step_args(engine, batch, batch_idx))
+            finally:
+                compat.swap_hook_name(module, hook)
             step = ClosureResult.from_training_step_output(output, self.loss_divisor)
             if starts:
                 compat.run_zero_grad(trainer, batch_idx, optimizer)

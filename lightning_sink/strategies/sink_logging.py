@@ -15,9 +15,12 @@ Lightning's results are what K calls would have made them:
   the second the step value.
 
 The batch size of an ``on_epoch`` mean is taken from the micro-batch itself, as Lightning takes it from its batch
-(Lightning's own batch in sink mode is a placeholder with no size). Calls the buffer does not reduce (a torchmetrics
-``Metric``, ``enable_graph=True``, another ``reduce_fx``, a value Lightning would reject) go to the real
-``self.log`` at once.
+(Lightning's own batch in sink mode is a placeholder with no size). Calls the buffer does not reduce
+(``enable_graph=True``, another ``reduce_fx``, a value Lightning would reject) go to the real ``self.log`` at once.
+So does a torchmetrics ``Metric`` (Lightning accumulates its state itself, and the metric's ``compute`` is the epoch
+value); the buffer records the metric's step value at each call (its latest forward result, what Lightning writes
+at a step) for the updates Lightning does not see, and, when the sink ends inside a window, gives Lightning the
+last update's.
 
 Loggers. Without sinking, Lightning writes the step values at the end of the batch that makes the u-th update when
 ``u % log_every_n_steps == 0``, at step u - 1, and ``LearningRateMonitor`` writes the learning rates at the start of
@@ -45,6 +48,7 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.optim import Optimizer
+from torchmetrics import Metric
 
 from lightning_sink import _lightning_compat as compat
 
@@ -85,6 +89,9 @@ class _Key:
     reduction: str
     values: list[Tensor] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
+    # A torchmetrics Metric goes to Lightning at every call (Lightning accumulates it itself); its step values are
+    # recorded here only for the updates Lightning does not see.
+    metric: Metric | None = None
 
 
 @dataclass
@@ -112,6 +119,8 @@ class SinkLogBuffer:
         self._keys: dict[str, _Key] = {}
         self._updates: list[_Update] = []
         self._micro_steps_since_update = 0
+        self._micro_steps_in_sink = 0
+        self._first_batch_flag: bool | None = None  # Lightning's, as the sink started
         self._micro_batch: Any = None
         self._micro_batch_size: int | None = None
         self._real_log: Callable[..., None] = module.log  # (the module's own, taken again at each install)
@@ -125,6 +134,8 @@ class SinkLogBuffer:
 
     # ------------------------------------------------------------------ around a sink
     def install(self) -> None:
+        self._micro_steps_in_sink = 0
+        self._first_batch_flag = compat.first_batch_flag(self._trainer)
         if self._stands_in:
             self._real_log = self._module.log
             vars(self._module)["log"] = (
@@ -138,10 +149,18 @@ class SinkLogBuffer:
         self._updates.clear()
         self._micro_steps_since_update = 0
         self._micro_batch = None
+        if self._micro_steps_in_sink > 1:
+            compat.set_first_batch_flag(self._trainer, self._first_batch_flag)
 
     def begin_micro_step(self, batch: Any) -> None:
         self._micro_batch, self._micro_batch_size = batch, None
         self._micro_steps_since_update += 1
+        self._micro_steps_in_sink += 1
+        if self._micro_steps_in_sink == 2:
+            # A sink is one Lightning batch, often its epoch's first, during which Lightning resets a hook's values
+            # at each change of hook name (training_step, then a hook such as on_after_backward, which also log).
+            # Without sinking only the epoch's first micro-batch is such a batch: the rest of the sink is not.
+            compat.set_first_batch_flag(self._trainer, False)
 
     def end_update(self) -> None:
         """Called by the strategy after each optimizer update inside the sink (after its LR schedulers stepped)."""
@@ -163,6 +182,10 @@ class SinkLogBuffer:
         options = dict(call.arguments)
         del options["self"], options["name"], options["value"]
         batch_size = options.pop("batch_size")  # may differ per call (a last, smaller micro-batch), as in Lightning
+        if isinstance(value, Metric):
+            self._real_log(name, value, *args, **kwargs)
+            self._record_metric_step_value(name, value, options)
+            return
         reduction = _REDUCTIONS.get(options["reduce_fx"])
         tensor = _as_scalar_tensor(value, self._module.device)
         if reduction is None or tensor is None or options["enable_graph"] or "/dataloader_idx_" in name:
@@ -182,6 +205,21 @@ class SinkLogBuffer:
         key.values.append(tensor)
         key.batch_sizes.append(self._batch_size(batch_size, options))
 
+    def _record_metric_step_value(self, name: str, metric: Metric, options: dict[str, Any]) -> None:
+        """The Metric's step value as of this call (what Lightning would write at this micro-step's update)."""
+        if options["on_step"] is False or options["logger"] is False:
+            return  # (None: Lightning's default inside training_step, on step and to the logger)
+        value = compat.metric_step_value(metric)
+        if not isinstance(value, Tensor) or value.numel() != 1:
+            return  # Lightning writes no step value (no forward call yet) or raises its own error at the sink end
+        key = self._keys.get(name)
+        if key is None:
+            options["on_step"] = True
+            options["on_epoch"] = False if options["on_epoch"] is None else options["on_epoch"]
+            key = self._keys[name] = _Key(options, "metric", metric=metric)
+        key.values.append(value.detach().clone())  # (the metric's next forward call replaces it)
+        key.batch_sizes.append(1)
+
     def _batch_size(self, given: int | None, options: dict[str, Any]) -> int:
         if given is not None:
             return int(given)
@@ -199,7 +237,13 @@ class SinkLogBuffer:
         # window follow that update, the step value is the update's own, not the last micro-step's.
         last_update = updates[-1].counts if updates and self._micro_steps_since_update else {}
         for name, key in self._keys.items():
-            self._hand_to_lightning(name, key, (last_update.get(name) or len(key.values)) - 1)
+            step_index = (last_update.get(name) or len(key.values)) - 1
+            if key.metric is None:
+                self._hand_to_lightning(name, key, step_index)
+            elif step_index != len(key.values) - 1:
+                # Lightning already has the Metric; its step value is to be the update's, not the last micro-step's
+                with compat.metric_step_value_set_to(key.metric, key.values[step_index]):
+                    self._real_log(name, key.metric, **key.options)
         self._write_updates_before_the_last(updates[:-1])
         self._keys.clear()
 
@@ -253,6 +297,8 @@ class SinkLogBuffer:
     def _synced(self, values: Tensor, key: _Key) -> Tensor:
         """``sync_dist=True`` values reduced across ranks, as Lightning reduces each step value it logs."""
         options, trainer = key.options, self._trainer
+        if key.metric is not None:
+            return values  # Lightning writes a Metric's step value as the metric computed it
         if not options["sync_dist"] or options["rank_zero_only"] or trainer.world_size == 1:
             return values
         return trainer.strategy.reduce(values, group=options["sync_dist_group"], reduce_op=key.reduction)

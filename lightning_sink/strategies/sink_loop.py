@@ -20,6 +20,7 @@ from lightning_sink.data import DataPosition
 from lightning_sink.sink_data import PASS_END, MicroBatchStream
 from lightning_sink.strategies.engine import StepEngine
 from lightning_sink.strategies.programs import SinkPrograms, SinkUpdates, choose_programs
+from lightning_sink.strategies.recompile_watch import RecompileWatch
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
 
 __all__ = ["SinkLoop"]
@@ -35,12 +36,14 @@ class SinkLoop:
         data_position: DataPosition,
         log_buffer: SinkLogBuffer | None,
         sink_size: int,
+        recompile_watch: RecompileWatch | None = None,
     ) -> None:
         self._engine = engine
         self.stream = stream
         self._data_position = data_position
         self._log_buffer = log_buffer
         self._sink_size = sink_size
+        self._recompile_watch = recompile_watch  # (graph modes: TorchDynamo compiles the step)
         self.updates = SinkUpdates(engine)
         self.programs: SinkPrograms | None = None  # the last sink's
         host = engine.host
@@ -61,6 +64,12 @@ class SinkLoop:
 
     def run(self) -> dict[str, Tensor] | None:
         """One sink (one Lightning batch)."""
+        output = self._logged_sink()
+        if self._recompile_watch is not None:
+            self._recompile_watch.sink_ended()
+        return output
+
+    def _logged_sink(self) -> dict[str, Tensor] | None:
         buffer = self._log_buffer
         if buffer is None:
             return self._micro_batches()

@@ -1,0 +1,91 @@
+"""torchmetrics ``Metric`` objects logged with ``self.log`` inside sinks reach the loggers at the same steps, with the
+same values, as stock Lightning's ``accumulate_grad_batches`` over the same data (side by side, an in-memory logger
+recording every point), with ``log_every_n_steps`` not dividing a sink's updates.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch.nn.functional as F
+import torchmetrics
+from lightning.pytorch.loggers import Logger
+
+from lightning_sink import SinkStrategy
+from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
+
+MICRO, STEPS, PASS = 4, 4, 8  # a data pass of 8 micro-batches: two updates
+STEP_NAMES = ("acc_metric", "loss_metric_step", "acc_tensor")
+
+
+class PointsLogger(Logger):
+    """Every (step, name) -> the values a run writes there, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.points: dict[tuple[int, str], list[float]] = {}
+
+    @property
+    def name(self) -> str:
+        return "points"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics, step=None) -> None:
+        for name, value in metrics.items():
+            self.points.setdefault((step, name), []).append(float(value))
+
+
+class LogsMetrics(TinyClassifier):
+    """An accuracy Metric on step, a mean-loss Metric on step and on epoch, and a plain tensor beside them."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.05)
+        self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=4)
+        self.mean_loss = torchmetrics.MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.accuracy(logits.argmax(-1), y)
+        self.log("acc_metric", self.accuracy)
+        self.mean_loss(loss)
+        self.log("loss_metric", self.mean_loss, on_step=True, on_epoch=True)
+        self.log("acc_tensor", (logits.argmax(-1) == y).float().mean())
+        return loss
+
+
+def points(strategy, log_every_n_steps: int, **trainer_kwargs) -> dict[tuple[int, str], list[float]]:
+    logger = PointsLogger()
+    trainer = quiet_trainer(strategy=strategy, logger=logger, log_every_n_steps=log_every_n_steps, **trainer_kwargs)
+    trainer.fit(LogsMetrics(), loader(make_dataset(num_samples=PASS * MICRO), MICRO))
+    assert trainer.global_step == 12
+    return logger.points
+
+
+@pytest.mark.parametrize(
+    ("sink_size", "log_every_n_steps", "limits"),
+    [
+        (PASS, 3, {"max_epochs": 6}),  # a sink per data pass: 2 updates per sink, epochs as without sinking
+        (6, 2, {"max_steps": 12, "max_epochs": -1}),  # sinks that end inside windows
+    ],
+)
+def test_metrics_reach_the_loggers_at_the_stock_runs_steps_with_its_values(sink_size, log_every_n_steps, limits):
+    stock = points("auto", log_every_n_steps, accumulate_grad_batches=STEPS, **limits)
+    sink = points(SinkStrategy(sink_size=sink_size, accumulation_steps=STEPS), log_every_n_steps, **limits)
+    steps = [u - 1 for u in range(1, 13) if u % log_every_n_steps == 0]
+    for name in STEP_NAMES:
+        assert sorted(step for step, logged in stock if logged == name) == steps, name  # (the reference is as read)
+    if "max_steps" in limits:  # sinks are not data passes here (nor epochs): compare the step points only
+        stock = {point: values for point, values in stock.items() if point[1] in STEP_NAMES}
+        sink = {point: values for point, values in sink.items() if point[1] in STEP_NAMES}
+    else:
+        assert sorted(step for step, logged in stock if logged == "loss_metric_epoch") == [1, 3, 5, 7, 9, 11]
+    assert sorted(sink) == sorted(stock)
+    for point, values in stock.items():
+        assert sink[point] == pytest.approx(values, rel=1e-6, abs=1e-7), point
