@@ -31,6 +31,7 @@ __all__ = [
     "set_sampler_epoch",
     "set_stale_sampler_epoch",
     "has_reproducible_order",
+    "pass_length",
     "is_stateful_loader",
 ]
 
@@ -84,6 +85,15 @@ def set_stale_sampler_epoch(loader: Any, epoch: int) -> None:
         set_epoch = getattr(sampler, "set_epoch", None)
         if callable(set_epoch) and getattr(sampler, "epoch", 0) != epoch:
             set_epoch(epoch)
+
+
+def pass_length(loader: Any) -> int | None:
+    """The batches Lightning takes from ``loader`` in an epoch (without ``limit_train_batches``): its length, or
+    ``None`` where it has none (then a pass runs until the loader stops)."""
+    try:
+        return len(loader)
+    except (TypeError, NotImplementedError):
+        return None
 
 
 def _index_sampler(loader: DataLoader) -> Any:
