@@ -16,7 +16,7 @@ import queue
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -109,8 +109,9 @@ def quiet_placeholder_length_warning(loader: Any) -> Callable[[], None] | None:
 
     def remove() -> None:
         # An "ignore" entry leaves nothing in the modules' warning registries, so taking it out restores the filters.
-        if entry in warnings.filters:
-            warnings.filters.remove(entry)
+        filters = cast("list[Any]", warnings.filters)  # a list at run time; typeshed declares a Sequence
+        if entry in filters:
+            filters.remove(entry)
 
     return remove
 
