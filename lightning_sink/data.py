@@ -11,7 +11,8 @@ that is not itself resumable (a plain ``DataLoader``):
 Both are recorded in ``DataPosition`` and ride in the strategy's checkpoint state. A loader that checkpoints itself
 (torchdata's ``StatefulDataLoader``) is left to Lightning outside sink mode, which saves and reloads its state.
 A sampler that shuffles without a generator (``DataLoader(shuffle=True)`` with no ``generator=``) draws from torch's
-global generator, which no checkpoint restores: pass a generator for an exact resume.
+global generator when a pass starts, which the checkpoint holds as it was at the save (``random_state.py``), not
+as it was at that pass's start: pass a generator for an exact resume.
 """
 
 from __future__ import annotations
