@@ -11,7 +11,8 @@ that is not itself resumable (a plain ``DataLoader``):
 Both are recorded in ``DataPosition`` and ride in the strategy's checkpoint state. A loader that checkpoints itself
 (torchdata's ``StatefulDataLoader``) is left to Lightning outside sink mode, which saves and reloads its state.
 A sampler that shuffles without a generator (``DataLoader(shuffle=True)`` with no ``generator=``) draws from torch's
-global generator, which no checkpoint restores: pass a generator for an exact resume.
+global generator when a pass starts, which the checkpoint holds as it was at the save (``random_state.py``), not
+as it was at that pass's start: pass a generator for an exact resume.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "set_sampler_epoch",
     "set_stale_sampler_epoch",
     "has_reproducible_order",
+    "pass_length",
     "is_stateful_loader",
 ]
 
@@ -84,6 +86,15 @@ def set_stale_sampler_epoch(loader: Any, epoch: int) -> None:
         set_epoch = getattr(sampler, "set_epoch", None)
         if callable(set_epoch) and getattr(sampler, "epoch", 0) != epoch:
             set_epoch(epoch)
+
+
+def pass_length(loader: Any) -> int | None:
+    """The batches Lightning takes from ``loader`` in an epoch (without ``limit_train_batches``): its length, or
+    ``None`` where it has none (then a pass runs until the loader stops)."""
+    try:
+        return len(loader)
+    except (TypeError, NotImplementedError):
+        return None
 
 
 def _index_sampler(loader: DataLoader) -> Any:

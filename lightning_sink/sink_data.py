@@ -14,17 +14,25 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 
 from lightning_sink import _lightning_compat as compat
-from lightning_sink.data import DataPosition, set_sampler_epoch
+from lightning_sink.data import DataPosition, pass_length, set_sampler_epoch
 from lightning_sink.device_prefetch import CopiedBatch, CudaBatchCopier
 from lightning_sink.indexed_batches import pass_batches, reads_by_indexing
 
-__all__ = ["SinkToken", "SinkLoader", "MicroBatchStream", "PASS_END", "default_prefetch_depth"]
+__all__ = [
+    "SinkToken",
+    "SinkLoader",
+    "MicroBatchStream",
+    "PASS_END",
+    "default_prefetch_depth",
+    "quiet_placeholder_length_warning",
+]
 
 PASS_END = object()  # a data pass ended; the next item starts a new pass
 
@@ -87,6 +95,27 @@ class SinkLoader:
         yield SinkToken(self._sinks - 1)
 
 
+def quiet_placeholder_length_warning(loader: Any) -> Callable[[], None] | None:
+    """For a training ``loader`` without a length (an ``IterableDataset``'s): ignore Lightning's warning "Your
+    ``IterableDataset`` has ``__len__`` defined" until the returned function is called (at the fit's end).
+
+    Lightning gives it when the loader it iterates has a length and a ``dataset`` that is an ``IterableDataset``:
+    the ``SinkLoader`` has both (its length is one sink; ``dataset`` is the user's), so the warning would speak of a
+    length the user's loader does not have. A loader with a length gets the warning as from stock Lightning."""
+    if pass_length(loader) is not None:
+        return None
+    warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
+    entry = warnings.filters[0]
+
+    def remove() -> None:
+        # An "ignore" entry leaves nothing in the modules' warning registries, so taking it out restores the filters.
+        filters = cast("list[Any]", warnings.filters)  # a list at run time; typeshed declares a Sequence
+        if entry in filters:
+            filters.remove(entry)
+
+    return remove
+
+
 def default_prefetch_depth(device: torch.device, loader: Any) -> int:
     """What ``prefetch_depth=None`` means: 2 on CUDA, where a thread reads ahead while the GPU computes and copies
     each batch from pinned memory on a side stream; 0 (the training thread reads) on the CPU, and on CUDA for a
@@ -110,6 +139,10 @@ class MicroBatchStream:
         self.loader, self.position, self.copier = loader, position, copier
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
+        # The reading thread starts a pass only when the training thread asks for its first batch (see ``_items``):
+        # what the pass's start draws from torch's global generator is then drawn while the training thread waits.
+        self._pass_wanted = threading.Event()
+        self._next_is_pass_start = True
         first_pass, skip = position.pass_index, position.start_pass()
         # Only the training thread reads by indexing. Indexing a large batch runs OpenMP threads, and from a reading
         # thread those form a second team that competes with the training thread's for the cores (LeNet-5 on two
@@ -124,21 +157,43 @@ class MicroBatchStream:
             self._thread.start()
 
     def _items(self, pass_index: int, skip: int) -> Iterator[Any]:
-        """Batches of consecutive passes, with ``PASS_END`` between passes."""
+        """Batches of consecutive passes, with ``PASS_END`` between passes.
+
+        A pass takes what Lightning's loop takes from the loader in an epoch, and draws the same random numbers in
+        the same order: its iterator is created only once the pass is asked for (after the previous pass's last
+        batch was trained, as Lightning creates it at the next epoch's start), and a loader with a length is read
+        for that many batches, never once more. One more ``next()`` would not find another batch but would run the
+        sampler on (a ``RandomSampler`` draws the next permutation from its generator before it finds it is done),
+        which Lightning, knowing the length, never does."""
         while True:
+            if not self._pass_requested():
+                return
             set_sampler_epoch(self.loader, pass_index)
             self.position.begin_pass(self.loader, pass_index)  # after a resume: the interrupted pass's generators
+            length = pass_length(self.loader)
             produced = 0
             for index, batch in enumerate(self._read_pass(self.loader)):
-                if index < skip:
-                    continue
-                produced += 1
-                yield self.copier.copy(batch) if self.copier is not None else batch
+                if index >= skip:
+                    produced += 1
+                    yield self.copier.copy(batch) if self.copier is not None else batch
+                if length is not None and index + 1 >= length:
+                    break
             if produced == 0 and skip == 0:
                 raise ValueError("The training loader yielded no batches in a data pass; sink mode needs data.")
             skip = 0
             yield PASS_END
             pass_index += 1
+
+    def _pass_requested(self) -> bool:
+        """In the reading thread, wait until the training thread asks for the next pass (False: the stream closed).
+        Read in the training thread, the pass is asked for by the ``next()`` that resumes ``_items``."""
+        if self._thread is None:
+            return True
+        while not self._pass_wanted.wait(timeout=0.1):
+            if self._stop.is_set():
+                return False
+        self._pass_wanted.clear()
+        return True
 
     def _put(self, item: Any) -> bool:
         while not self._stop.is_set():
@@ -158,10 +213,17 @@ class MicroBatchStream:
             self._put(error)
 
     def next(self) -> Any:
-        item = next(self._inline) if self._inline is not None else self._queue.get()
+        if self._inline is not None:
+            item = next(self._inline)
+        else:
+            if self._next_is_pass_start:
+                self._next_is_pass_start = False
+                self._pass_wanted.set()
+            item = self._queue.get()
         if isinstance(item, BaseException):
             raise item
         if item is PASS_END:
+            self._next_is_pass_start = True
             self.position.next_pass()
         elif isinstance(item, CopiedBatch):
             assert self.copier is not None  # (only a copier makes CopiedBatch items)

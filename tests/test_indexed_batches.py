@@ -165,11 +165,17 @@ class RecordsBatches(pl.LightningModule):
 
 
 def shuffled_passes() -> tuple[DataLoader, list[list[torch.Tensor]]]:
-    """A shuffled loader of 7 batches a pass, and the batches its first three passes yield."""
+    """A shuffled loader of 7 batches a pass, and the batches Lightning's loop takes from its first three passes:
+    ``len(loader)`` batches each, with no ``next()`` after the last (which would draw another permutation)."""
     dataset = TensorDataset(torch.randn(21, 4), torch.arange(21))
     loader = DataLoader(dataset, batch_size=3, shuffle=True, generator=torch.Generator().manual_seed(5))
     generator_start = loader.generator.get_state()
-    expected = [batch for _ in range(3) for batch in loader]
+
+    def lightnings_pass() -> list[list[torch.Tensor]]:
+        batches = iter(loader)
+        return [next(batches) for _ in range(len(loader))]
+
+    expected = [batch for _ in range(3) for batch in lightnings_pass()]
     loader.generator.set_state(generator_start)
     return loader, expected
 

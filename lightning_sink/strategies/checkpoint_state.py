@@ -1,7 +1,9 @@
 """The strategies' own checkpoint state: the open window, saved whole (every rank's partial sums and the window's
 own fields, ``Window.state_dict``), and the data position.
 
-Format (version 1): ``{"version", "accumulation_steps", "sink_size", "partial_window", "window", "data"}``, where
+Format (version 1): ``{"version", "accumulation_steps", "sink_size", "partial_window", "window", "data"}`` and,
+unless the strategy was built with ``checkpoint_random_state=False``, ``"random"`` (every rank's global random
+generators, ``random_state.py``; checkpoints without it load and leave the generators as they are), where
 ``window`` is ``None`` (no fit yet) or ``{"micro_steps", "buffers", "world_size", "micro_batches", "drop",
 "overflowed", "loss_divisor"}``. Checkpoints written before the window's own fields were saved lack the last four;
 they load as they did (the backward passes stand in for the micro-batches).
@@ -54,14 +56,19 @@ def sink_state(
     data_position: DataPosition,
     gather: Callable[[Any], list[Any]],
     host: EngineHost,
+    random_states: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Called on every rank by ``Trainer.save_checkpoint``, so ``gather`` may be a collective."""
-    return {
+    """Called on every rank by ``Trainer.save_checkpoint``, so ``gather`` may be a collective. ``random_states``:
+    every rank's global random generators (``random_state.gather_random_states``), saved as ``"random"``."""
+    state = {
         "version": _STATE_VERSION,
         **settings,
         "window": _window_state(window, gather, host.world_size) if window is not None else None,
         "data": data_position.state_dict(),
     }
+    if random_states is not None:
+        state["random"] = random_states
+    return state
 
 
 def read_sink_state(checkpoint: dict[str, Any], checkpoint_path: Any) -> dict[str, Any] | None:

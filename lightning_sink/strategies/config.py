@@ -32,6 +32,7 @@ class SinkConfig:
     sink_size: int | None = None
     prefetch_depth: int | None = None
     graph_mode: str = "eager"
+    checkpoint_random_state: bool = True
 
     def __post_init__(self) -> None:
         steps, sink_size, depth = self.accumulation_steps, self.sink_size, self.prefetch_depth
@@ -61,6 +62,11 @@ class SinkConfig:
                 f" {', '.join(map(repr, PARTIAL_WINDOW_MODES))}."
             )
         validate_graph_mode(self.graph_mode)
+        if not isinstance(self.checkpoint_random_state, bool):
+            raise TypeError(
+                f"checkpoint_random_state={self.checkpoint_random_state!r} is not valid: pass True (checkpoints save"
+                " and resumes restore the global random generators: torch's, CUDA's, Python's, NumPy's) or False."
+            )
 
 
 def validate_device(name: str, device: object) -> None:

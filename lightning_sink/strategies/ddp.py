@@ -43,7 +43,8 @@ class SinkDDPStrategy(DDPStrategy):
     Args:
         accumulation_steps: micro-batches per optimizer update; see ``SinkStrategy``.
         partial_window: ``"scale"``, ``"drop"`` or ``"carry"``; see ``SinkStrategy``.
-        sink_size, prefetch_depth, graph_mode: sink mode and graph sinking; see ``SinkStrategy``.
+        sink_size, prefetch_depth, graph_mode, checkpoint_random_state: sink mode, graph sinking and the random
+            generators in checkpoints (per rank); see ``SinkStrategy``.
         **kwargs: everything ``lightning.pytorch.strategies.DDPStrategy`` takes (``process_group_backend``,
             ``start_method``, ``timeout``, ...).
     """
@@ -57,9 +58,12 @@ class SinkDDPStrategy(DDPStrategy):
         sink_size: int | None = None,
         prefetch_depth: int | None = None,
         graph_mode: str = "eager",
+        checkpoint_random_state: bool = True,
         **kwargs: Any,
     ) -> None:
-        config = SinkConfig(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
+        config = SinkConfig(
+            accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode, checkpoint_random_state
+        )
         validate_process_group_backend(kwargs.get("process_group_backend"))
         validate_timeout(kwargs.get("timeout"))
         for device in kwargs.get("parallel_devices") or ():

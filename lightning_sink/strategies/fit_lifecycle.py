@@ -22,7 +22,13 @@ from lightning_sink.device_prefetch import CudaBatchCopier
 from lightning_sink.indexed_batches import IndexedLoaderReads
 from lightning_sink.loss_scale import DynamicLossScale
 from lightning_sink.precision import LossScalePrecision
-from lightning_sink.sink_data import MicroBatchStream, SinkLoader, default_prefetch_depth
+from lightning_sink.random_state import gather_random_states, restore_rank_random_state
+from lightning_sink.sink_data import (
+    MicroBatchStream,
+    SinkLoader,
+    default_prefetch_depth,
+    quiet_placeholder_length_warning,
+)
 from lightning_sink.strategies import checkpoint_state
 from lightning_sink.strategies.config import SinkConfig
 from lightning_sink.strategies.engine import EngineHost, EngineParts, StepEngine
@@ -80,7 +86,9 @@ class SinkFit:
         self.passes = TrainingPasses(self.data_position)  # the loader outside sink mode (resume, "drop" length)
         self._indexed_reads = IndexedLoaderReads()  # outside sink mode: in-memory loaders read by indexing
         self._sink_loader: SinkLoader | None = None
+        self._unquiet_length_warning: Callable[[], None] | None = None  # (sink_data.quiet_placeholder_length_warning)
         self.pending_state: dict[str, Any] | None = None  # a checkpoint's state, applied at train start
+        self._pending_random_states: list[Any] | None = None  # a checkpoint's random generators, also at train start
         self._pending_path: Any = None  # the checkpoint the pending state came from, for error messages
         self.engine: StepEngine | None = None  # this fit's engine (automatic optimization only)
         self.sink_loop: SinkLoop | None = None
@@ -169,6 +177,8 @@ class SinkFit:
             return dataloader
         if self.sink_size is not None:
             self._sink_loader = SinkLoader(dataloader)
+            if self._unquiet_length_warning is None:
+                self._unquiet_length_warning = quiet_placeholder_length_warning(dataloader)
             return self._sink_loader
         whole = self.accumulation_steps if self.partial_window == "drop" else None
         counts_batches = not draws_own_batches(trainer.lightning_module)
@@ -194,6 +204,7 @@ class SinkFit:
     # ------------------------------------------------------------------ the fit
     def start(self, parts: WindowParts) -> None:
         """At train start: check the run, build the engine from ``parts`` and the fit's own, install the loop rules."""
+        self._restore_random_states()
         if not self.accumulating:
             return
         host, trainer = self.host, self.trainer
@@ -269,6 +280,15 @@ class SinkFit:
             self.passes.skip_trained_batches(trainer)  # after a mid-pass resume
         self._install_loop_rules(trainer, engine)
 
+    def _restore_random_states(self) -> None:
+        """A resumed run's global random generators continue from the checkpoint's. Restored at train start, after
+        what Lightning draws while it sets the fit up (the first training iterator's base seed, a sanity check, which
+        it runs with the generators isolated), so that the next draw is the training's, as in the uninterrupted run."""
+        saved, self._pending_random_states = self._pending_random_states, None
+        if saved is not None and self.sink_config.checkpoint_random_state:
+            host = self.host
+            restore_rank_random_state(saved, host.global_rank, host.world_size, self._pending_path)
+
     def _install_loop_rules(self, trainer: pl.Trainer, engine: StepEngine) -> None:
         if self._sink_loader is not None:
             assert self.sink_size is not None
@@ -332,6 +352,9 @@ class SinkFit:
         self.direct_transfer = False
         self.passes.release()
         self._indexed_reads.release()
+        if self._unquiet_length_warning is not None:
+            self._unquiet_length_warning()
+            self._unquiet_length_warning = None
 
     def _unbind_direct_backward(self) -> None:
         engine = self.engine
@@ -351,7 +374,10 @@ class SinkFit:
     def state_dict(self, gather: Callable[[Any], list[Any]]) -> dict[str, Any]:
         """Everything the strategy needs to resume exactly (``gather``: every rank's partial sums)."""
         window = self.engine.window if self.engine is not None else None
-        return checkpoint_state.sink_state(self.window_settings(), window, self.data_position, gather, self.host)
+        random_states = gather_random_states(self.host.world_size) if self.sink_config.checkpoint_random_state else None
+        return checkpoint_state.sink_state(
+            self.window_settings(), window, self.data_position, gather, self.host, random_states
+        )
 
     def restore(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
         """Take this package's state from a loaded checkpoint (also called for resharded checkpoints)."""
@@ -361,3 +387,4 @@ class SinkFit:
             # at train start, once the engine exists.
             self.data_position.load_state_dict(state["data"])
             self.pending_state, self._pending_path = state, checkpoint_path
+            self._pending_random_states = state.get("random")

@@ -59,7 +59,8 @@ class SinkModelParallelStrategy(ModelParallelStrategy):
     Args:
         data_parallel_size, tensor_parallel_size: the device mesh, ``(data_parallel, tensor_parallel)``; see
             ``lightning.pytorch.strategies.ModelParallelStrategy``.
-        accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode: see ``SinkStrategy``.
+        accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode, checkpoint_random_state: see
+            ``SinkStrategy`` (the random generators are saved per rank).
         process_group_backend: ``"gloo"`` on CPU, ``"nccl"`` on CUDA; ``None`` picks by device.
         timeout: the process-group timeout.
     """
@@ -77,10 +78,13 @@ class SinkModelParallelStrategy(ModelParallelStrategy):
         graph_mode: str = "eager",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        checkpoint_random_state: bool = True,
     ) -> None:
         _validate_size("data_parallel_size", data_parallel_size)
         _validate_size("tensor_parallel_size", tensor_parallel_size)
-        config = SinkConfig(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
+        config = SinkConfig(
+            accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode, checkpoint_random_state
+        )
         validate_process_group_backend(process_group_backend)
         validate_timeout(timeout)
         super().__init__(

@@ -49,6 +49,9 @@ class SinkStrategy(SingleDeviceStrategy):
             ``torch.compile`` (both step programs share the forward and backward graphs); ``"cuda_graph"``: the
             same graphs captured as CUDA graphs (``torch.compile(mode="reduce-overhead")``), CUDA only.
         device: the device to train on; ``None`` takes the Trainer's accelerator (``cuda:0``, ``cpu``, ...).
+        checkpoint_random_state: checkpoints hold the global random generators (torch's CPU and CUDA, Python's,
+            NumPy's; ``random_state.py``) and a resume restores them, so that a step drawing random numbers
+            (dropout) continues as the uninterrupted run (default ``True``). ``False`` leaves them out.
     """
 
     strategy_name = "sink"
@@ -64,8 +67,11 @@ class SinkStrategy(SingleDeviceStrategy):
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        checkpoint_random_state: bool = True,
     ) -> None:
-        config = SinkConfig(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
+        config = SinkConfig(
+            accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode, checkpoint_random_state
+        )
         validate_device("device", device)
         super().__init__(
             device=device or "cpu",

@@ -49,6 +49,51 @@ def resume_scenario(out_dir: Path, steps: int, partial_window: str, num_samples:
         )
 
 
+class DropoutPerRank(TinyClassifier):
+    """Dropout between the layers; each rank seeds its own generator at train start, so the ranks' masks differ."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dropout = torch.nn.Dropout(0.5)
+
+    def on_train_start(self) -> None:
+        torch.manual_seed(100 + self.global_rank)  # (a resumed run's strategy restores the checkpoint's after this)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        hidden = self.dropout(self.net[1](self.net[0](x)))
+        return torch.nn.functional.cross_entropy(self.net[2](hidden), y)
+
+
+def random_resume_scenario(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> None:
+    """Dropout with each rank's own generator: save mid-window, resume, compare with no interruption."""
+    from tests.strategies.test_sink_strategy import SaveAtBatch
+
+    def fit(model, **kwargs):
+        strategy = SinkDDPStrategy(
+            accumulation_steps=steps, partial_window=partial_window, process_group_backend="gloo"
+        )
+        trainer = quiet_trainer(strategy=strategy, devices=2, max_epochs=epochs, callbacks=kwargs.pop("callbacks", []))
+        trainer.fit(model, loader(make_dataset(num_samples=num_samples), MICRO_BATCH), **kwargs)
+        return trainer
+
+    ckpt = out_dir / "mid.ckpt"
+    uninterrupted = DropoutPerRank(optimizer="adamw", lr=0.01)
+    trainer = fit(uninterrupted, callbacks=[SaveAtBatch(ckpt, at_batch=steps + 1)])
+    resumed = DropoutPerRank(optimizer="adamw", lr=0.01, seed=7)
+    fit(resumed, ckpt_path=ckpt)
+    if trainer.global_rank == 0:
+        saved = torch.load(ckpt, weights_only=True)["lightning_sink"]["random"]
+        torch.save(
+            {
+                "uninterrupted": torch.cat([p.detach().reshape(-1) for p in uninterrupted.parameters()]),
+                "resumed": torch.cat([p.detach().reshape(-1) for p in resumed.parameters()]),
+                "saved_torch_states": [rank_state["torch"] for rank_state in saved],
+            },
+            out_dir / "random_resume.pt",
+        )
+
+
 def overflow_scenario(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> None:
     """An inf loss in one micro-step of window 1, on rank 1 only: both ranks must skip that window together."""
     from lightning_sink import DynamicLossScale, LossScalePrecision
@@ -130,6 +175,7 @@ if __name__ == "__main__":
     scenario = {
         "exactness": main,
         "resume": resume_scenario,
+        "random_resume": random_resume_scenario,
         "overflow": overflow_scenario,
         "sink": sink_scenario,
         "logging": logging_scenario,

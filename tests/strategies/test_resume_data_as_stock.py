@@ -126,8 +126,14 @@ def test_a_loader_without_a_reproducible_order_resumes_as_with_stock(kind, tmp_p
     assert len(stock[0]) == SAMPLES // MICRO - 4  # Lightning ends the epoch where the interrupted one would have
     assert bool(stock[1]) == (kind != "stateful_iterable")
     for steps in (1, 2):
-        sink = resumed_run(partial(SinkStrategy, accumulation_steps=steps), kind, tmp_path / f"sink{steps}")
+        # Without the global generators restored, as stock: the same batches (a new shuffle from the new seed).
+        no_random_state = partial(SinkStrategy, accumulation_steps=steps, checkpoint_random_state=False)
+        sink = resumed_run(no_random_state, kind, tmp_path / f"sink{steps}")
         assert sink == stock, steps
+    # With them (the default) the new shuffle is drawn from the checkpoint's generator instead: as many batches, the
+    # same warning.
+    seen, warned = resumed_run(partial(SinkStrategy, accumulation_steps=2), kind, tmp_path / "sink_random_state")
+    assert len(seen) == len(stock[0]) and bool(warned) == bool(stock[1])
 
 
 def test_the_not_resumable_warning_is_ignored_only_for_the_resume_the_strategy_makes(tmp_path):

@@ -73,8 +73,10 @@ def test_sinks_traverse_the_data_continuously_and_match_the_plain_loop(prefetch_
     assert per_sink.steps == [2, 4, 7, 9, 11]  # global_step counts updates inside sinks
 
 
-def test_a_loader_shuffled_by_its_own_generator_keeps_the_plain_loops_order():
-    """Regression: checking the loader once with iter() drew from its generator and shifted every pass's order."""
+def test_a_loader_shuffled_by_its_own_generator_keeps_lightnings_order():
+    """Regression: checking the loader once with iter() drew from its generator and shifted every pass's order.
+    The reference loop takes ``len(loader)`` batches per pass, as Lightning's loop does: one more ``next()`` would draw
+    the next permutation from the generator (``RandomSampler``) before finding the pass done."""
 
     def generator_loader():
         return DataLoader(
@@ -89,8 +91,10 @@ def test_a_loader_shuffled_by_its_own_generator_keeps_the_plain_loops_order():
     quiet_trainer(strategy=SinkStrategy(sink_size=7), max_epochs=3).fit(model, generator_loader())  # 21 batches
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
     loader, trained = generator_loader(), 0
-    while trained < 21:  # passes one after another, as a hand-written loop iterates
-        for x, y in loader:
+    while trained < 21:  # passes one after another, each of len(loader) batches, as Lightning iterates
+        batches = iter(loader)
+        for _ in range(len(loader)):
+            x, y = next(batches)
             optimizer.zero_grad()
             torch.nn.functional.cross_entropy(reference(x), y).backward()
             optimizer.step()

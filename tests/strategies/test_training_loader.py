@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import multiprocessing
+import warnings
 
 import pytest
 from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_sink import SinkStrategy
 from lightning_sink.sink_data import SinkLoader
@@ -113,3 +114,35 @@ def test_persistent_workers_are_shut_down_at_fit_end_as_with_stock_lightning(str
     fitted(strategies[strategy], data_loader, max_epochs=2, callbacks=[Probe()])
     assert alive["during"] == 2  # the workers ran (and persisted across epochs) ...
     assert data_loader._iterator is None and not _worker_processes()  # ... and are gone after fit
+
+
+class Rows(IterableDataset):
+    """A stream of (x, y) rows without a length."""
+
+    def __init__(self, num_samples: int = 24) -> None:
+        self.data = make_dataset(num_samples=num_samples)
+
+    def __iter__(self):
+        return iter(zip(*self.data.tensors))
+
+
+class SizedRows(Rows):
+    def __len__(self) -> int:
+        return len(self.data)
+
+
+def length_warnings(strategy, dataset: IterableDataset) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fitted(strategy, DataLoader(dataset, batch_size=4), max_epochs=2)
+    return [str(warning.message) for warning in caught if "has `__len__` defined" in str(warning.message)]
+
+
+@pytest.mark.parametrize("dataset_type", [Rows, SizedRows])
+def test_an_iterable_dataset_gets_lightnings_length_warning_only_where_stock_gives_it(dataset_type):
+    """The placeholder Lightning iterates in sink mode has a length (one sink) and forwards the user's dataset; an
+    IterableDataset without a length must not get Lightning's warning that it has one (stock gives none)."""
+    stock = length_warnings("auto", dataset_type())
+    sink = length_warnings(SinkStrategy(sink_size=4), dataset_type())
+    assert bool(stock) == (dataset_type is SizedRows)
+    assert bool(sink) == bool(stock)
