@@ -66,7 +66,7 @@ _NODE_VARIABLES = ("GROUP_RANK", "SLURM_NODEID", "NODE_RANK")
 def _host() -> str:
     host = socket.gethostname() or "unknown host"
     node = next((os.environ[name] for name in _NODE_VARIABLES if os.environ.get(name)), None)
-    return host if node is None else f"{host} node {node}"
+    return host if node is None else f"{host}, node {node}"
 
 
 def describe_path(path: Path) -> tuple[str, ...] | None:
@@ -108,7 +108,7 @@ def _ranks_text(ranks: Iterable[int], views: Sequence[RankView]) -> str:
     ranks = sorted(ranks)
     hosts = sorted({views[rank].host for rank in ranks})
     label = "rank" if len(ranks) == 1 else "ranks"
-    return f"{label} {', '.join(map(str, ranks))} (host {', '.join(hosts)})"
+    return f"{label} {', '.join(map(str, ranks))} (host {'; '.join(hosts)})"
 
 
 def _names(names: Iterable[str]) -> str:

@@ -26,8 +26,10 @@ from tests.strategies.mp_models import MixedMeshClassifier, full_parameters
 
 SAMPLES, MICRO_BATCH, STEPS, DP, TP = 16, 2, 2, 2, 2
 CLIP_NORM, CLIP_VALUE = 0.05, 0.01
-# Short enough that a hang of today's code ends within the test's bound; long for a tiny model's collectives.
-PG_TIMEOUT = timedelta(seconds=60)
+# The process group's timeout also bounds how long a rank waits for rank 0's store at start-up, which on a busy
+# machine takes a minute; the errors under test must come far sooner (they are checked to take under ERROR_WITHIN).
+PG_TIMEOUT = timedelta(seconds=180)
+ERROR_WITHIN = 30.0
 PRIVATE = Path("private")  # relative: each node's working directory, i.e. node-local disk
 
 
@@ -139,6 +141,16 @@ def resharded_resume_private_scenario(out_dir: Path, nodes: int, devices: int) -
     expect_failure(out_dir, "resharded_resume_private", fit)
 
 
+def reshard_callback_private_scenario(out_dir: Path, nodes: int, devices: int) -> None:
+    """ReshardCheckpoint whose source folder is node-private: its save at the end of fit fails on every rank."""
+    from lightning_sink.callbacks import ReshardCheckpoint
+
+    callback = ReshardCheckpoint(out_dir / "mp_ckpt" / "layout.json", out_dir / "resharded", src_dir=PRIVATE / "src")
+    trainer = trainer_for(mp_strategy(), nodes, devices, max_steps=1, callbacks=[callback])
+    fit = lambda: trainer.fit(MixedMeshClassifier(optimizer="adamw", lr=0.01), data())  # noqa: E731
+    expect_failure(out_dir, "reshard_callback_private", fit)
+
+
 SCENARIOS = {
     "ddp": ddp_scenario,
     "mp_norm": mp_norm_scenario,
@@ -146,6 +158,7 @@ SCENARIOS = {
     "ddp_resume_private": ddp_resume_private_scenario,
     "mp_resume_private": mp_resume_private_scenario,
     "resharded_resume_private": resharded_resume_private_scenario,
+    "reshard_callback_private": reshard_callback_private_scenario,
 }
 
 if __name__ == "__main__":
