@@ -114,16 +114,16 @@ def mp_value_scenario(out_dir: Path, nodes: int, devices: int) -> None:
 
 
 def ddp_resume_private_scenario(out_dir: Path, nodes: int, devices: int) -> None:
-    on_node_zero_only(lambda: shutil.copy(out_dir / "ddp.ckpt", PRIVATE / "ddp.ckpt"))
+    on_node_zero_only(lambda: shutil.copy(out_dir / "ddp.ckpt", PRIVATE / "ddp_copy.ckpt"))
     trainer = trainer_for(ddp_strategy(), nodes, devices, max_steps=4)
-    fit = lambda: trainer.fit(TinyClassifier(optimizer="adamw", lr=0.01), data(), ckpt_path=PRIVATE / "ddp.ckpt")  # noqa: E731
+    fit = lambda: trainer.fit(TinyClassifier(optimizer="adamw", lr=0.01), data(), ckpt_path=PRIVATE / "ddp_copy.ckpt")  # noqa: E731
     expect_failure(out_dir, "ddp_resume_private", fit)
 
 
 def mp_resume_private_scenario(out_dir: Path, nodes: int, devices: int) -> None:
-    on_node_zero_only(lambda: shutil.copytree(out_dir / "mp_ckpt", PRIVATE / "mp_ckpt"))
+    on_node_zero_only(lambda: shutil.copytree(out_dir / "mp_ckpt", PRIVATE / "mp_copy"))
     trainer = trainer_for(mp_strategy(), nodes, devices, max_steps=4)
-    fit = lambda: trainer.fit(MixedMeshClassifier(optimizer="adamw", lr=0.01), data(), ckpt_path=PRIVATE / "mp_ckpt")  # noqa: E731
+    fit = lambda: trainer.fit(MixedMeshClassifier(optimizer="adamw", lr=0.01), data(), ckpt_path=PRIVATE / "mp_copy")  # noqa: E731
     expect_failure(out_dir, "mp_resume_private", fit)
 
 
