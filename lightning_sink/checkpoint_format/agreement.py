@@ -40,8 +40,8 @@ NOT_SHARED_ADVICE = (
     " a per-node working directory, a node's scratch)"
 )
 
-# What a rank reports about a folder: its entries down to rank_{r}/ subfolders, bounded so that the payload of the
-# one collective stays small whatever the folder holds.
+# What a rank lists of a folder (its entries down to rank_{r}/ subfolders), bounded whatever the folder holds: the
+# digest compared in the first round is over this list, and only a disagreement sends a list.
 _MAX_ENTRIES = 10_000
 _SHOWN = 6
 _SHOWN_GROUPS = 4  # (one per node, typically; each costs one broadcast of a listing, in the error case only)
