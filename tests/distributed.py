@@ -1,9 +1,12 @@
 """Starting multi-process test runs (gloo on CPU) and counting the collectives they call.
 
-Two ways to start ranks:
+Three ways to start ranks:
 
 - ``run_launched(worker, *args)`` runs a worker as a user runs a training script, in a subprocess with a clean
   environment: Lightning's own launcher re-runs the command for the other ranks (or ``torchrun=N`` starts N ranks).
+- ``run_nodes(worker, *args, nodes=N, devices=D, root=DIR)`` simulates a cluster on this machine: one launcher
+  invocation per node (Lightning's own, with ``NODE_RANK`` / ``MASTER_ADDR=127.0.0.1`` / a shared ``MASTER_PORT``, as a
+  user starts each node), each in its own working directory ``DIR/node{n}``, so that a relative path is node-private;
 - ``spawn(target, world_size, init_file, *args)`` runs plain torch.distributed code: ``target(rank, world_size,
   init_file, *args)`` in ``world_size`` spawned processes that meet through ``init_process_group(rank, world_size,
   init_file)``.
@@ -11,9 +14,13 @@ Two ways to start ranks:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -25,7 +32,7 @@ from lightning.pytorch.callbacks import Callback
 
 from tests.conftest import clean_subprocess_env
 
-__all__ = ["REPO", "CollectiveCounter", "init_process_group", "run_launched", "spawn"]
+__all__ = ["REPO", "CollectiveCounter", "init_process_group", "run_launched", "run_nodes", "spawn"]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,6 +56,62 @@ def run_launched(
         [*launcher, *target, *map(str, args)], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
     assert done.returncode == expect_returncode, done.stdout[-3000:] + done.stderr[-5000:]
+    return done
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_nodes(
+    worker: str, *args: Any, nodes: int, devices: int, root: Path, timeout: int = 300
+) -> list[subprocess.CompletedProcess]:
+    """Run ``python -m worker args`` once per node, all at once, each launching ``devices`` ranks; every node's
+    process group is killed at ``timeout`` (a hang fails the test, it never blocks the suite). Checks that every
+    node exits with status 0; returns each node's output."""
+    port = str(_free_port())
+    started = []
+    for node in range(nodes):
+        cwd = root / f"node{node}"
+        cwd.mkdir(parents=True, exist_ok=True)
+        env = clean_subprocess_env(
+            PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node)
+        )
+        command = [sys.executable, "-m", worker, *map(str, args)]
+        started.append(
+            subprocess.Popen(
+                command,
+                cwd=cwd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,  # its own process group: the ranks it launches are killed with it
+            )
+        )
+    done = []
+    deadline = time.monotonic() + timeout
+    try:
+        for process in started:
+            out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            done.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+    except subprocess.TimeoutExpired:
+        for process in started:
+            os.killpg(process.pid, signal.SIGKILL)
+        outputs = [process.communicate() for process in started]
+        raise AssertionError(
+            f"the {nodes} nodes did not finish within {timeout} s (a hang); last output of node 0:\n"
+            + outputs[0][0][-2000:]
+            + outputs[0][1][-4000:]
+        ) from None
+    finally:
+        for process in started:  # (the launched ranks of a node that exited early, if any)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+    for node, completed in enumerate(done):
+        assert completed.returncode == 0, f"node {node}:\n" + completed.stdout[-2000:] + completed.stderr[-5000:]
     return done
 
 

@@ -11,5 +11,7 @@
 - ``live_state``: a loaded rank file back into DTensors or a live state dict;
 - ``resharded_load``: ``Trainer.fit(ckpt_path=)`` of a resharded folder, for ``SinkModelParallelStrategy``;
 - ``dcp_folder``, ``dcp_load``: Lightning-style sharded DCP folders (with ``meta.pt`` and ``layout.json``), saved
-  atomically and loaded with every pickle read restricted.
+  atomically and loaded with every pickle read restricted;
+- ``agreement``: ranks on several nodes agreeing that they see the same checkpoint, before a save commits and before
+  a resume loads (a checkpoint path on node-local disk fails on every rank at once).
 """

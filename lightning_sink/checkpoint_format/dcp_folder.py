@@ -1,8 +1,9 @@
 """Lightning-style sharded checkpoints: a DCP folder plus Lightning's ``meta.pt`` and a ``layout.json``.
 
 Every rank writes its shards into the staging folder (see atomic.py); once DCP has written its ``.metadata``
-(which it does only after every rank's files are written), rank 0 adds ``meta.pt`` and the layout file and
-commits the folder.
+(which it does only after every rank's files are written), the ranks check that rank 0's staging folder holds every
+rank's files (agreement.py: on a cluster whose checkpoint path is node-local it does not, and the save fails on
+every rank with nothing committed), then rank 0 adds ``meta.pt`` and the layout file and commits the folder.
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ from typing import Any, TypeGuard
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.futures import Future
 
+from lightning_sink.checkpoint_format.agreement import CheckpointNotSharedError, check_every_rank_file_present
 from lightning_sink.checkpoint_format.atomic import commit_folder, discard, staging_dir
 from lightning_sink.checkpoint_format.destination import full_disk_reason, write_errors_in_words
 from lightning_sink.checkpoint_format.save_digests import write_save_digests
@@ -64,8 +68,10 @@ def save_dcp_atomically(
             staging.mkdir(parents=True)
     barrier()
     layout = checkpoint_layout(state, world_size) if global_rank == 0 else None
+    writer = _RecordingWriter(staging)
     try:
-        dcp.save(state, checkpoint_id=staging)
+        dcp.save(state, checkpoint_id=staging, storage_writer=writer)
+        check_every_rank_file_present(staging, target, writer.files_written(), global_rank, world_size)
         if global_rank == 0:
             with write_errors_in_words(staging):
                 torch.save(metadata, staging / LIGHTNING_META_FILE)
@@ -79,10 +85,36 @@ def save_dcp_atomically(
         in_words = _in_words(error, staging) if _is_write_failure(error) else None
         if global_rank == 0:
             shutil.rmtree(staging, ignore_errors=True)  # a failed save leaves nothing behind
+        if isinstance(error, CheckpointNotSharedError):
+            # every rank raises this one: the other nodes' ranks remove the staging folder their own disk holds
+            barrier()
+            shutil.rmtree(staging, ignore_errors=True)
         if in_words is not None:
             raise in_words from None
         raise
     barrier()
+
+
+class _RecordingWriter(FileSystemWriter):
+    """DCP's own file-system writer, noting the names of the files this rank wrote (read from DCP's write results,
+    so no assumption about how DCP names them)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._results: list[Future] = []
+
+    def write_data(self, plan: Any, planner: Any) -> Future:
+        future = super().write_data(plan, planner)
+        self._results.append(future)
+        return future
+
+    def files_written(self) -> set[str]:
+        return {
+            str(result.storage_data.relative_path)
+            for future in self._results
+            for result in future.value()
+            if hasattr(result.storage_data, "relative_path")
+        }
 
 
 def _first_failure(error: CheckpointException) -> BaseException:

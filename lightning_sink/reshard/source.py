@@ -49,6 +49,9 @@ class Source:
                 raise FileNotFoundError(
                     f"{self.description}: the file of source rank {rank} is missing"
                     + (f" ({str(path)!r})" if path is not None else "")
+                    + "; if it was saved by a run on several nodes, its checkpoint directory was probably not shared"
+                    " between them (each node wrote its ranks' files to its own disk): save to a filesystem every"
+                    " node mounts"
                 )
             if path.is_symlink() or not path.is_file():
                 raise ValueError(

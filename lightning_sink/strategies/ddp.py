@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -16,6 +17,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
+from lightning_sink.checkpoint_format.agreement import agree_on_checkpoint_path
 from lightning_sink.sink_data import SinkToken
 from lightning_sink.strategies import checkpoint_state
 from lightning_sink.strategies.config import (
@@ -197,6 +199,8 @@ class SinkDDPStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        # every rank reads the file from its own disk: they agree that they see the same one, or all stop here
+        agree_on_checkpoint_path(Path(checkpoint_path), self.world_size)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         self.sink_fit.restore(checkpoint, checkpoint_path)
         return checkpoint

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
+from lightning_sink.checkpoint_format.agreement import agree_on_checkpoint_path
 from lightning_sink.checkpoint_format.atomic import check_checkpoint_dir
 from lightning_sink.checkpoint_format.dcp_folder import save_dcp_atomically
 from lightning_sink.checkpoint_format.dcp_load import load_dcp_folder
@@ -33,6 +34,7 @@ from lightning_sink.strategies.config import SinkConfig, validate_process_group_
 from lightning_sink.strategies.engine import StepEngine
 from lightning_sink.strategies.fit_lifecycle import SinkFit, WindowParts, fit_setting
 from lightning_sink.strategies.fsdp_window import FSDPWindow
+from lightning_sink.strategies.mesh_clipping import MeshClipping
 from lightning_sink.window import OverflowFlagAllReduce
 
 __all__ = ["SinkModelParallelStrategy"]
@@ -95,6 +97,7 @@ class SinkModelParallelStrategy(ModelParallelStrategy):
             timeout=timeout,
         )
         self.sink_fit = SinkFit(self, config)
+        self._clipping: MeshClipping | None = None
 
     accumulation_steps = fit_setting("accumulation_steps")
     partial_window = fit_setting("partial_window")
@@ -128,6 +131,8 @@ class SinkModelParallelStrategy(ModelParallelStrategy):
                 " micro-steps. Use skip_window_on_overflow=False (the overflowing window is still skipped)."
             )
         super().setup(trainer)
+        # gradient_clip_val over parameters on different meshes (FSDP2-only layers beside tensor-parallel ones)
+        self._clipping = MeshClipping(self.precision_plugin, self.world_size)
 
     # ------------------------------------------------------------------ the parts this strategy passes
     def _window_parts(self) -> WindowParts:
@@ -169,6 +174,9 @@ class SinkModelParallelStrategy(ModelParallelStrategy):
     @override
     def teardown(self) -> None:
         self.sink_fit.teardown()
+        if self._clipping is not None:
+            self._clipping.remove()
+            self._clipping = None
         super().teardown()
 
     @override
@@ -255,6 +263,7 @@ class SinkModelParallelStrategy(ModelParallelStrategy):
         """A DCP folder (Lightning's loading), or a ``transform_checkpoints`` output folder: each rank then reads only
         its own file (see ``checkpoint_format/resharded_load.py`` for what happens to the window and the data position)."""
         path = Path(self.broadcast(str(checkpoint_path)))
+        agree_on_checkpoint_path(path, self.world_size)  # every rank sees the same files, or all stop here
         check_checkpoint_dir(path)
         weights_only = True if weights_only is None else weights_only  # untrusted files run no code unless asked
         if (path / DCP_METADATA_FILE).is_file():

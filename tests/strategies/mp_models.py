@@ -30,6 +30,23 @@ class TPClassifier(TinyClassifier):
         shard_mlp(self)
 
 
+class MixedMeshClassifier(TinyClassifier):
+    """``TinyClassifier`` with a ``LayerNorm`` over its logits; the MLP sharded like ``TPClassifier`` (parameters on the
+    2-D mesh), the norm only fully sharded (parameters on the 1-D data-parallel mesh), as a language model's norms
+    and embeddings often are. Unsharded, it is the single-process reference."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.norm = torch.nn.LayerNorm(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.net(x))
+
+    def configure_model(self) -> None:
+        shard_mlp(self)
+        fully_shard(self.norm, mesh=self.device_mesh["data_parallel"])
+
+
 class InjectingTPClassifier(InjectingClassifier):
     """``InjectingClassifier`` (inf loss at chosen micro-batches, on one rank), sharded like ``TPClassifier``."""
 
