@@ -37,6 +37,7 @@ __all__ = [
     "restore_batch_reads",
     "hooks_a_functional_step_would_skip",
     "note_optimizer_step",
+    "storage_offset_in_file",
 ]
 
 StridedShard = _StridedShard  # FSDP2 + TP's row placement of a parameter sharded twice on one dim
@@ -154,3 +155,10 @@ def note_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     """Tell LR schedulers that ``optimizer`` has stepped, as its wrapped ``step`` would (a compiled update program
     updates the parameters without calling it); otherwise a scheduler warns that it stepped before the optimizer."""
     optimizer.__dict__["_opt_called"] = True  # the flag its wrapped step sets (torch.optim.lr_scheduler reads it)
+
+
+def storage_offset_in_file(storage: torch.UntypedStorage) -> int | None:
+    """Where a storage's raw bytes start in the file ``torch.load`` read it from (``None``: not read from a file).
+    torch records it on every storage it loads from a zip file (``_checkpoint_offset``) and has no public reader."""
+    offset = getattr(storage, "_checkpoint_offset", None)
+    return None if offset is None else int(offset)
