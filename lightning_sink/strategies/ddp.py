@@ -20,6 +20,7 @@ from lightning_sink.sink_data import SinkToken
 from lightning_sink.strategies import checkpoint_state
 from lightning_sink.strategies.config import (
     SinkConfig,
+    validate_ddp_keywords,
     validate_device,
     validate_process_group_backend,
     validate_timeout,
@@ -60,10 +61,11 @@ class SinkDDPStrategy(DDPStrategy):
         **kwargs: Any,
     ) -> None:
         config = SinkConfig(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
-        validate_process_group_backend(kwargs.get("process_group_backend"))
-        validate_timeout(kwargs.get("timeout"))
+        validate_ddp_keywords(kwargs)
         for device in kwargs.get("parallel_devices") or ():
             validate_device("parallel_devices", device)
+        validate_process_group_backend(kwargs.get("process_group_backend"), kwargs.get("parallel_devices"))
+        validate_timeout(kwargs.get("timeout"))
         super().__init__(**kwargs)
         self.sink_fit = SinkFit(self, config)
 
