@@ -36,6 +36,7 @@ from lightning_sink.strategies.hooks import HookPlan
 from lightning_sink.strategies.resume_check import check_resume_settings
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
 from lightning_sink.strategies.sink_loop import SinkLoop
+from lightning_sink.strategies.sink_state_check import FitFacts, check_state_against_fit
 from lightning_sink.strategies.step_triggers import (
     ignore_one_batch_per_epoch_warning,
     warn_about_unaligned_step_triggers,
@@ -260,11 +261,25 @@ class SinkFit:
             scaling.to_device(host.root_device)
         if self.pending_state is not None:
             check_resume_settings(self.pending_state, self.window_settings(), self._pending_path)
+            check_state_against_fit(self.pending_state, self._fit_facts(), self._pending_path)
             checkpoint_state.load_window(engine.window, self.pending_state, host)
             self.pending_state = None
         if self.sink_size is None:
             self.passes.skip_trained_batches(trainer)  # after a mid-pass resume
         self._install_loop_rules(trainer, engine)
+
+    def _fit_facts(self) -> FitFacts:
+        """What bounds a checkpoint's counts: the window length, and the batches of a data pass where known (in sink
+        mode the loader's length, otherwise Lightning's epoch length, limits and ``"drop"`` applied)."""
+        if self._sink_loader is not None:
+            try:
+                batches: int | float | None = len(self._sink_loader.loader)
+            except TypeError:
+                batches = None
+        else:
+            batches = self.trainer.num_training_batches
+        finite = isinstance(batches, int) or (isinstance(batches, float) and batches.is_integer())
+        return FitFacts(self.accumulation_steps, int(batches) if finite and batches is not None else None)
 
     def _install_loop_rules(self, trainer: pl.Trainer, engine: StepEngine) -> None:
         if self._sink_loader is not None:
