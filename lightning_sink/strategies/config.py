@@ -43,6 +43,7 @@ class SinkConfig:
     sink_size: int | None = None
     prefetch_depth: int | None = None
     graph_mode: str = "eager"
+    checkpoint_digests: bool = True  # the .ckpt saves of SinkStrategy and SinkDDPStrategy (tensor_digests.py)
 
     def __post_init__(self) -> None:
         steps, sink_size, depth = self.accumulation_steps, self.sink_size, self.prefetch_depth
@@ -72,6 +73,8 @@ class SinkConfig:
                 f" {', '.join(map(repr, PARTIAL_WINDOW_MODES))}."
             )
         validate_graph_mode(self.graph_mode)
+        if not isinstance(self.checkpoint_digests, bool):
+            raise TypeError(f"checkpoint_digests={self.checkpoint_digests!r} is not valid: pass True or False.")
 
 
 def validate_device(name: str, device: object) -> None:

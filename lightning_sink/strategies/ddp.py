@@ -45,6 +45,7 @@ class SinkDDPStrategy(DDPStrategy):
         accumulation_steps: micro-batches per optimizer update; see ``SinkStrategy``.
         partial_window: ``"scale"``, ``"drop"`` or ``"carry"``; see ``SinkStrategy``.
         sink_size, prefetch_depth, graph_mode: sink mode and graph sinking; see ``SinkStrategy``.
+        checkpoint_digests: the tensor digests of each ``.ckpt``; see ``SinkStrategy``.
         **kwargs: everything ``lightning.pytorch.strategies.DDPStrategy`` takes (``process_group_backend``,
             ``start_method``, ``timeout``, ...).
     """
@@ -58,9 +59,12 @@ class SinkDDPStrategy(DDPStrategy):
         sink_size: int | None = None,
         prefetch_depth: int | None = None,
         graph_mode: str = "eager",
+        checkpoint_digests: bool = True,
         **kwargs: Any,
     ) -> None:
-        config = SinkConfig(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
+        config = SinkConfig(
+            accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode, checkpoint_digests
+        )
         validate_ddp_keywords(kwargs)
         for device in kwargs.get("parallel_devices") or ():
             validate_device("parallel_devices", device)
@@ -191,6 +195,8 @@ class SinkDDPStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         checkpoint[checkpoint_state.CHECKPOINT_KEY] = self.sink_state_dict()
+        if self.is_global_zero:  # (the rank that writes the file)
+            self.sink_fit.seal(checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override

@@ -41,6 +41,7 @@ from lightning_sink.strategies.step_triggers import (
     ignore_one_batch_per_epoch_warning,
     warn_about_unaligned_step_triggers,
 )
+from lightning_sink.strategies.tensor_digests import add_tensor_digests, check_tensor_digests
 from lightning_sink.training_passes import TrainingPasses
 from lightning_sink.window import GradientStore, Reducer
 
@@ -361,8 +362,16 @@ class SinkFit:
         window = self.engine.window if self.engine is not None else None
         return checkpoint_state.sink_state(self.window_settings(), window, self.data_position, gather, self.host)
 
+    def seal(self, checkpoint: dict[str, Any]) -> None:
+        """Before a ``.ckpt`` is written: record the digest of each of its tensors (unless opted out)."""
+        if self.sink_config.checkpoint_digests:
+            add_tensor_digests(checkpoint, checkpoint_state.CHECKPOINT_KEY)
+
     def restore(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
-        """Take this package's state from a loaded checkpoint (also called for resharded checkpoints)."""
+        """Take this package's state from a loaded checkpoint (also called for resharded checkpoints), once its
+        tensors match their recorded digests (where it has them and digests are not opted out)."""
+        if self.sink_config.checkpoint_digests:
+            check_tensor_digests(checkpoint, checkpoint_state.CHECKPOINT_KEY, checkpoint_path)
         state = checkpoint_state.read_sink_state(checkpoint, checkpoint_path)
         if state is not None:
             # The data position must be known before Lightning first iterates the loader; the window is applied

@@ -23,7 +23,8 @@ def check_resume_settings(saved: Mapping[str, Any], current: Mapping[str, Any], 
     """Raise ``ValueError`` naming both values when ``saved`` (a checkpoint's state) has an open window that
     ``current`` (this run's settings) would close differently. Settings the checkpoint did not record pass."""
     window = saved.get("window") or {}
-    done = window_micro_batches(window)  # (a window whose micro-batches all returned None is open too)
+    steps = saved.get("accumulation_steps")
+    done = window_micro_batches(window, steps if isinstance(steps, int) else None)
     if done == 0:
         return
     for name in WINDOW_SETTINGS:

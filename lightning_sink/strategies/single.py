@@ -48,7 +48,11 @@ class SinkStrategy(SingleDeviceStrategy):
         graph_mode: ``"eager"`` (default); ``"compile"``: ``training_step`` and its backward compiled with
             ``torch.compile`` (both step programs share the forward and backward graphs); ``"cuda_graph"``: the
             same graphs captured as CUDA graphs (``torch.compile(mode="reduce-overhead")``), CUDA only.
-        device: the device to train on; ``None`` takes the Trainer's accelerator (``cuda:0``, ``cpu``, ...).
+        device: the device to train on, one this machine has; ``None`` takes the Trainer's accelerator (``cuda:0``,
+            ``cpu``, ...).
+        checkpoint_digests: record the SHA-256 of every tensor in each ``.ckpt`` saved and, on resume, refuse a
+            checkpoint whose tensors do not match, naming the file and the tensor (``tensor_digests.py``). Costs a
+            read of every saved byte at save and at resume; ``False`` writes and checks none.
     """
 
     strategy_name = "sink"
@@ -64,8 +68,11 @@ class SinkStrategy(SingleDeviceStrategy):
         accelerator: Accelerator | None = None,
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
+        checkpoint_digests: bool = True,
     ) -> None:
-        config = SinkConfig(accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode)
+        config = SinkConfig(
+            accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode, checkpoint_digests
+        )
         validate_device("device", device)
         super().__init__(
             device=device or "cpu",
@@ -193,6 +200,8 @@ class SinkStrategy(SingleDeviceStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         checkpoint[checkpoint_state.CHECKPOINT_KEY] = self.sink_state_dict()
+        if self.is_global_zero:  # (the rank that writes the file)
+            self.sink_fit.seal(checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override

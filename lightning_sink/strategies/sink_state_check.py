@@ -136,10 +136,13 @@ def _check_table(section: Mapping[str, Any], fields: tuple[Field, ...], prefix: 
             raise _refuse(checkpoint_path, prefix + field.name, value, field.expected)
 
 
-def window_micro_batches(window: Mapping[str, Any]) -> int:
-    """Micro-batches of a saved window: its own count, or (checkpoints from before it was saved) its backward
-    passes. A window whose every micro-batch returned ``None`` has micro-batches but no backward pass: still open."""
-    return int(window.get("micro_batches", window.get("micro_steps", 0)))
+def window_micro_batches(window: Mapping[str, Any], accumulation_steps: int | None) -> int:
+    """Micro-batches of a saved window that is still open (0: closed). Its own count, or (checkpoints from before it
+    was saved) its backward passes: a window whose every micro-batch returned ``None`` has micro-batches but no
+    backward pass, and is open. A count of a whole window is a closed one the strategy had not reset yet (it resets a
+    window of one micro-batch when the next begins)."""
+    done = int(window.get("micro_batches", window.get("micro_steps", 0)))
+    return 0 if accumulation_steps is not None and done >= accumulation_steps else done
 
 
 def check_state_is_a_dict(state: object, checkpoint_path: Any) -> None:
@@ -190,15 +193,27 @@ def check_state_against_fit(state: Mapping[str, Any], fit: FitFacts, checkpoint_
     window = state.get("window") or {}
     # (an open window's settings equal this fit's: resume_check.py refuses other ones before this runs)
     steps = int(state.get("accumulation_steps", fit.accumulation_steps))
-    for name in ("micro_steps", "micro_batches"):
+    # (a window of N micro-batches is updated inside its last one: N backward passes are never saved, while N
+    # micro-batches are a window of one the strategy resets only when the next one begins)
+    for name, limit, closes in (
+        ("micro_steps", steps - 1, "its update follows the last"),
+        ("micro_batches", steps, ""),
+    ):
         value = window.get(name, 0)
-        if value >= steps:
+        if value > limit:
             raise _refuse(
                 checkpoint_path,
                 f"window.{name}",
                 value,
-                f"an int in [0, {steps}) (a window of accumulation_steps={steps} closes at {steps})",
+                f"an int in [0, {limit}] (a window of accumulation_steps={steps}{', ' + closes if closes else ''})",
             )
+    if window.get("micro_batches") == steps and window.get("micro_steps", 0) > 0:
+        raise _refuse(
+            checkpoint_path,
+            "window.micro_steps",
+            window["micro_steps"],
+            f"0 in a window whose {steps} micro-batches are done (window.micro_batches={steps})",
+        )
     trained = state["data"]["trained_in_pass"]
     if fit.batches_per_pass is not None and trained > fit.batches_per_pass:
         raise _refuse(
