@@ -160,7 +160,7 @@ class ReshardCheckpoint(Callback):
             return
         strategy = trainer.strategy
         src = Path(strategy.broadcast(str(self.src_dir)))
-        error = None
+        error: Exception | None = None
         if trainer.is_global_zero:
             try:
                 self._check_src_dir(src)  # (files may have been added since construction)

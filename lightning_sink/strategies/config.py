@@ -8,7 +8,7 @@ keywords), which Lightning itself checks only when the run starts, if at all. Ev
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -105,7 +105,7 @@ def _known_backends() -> list[str]:
     return [backend for backend in dist.Backend.backend_list if backend != "undefined"]
 
 
-def validate_process_group_backend(backend: object, devices: object = None) -> None:
+def validate_process_group_backend(backend: object, devices: Iterable[str | int | torch.device] | None = None) -> None:
     """``None`` (chosen by device), a backend torch.distributed knows, or a per-device list ('cpu:gloo,cuda:nccl');
     ``"nccl"`` alone only where it can work: CUDA available, and no non-CUDA device among ``devices``."""
     if backend is None:

@@ -42,7 +42,7 @@ def _digest(tensor: Tensor) -> str:
     digest = hashlib.sha256(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
     if tensor.layout == torch.strided and not tensor.is_quantized and tensor.numel() > 0:
         flat = tensor.detach().resolve_conj().resolve_neg().reshape(-1).contiguous().cpu()
-        digest.update(memoryview(flat.view(torch.uint8).numpy()))
+        digest.update(flat.view(torch.uint8).numpy().data)
     return digest.hexdigest()
 
 
