@@ -367,11 +367,14 @@ class SinkFit:
         if self.sink_config.checkpoint_digests:
             add_tensor_digests(checkpoint, checkpoint_state.CHECKPOINT_KEY)
 
-    def restore(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
-        """Take this package's state from a loaded checkpoint (also called for resharded checkpoints), once its
-        tensors match their recorded digests (where it has them and digests are not opted out)."""
+    def check_digests(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
+        """A loaded ``.ckpt``'s tensors against the digests recorded in it (where it has them, unless opted out).
+        Only for a whole ``.ckpt``: a DCP folder's ``meta.pt`` lacks the tensors (its files have their own)."""
         if self.sink_config.checkpoint_digests:
             check_tensor_digests(checkpoint, checkpoint_state.CHECKPOINT_KEY, checkpoint_path)
+
+    def restore(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
+        """Take this package's state from a loaded checkpoint (also called for resharded checkpoints)."""
         state = checkpoint_state.read_sink_state(checkpoint, checkpoint_path)
         if state is not None:
             # The data position must be known before Lightning first iterates the loader; the window is applied

@@ -207,6 +207,7 @@ class SinkStrategy(SingleDeviceStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self.sink_fit.check_digests(checkpoint, checkpoint_path)  # before anything of it is restored
         self.sink_fit.restore(checkpoint, checkpoint_path)
         return checkpoint
 

@@ -176,3 +176,25 @@ def test_a_window_of_none_returning_micro_batches_is_checked_against_the_window_
     edit(path, setter("window", "micro_batches", 5))
     with pytest.raises(ValueError, match=r"saved.ckpt: .* window.micro_batches is 5, expected an int in \[0, 4\]"):
         resume(path, model=NoneAtFirst())
+
+
+@pytest.mark.parametrize(
+    ("state", "field"),
+    [
+        ({"version": 1, "window": 5, "data": {"trained_in_pass": 0}}, "window"),
+        ({"version": 1, "window": {"micro_steps": "2"}, "data": {"trained_in_pass": 0}}, "window.micro_steps"),
+        ({"version": 1, "window": None, "data": {"trained_in_pass": "x"}}, "data.trained_in_pass"),
+        ({"version": 1, "window": None, "data": 3}, "data"),
+        ([1], "the state"),
+    ],
+)
+def test_a_malformed_state_of_a_resharded_checkpoint_is_named(state, field):
+    # a resharded checkpoint's state is adapted to the new mesh first: a malformed one reaches the check unchanged
+    from pathlib import Path
+
+    from lightning_sink.checkpoint_format.resharded_load import adapt_sink_state
+    from lightning_sink.strategies.checkpoint_state import read_sink_state
+
+    adapted = adapt_sink_state(state, Path("rank_0.pt"), sink_mode=True)
+    with pytest.raises(ValueError, match=rf"rank_0.pt: the checkpoint's 'lightning_sink' state is not valid: {field} "):
+        read_sink_state({"lightning_sink": adapted}, Path("rank_0.pt"))
