@@ -43,6 +43,7 @@ __all__ = [
     "recompiled_functions",
     "recompile_limit",
     "user_function_name",
+    "storage_offset_in_file",
 ]
 
 StridedShard = _StridedShard  # FSDP2 + TP's row placement of a parameter sharded twice on one dim
@@ -206,3 +207,10 @@ def user_function_name(code: CodeType) -> str:
         return code.co_name
     function, line = code.co_name[len(prefix) :].rsplit("_at_", 1)
     return f"{function} (its part after the graph break at line {line})"
+
+
+def storage_offset_in_file(storage: torch.UntypedStorage) -> int | None:
+    """Where a storage's raw bytes start in the file ``torch.load`` read it from (``None``: not read from a file).
+    torch records it on every storage it loads from a zip file (``_checkpoint_offset``) and has no public reader."""
+    offset = getattr(storage, "_checkpoint_offset", None)
+    return None if offset is None else int(offset)

@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
+from lightning_sink.devices import available_device_types, missing_device_reason
 from lightning_sink.loss_scale import DynamicLossScale, FixedLossScale, LossScaler
 
 __all__ = ["LossScalePrecision", "PRECISIONS"]
@@ -38,6 +39,32 @@ def _inner_plugin(precision: PrecisionName, device: str) -> Precision:
     if precision == "16-true" or precision == "bf16-true":
         return HalfPrecision(precision)
     return Precision()
+
+
+def _autocast_device(device: object) -> str:
+    """The autocast device type named by ``device``: a type autocast supports that this machine has."""
+    valid = [name for name in available_device_types() if torch.amp.is_autocast_available(name)]
+    reason = None
+    if not isinstance(device, str) or isinstance(device, bool):
+        reason = "not a string"
+    else:
+        try:
+            parsed = torch.device(device)
+        except RuntimeError:
+            parsed = None
+        if parsed is not None and parsed.index is not None:
+            reason = "an autocast device type has no index"
+        elif parsed is None or not torch.amp.is_autocast_available(parsed.type):
+            reason = "not a device type autocast runs on"
+        else:
+            reason = missing_device_reason(parsed)
+    if reason is not None:
+        raise ValueError(
+            f"device={device!r} is not valid: {reason}; pass one of {', '.join(map(repr, valid))} (the autocast"
+            " device type of this machine's devices), or None (cuda where available, else cpu)."
+        )
+    assert isinstance(device, str)
+    return device
 
 
 def _precision_name(precision: object) -> PrecisionName:
@@ -65,8 +92,8 @@ class LossScalePrecision(Precision):
             a ``DynamicLossScale()`` for fp16 precisions, none for bf16 and fp32 (bf16 has fp32's range).
         skip_window_on_overflow: once a micro-step of a window overflows, its remaining micro-steps run the forward
             only (they still consume their data and report a loss). Checking costs one host sync per micro-step.
-        device: the autocast device type for ``*-mixed`` (``"cuda"`` or ``"cpu"``); default: ``"cuda"`` when
-            CUDA is available, else ``"cpu"``.
+        device: the autocast device type for ``*-mixed`` (``"cuda"`` or ``"cpu"``), one this machine has (else
+            refused at construction); default: ``"cuda"`` when CUDA is available, else ``"cpu"``.
 
     ``scale`` and ``skipped_updates`` read the device state and so synchronize with the device.
     """
@@ -91,7 +118,9 @@ class LossScalePrecision(Precision):
         self.precision = name
         self.loss_scale = loss_scale
         self.skip_window_on_overflow = skip_window_on_overflow
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = (
+            _autocast_device(device) if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
         self._inner = _inner_plugin(name, self.device)
         self.scaler = LossScaler(loss_scale) if loss_scale is not None else None
         self._overflow_on_host: bool | None = None

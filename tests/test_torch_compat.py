@@ -176,3 +176,27 @@ def test_recompiled_functions_reads_torchdynamos_own_records_of_recompiles():
         assert compat.recompile_limit() == torch._dynamo.config.recompile_limit == 8
     finally:
         torch._dynamo.reset()
+
+
+def test_a_storage_offset_in_file_is_where_its_bytes_are(tmp_path: Path):
+    tensor = torch.arange(1000, dtype=torch.float32)
+    torch.save({"t": tensor}, tmp_path / "t.pt")
+    loaded = torch.load(tmp_path / "t.pt", map_location="meta", weights_only=True)["t"]
+    offset = compat.storage_offset_in_file(loaded.untyped_storage())
+    assert offset is not None
+    raw = (tmp_path / "t.pt").read_bytes()[offset : offset + tensor.nbytes]
+    assert raw == tensor.numpy().tobytes()
+    assert compat.storage_offset_in_file(torch.zeros(3).untyped_storage()) is None  # not read from a file
+
+
+def test_only_torch_compat_reads_private_torch_attributes():
+    # the private attributes of torch objects the package relies on, each read through a _torch_compat function
+    private = {"_checkpoint_offset"}
+    offenders = []
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "_torch_compat.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: .{node.attr}")
+    assert offenders == []

@@ -41,10 +41,17 @@ from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.checkpoint_format.dcp_folder import save_dcp_atomically
-from lightning_sink.checkpoint_format.destination import check_destination_path
+from lightning_sink.checkpoint_format.destination import (
+    check_destination_path,
+    check_replaceable,
+    check_save_replaceable,
+    is_distributed_save_file,
+)
 from lightning_sink.checkpoint_format.fs import check_file_prefix
 from lightning_sink.layout import load_layout
 from lightning_sink.reshard import ReshardReport, transform_checkpoints, verify_checkpoint
+from lightning_sink.strategies.checkpoint_state import CHECKPOINT_KEY
+from lightning_sink.strategies.tensor_digests import DIGESTS_FIELD
 
 __all__ = ["ONE_DEVICE_CHECKPOINT", "SOURCES", "ReshardCheckpoint"]
 
@@ -108,6 +115,9 @@ class ReshardCheckpoint(Callback):
             )
         check_destination_path(self.src_dir, {}, "src_dir")  # the source save replaces src_dir as a whole too
         self.ckpt_prefix, self.workers, self.overwrite, self.source = ckpt_prefix, workers, overwrite, source
+        # Folders holding what this callback did not write fail here, not after the training (and again at fit end).
+        self._check_src_dir(self.src_dir)
+        check_replaceable(self.dst_dir.resolve(), "dst_dir")
         self.report: ReshardReport | None = None
 
     @override
@@ -152,6 +162,13 @@ class ReshardCheckpoint(Callback):
             return
         strategy = trainer.strategy
         src = Path(strategy.broadcast(str(self.src_dir)))
+        error: Exception | None = None
+        if trainer.is_global_zero:
+            try:
+                self._check_src_dir(src)  # (files may have been added since construction)
+            except ValueError as failure:
+                error = failure
+        self._raise_everywhere(strategy, error, f"checking src_dir {str(src)!r}")
         if isinstance(strategy, ModelParallelStrategy):
             trainer.save_checkpoint(src, weights_only=False)  # every rank writes its shards, committed atomically
         elif self.source == "ckpt":
@@ -167,6 +184,14 @@ class ReshardCheckpoint(Callback):
             except Exception as failure:  # reported to every rank, then raised
                 error = failure
         self._raise_everywhere(strategy, error, f"resharding {str(src)!r}")
+
+    def _check_src_dir(self, src: Path) -> None:
+        """The save replaces ``src_dir`` (or, with ``source="ckpt"``, writes ``last.ckpt`` into it): only where it
+        holds nothing but what such a save writes (a previous save of this callback)."""
+        if self.source == "ckpt":
+            check_save_replaceable(src, "src_dir", lambda name: name == ONE_DEVICE_CHECKPOINT, "Lightning's last.ckpt")
+        else:
+            check_save_replaceable(src, "src_dir", is_distributed_save_file, "a distributed checkpoint save")
 
     @staticmethod
     def _raise_everywhere(strategy: Any, error: Exception | None, what: str) -> None:
@@ -286,6 +311,9 @@ def _save_one_rank_dcp(trainer: pl.Trainer, pl_module: pl.LightningModule, targe
     metadata = _checkpoint_dict(trainer, target)
     metadata.pop("state_dict", None)
     metadata.pop("optimizer_states", None)
+    sink_state = metadata.get(CHECKPOINT_KEY)
+    if isinstance(sink_state, dict):  # a .ckpt's tensor digests: this folder's files have SAVE_DIGESTS.json instead
+        sink_state.pop(DIGESTS_FIELD, None)
     state: dict[str, Any] = {"state_dict": get_model_state_dict(pl_module)}
     for index, optimizer in enumerate(trainer.optimizers):
         state[f"optimizer_{index}"] = get_optimizer_state_dict(pl_module, optimizer)

@@ -8,6 +8,7 @@ package's metadata unpickler (DCP itself would ``pickle.load`` it), DCP's non-te
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +18,10 @@ import torch.distributed.checkpoint as dcp
 from lightning_sink._torch_compat import MetadataCheckedReader, WeightsOnlyLoadPlanner
 from lightning_sink.checkpoint_format.dcp_folder import LIGHTNING_META_FILE
 from lightning_sink.checkpoint_format.fs import inside
-from lightning_sink.layout.dcp_metadata import read_dcp_metadata
+from lightning_sink.checkpoint_format.save_digests import check_save_digests
+from lightning_sink.layout.dcp_metadata import DCP_METADATA_FILE, read_dcp_metadata
 
-__all__ = ["load_dcp_folder"]
+__all__ = ["check_one_save", "load_dcp_folder"]
 
 
 def _load(state: dict[str, Any], folder: Path) -> None:
@@ -34,6 +36,18 @@ def _load(state: dict[str, Any], folder: Path) -> None:
         raise ValueError(
             f"DCP checkpoint {str(folder)!r} could not be loaded: {type(cause).__name__}: {first_line}"
         ) from None
+
+
+def check_one_save(folder: Path) -> None:
+    """Where this package saved the folder (``SAVE_DIGESTS.json``): every file the load reads (``.metadata``, the
+    ``.distcp`` shards, ``meta.pt``) has the SHA-256 and size recorded at the save, so a flipped byte or a file of
+    another save is refused, naming the file, before anything is loaded. Each rank checks every file (it cannot know
+    which ones DCP will read for it). Stock DCP folders record nothing and load as before."""
+    names = [DCP_METADATA_FILE, LIGHTNING_META_FILE]
+    names += sorted(entry.name for entry in os.scandir(folder) if entry.name.endswith(".distcp"))
+    check_save_digests(
+        folder, [name for name in names if os.path.lexists(folder / name)], f"checkpoint folder {str(folder)!r}"
+    )
 
 
 def load_dcp_folder(
@@ -52,6 +66,7 @@ def load_dcp_folder(
         set_optimizer_state_dict,
     )
 
+    check_one_save(folder)
     read_dcp_metadata(folder)  # a foreign or hostile .metadata fails here, naming the file, before any collective
     model_state = {"state_dict": get_model_state_dict(module)}
     _load(model_state, folder)

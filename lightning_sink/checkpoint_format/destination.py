@@ -8,6 +8,9 @@ deleted. It never replaces:
 - the source, a folder inside it, or a folder that holds it;
 - a folder it did not create: an existing, non-empty destination is replaced only when its ``MANIFEST.json`` says
   it is a previous output of this package and it holds nothing the manifest does not list (``overwrite`` or not).
+
+The same holds for the folder a checkpoint save replaces before a conversion (``ReshardCheckpoint``'s ``src_dir``):
+it is replaced only when it holds nothing but the files such a save writes (``check_save_replaceable``).
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import re
 import resource
 import shutil
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -29,6 +33,8 @@ from lightning_sink.checkpoint_format.manifest import MANIFEST_FILE_NAME, read_m
 __all__ = [
     "check_destination_path",
     "check_replaceable",
+    "check_save_replaceable",
+    "is_distributed_save_file",
     "exclusive",
     "staged_folder",
     "write_errors_in_words",
@@ -90,6 +96,32 @@ def check_replaceable(dst: Path, what: str) -> bool:
             if entry not in listed and entry not in folders:
                 raise ValueError(f"{refusal}; {entry!r} is not listed")
     return True
+
+
+_DISTRIBUTED_SAVE_FILES = frozenset({".metadata", "meta.pt", "layout.json", "SAVE_DIGESTS.json"})
+_DCP_SHARD = re.compile(r"__\d+_\d+\.distcp")
+
+
+def is_distributed_save_file(name: str) -> bool:
+    """A file a distributed checkpoint save writes into its folder: DCP's ``.metadata`` and shards, Lightning's
+    ``meta.pt``, this package's ``layout.json`` and ``SAVE_DIGESTS.json``."""
+    return name in _DISTRIBUTED_SAVE_FILES or _DCP_SHARD.fullmatch(name) is not None
+
+
+def check_save_replaceable(folder: Path, what: str, may_hold: Callable[[str], bool], kind: str) -> None:
+    """Refuse (one ValueError naming the entry) a folder a checkpoint save is about to replace or write into that
+    holds anything but regular files ``may_hold`` accepts (the files a save of ``kind`` writes): an absent or empty
+    folder, or a previous save, passes."""
+    if not os.path.lexists(folder):
+        return
+    if folder.is_symlink() or not folder.is_dir():
+        raise ValueError(f"{what}={str(folder)!r} exists and is not a folder")
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if not (entry.is_file(follow_symlinks=False) and may_hold(entry.name)):
+            raise ValueError(
+                f"{what}={str(folder)!r} holds {entry.name!r}, which is not a file of {kind}: the save would replace"
+                " what it did not write; choose an empty or new folder"
+            )
 
 
 @contextmanager

@@ -62,18 +62,24 @@ def check_layout_matches_mesh(layout: Layout, device_mesh: Any, world_size: int,
 
 
 def adapt_sink_state(state: dict[str, Any] | None, file: Path, sink_mode: bool) -> dict[str, Any] | None:
-    """The lightning_sink state of a checkpoint saved on another mesh, made valid for this one (module docstring)."""
-    if state is None:
-        return None
-    window = state.get("window")
-    if window is not None and window.get("micro_steps", 0) > 0:
+    """The lightning_sink state of a checkpoint saved on another mesh, made valid for this one (module docstring).
+    A malformed state is returned as it is: the strategy's state check refuses it, naming the field."""
+    if not isinstance(state, dict):
+        return state
+    window, data = state.get("window"), state.get("data")
+    if not (isinstance(window or {}, dict) and isinstance(data, dict)):
+        return state
+    micro_steps = window.get("micro_steps", 0) if window is not None else 0
+    if type(micro_steps) is not int or type(data.get("trained_in_pass", 0)) is not int:
+        return state
+    if micro_steps > 0:
         raise ValueError(
-            f"resharded checkpoint {str(file)!r} was saved inside an accumulation window ({window['micro_steps']}"
+            f"resharded checkpoint {str(file)!r} was saved inside an accumulation window ({micro_steps}"
             f" of {state.get('accumulation_steps')} micro-steps done): its partial gradient sums belong to the"
             " source mesh and cannot be resharded. Save at a window boundary (e.g. at the end of fit, as"
             " ReshardCheckpoint does) and reshard that checkpoint."
         )
-    data = dict(state.get("data", {}))
+    data = dict(data)
     if data.get("trained_in_pass", 0) > 0:
         if not sink_mode:
             raise ValueError(

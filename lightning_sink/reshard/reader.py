@@ -2,7 +2,7 @@
 
 A DCP chunk is a whole ``torch.save`` zip blob at ``[offset, offset + length)`` of a ``__{rank}_{n}.distcp``
 file. Loading the blob with ``map_location="meta"`` reads only its zip directory and pickle (a few KiB) and
-reports, per storage, ``_checkpoint_offset``: where the uncompressed raw bytes start inside the blob. The wanted
+reports, per storage (``_torch_compat.storage_offset_in_file``), where the uncompressed raw bytes start inside the blob. The wanted
 region is then read with ``os.preadv`` straight into the target tensor, one contiguous run at a time.
 """
 
@@ -18,6 +18,7 @@ from typing import IO, cast
 
 import torch
 
+from lightning_sink._torch_compat import storage_offset_in_file
 from lightning_sink.checkpoint_format.fs import open_nofollow
 from lightning_sink.error_text import reason_of
 from lightning_sink.reshard.integrity import PartCrc, RecordChecks, WholeCrc
@@ -147,7 +148,7 @@ def _replace_tensors(node: object, convert) -> object:
 
 def _location(tensor: torch.Tensor, path: Path, base: int, what: str) -> TensorLocation:
     storage = tensor.untyped_storage()
-    offset = storage._checkpoint_offset  # set by torch.load for every storage it reads from a file
+    offset = storage_offset_in_file(storage)  # set by torch.load for every storage it reads from a file
     if offset is None:
         raise ValueError(f"{what}: a tensor of {str(path)!r} has no storage in the file")
     return TensorLocation(

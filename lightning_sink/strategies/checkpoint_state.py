@@ -20,6 +20,7 @@ from torch import Tensor
 
 from lightning_sink.data import DataPosition
 from lightning_sink.strategies.engine import EngineHost
+from lightning_sink.strategies.sink_state_check import check_state_fields, check_state_is_a_dict
 from lightning_sink.window.state import Window
 
 __all__ = ["CHECKPOINT_KEY", "gather_flat_buffers", "sink_state", "read_sink_state", "load_window"]
@@ -72,17 +73,23 @@ def sink_state(
 
 
 def read_sink_state(checkpoint: dict[str, Any], checkpoint_path: Any) -> dict[str, Any] | None:
+    """The checkpoint's state (``None``: a stock checkpoint), its fields checked (``sink_state_check.py``)."""
     state = checkpoint.get(CHECKPOINT_KEY)
-    if state is not None and state.get("version") != _STATE_VERSION:
+    if state is None:
+        return None
+    check_state_is_a_dict(state, checkpoint_path)
+    if state.get("version") != _STATE_VERSION:
         raise ValueError(
             f"{checkpoint_path}: '{CHECKPOINT_KEY}' state has version {state.get('version')!r}; this"
             f" lightning-sink reads version {_STATE_VERSION}."
         )
+    check_state_fields(state, checkpoint_path)
     return state
 
 
 def load_window(window: Window, state: dict[str, Any], host: EngineHost) -> None:
-    """Restore the saved window into this fit's (its store exists by now)."""
+    """Restore the saved window (its fields checked by ``read_sink_state``) into this fit's (its store exists by
+    now)."""
     saved = state.get("window")
     if saved is None:
         return

@@ -1,22 +1,33 @@
 """The sink strategies' own arguments, checked once at construction.
 
 ``SinkConfig`` holds what every sink strategy takes (accumulation, sinking, graph mode); the functions below check
-the arguments the strategies pass on to Lightning's parents (device, process-group backend, timeout), which Lightning
-itself checks only when the run starts, if at all. Every failure names the argument, the value and what is valid.
+the arguments the strategies pass on to Lightning's parents (device, process-group backend, timeout, DDP's own
+keywords), which Lightning itself checks only when the run starts, if at all. Every failure names the argument, the value and what is valid.
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_sink.accumulation import PARTIAL_WINDOW_MODES
+from lightning_sink.devices import available_device_types, missing_device_reason
 from lightning_sink.strategies.graph_modes import validate_graph_mode
 
-__all__ = ["SinkConfig", "validate_device", "validate_process_group_backend", "validate_timeout"]
+__all__ = [
+    "SinkConfig",
+    "validate_device",
+    "validate_process_group_backend",
+    "validate_ddp_keywords",
+    "validate_timeout",
+]
 
 
 def _is_int(value: object) -> bool:
@@ -33,6 +44,7 @@ class SinkConfig:
     prefetch_depth: int | None = None
     graph_mode: str = "eager"
     checkpoint_random_state: bool = True
+    checkpoint_digests: bool = True  # the .ckpt saves of SinkStrategy and SinkDDPStrategy (tensor_digests.py)
 
     def __post_init__(self) -> None:
         steps, sink_size, depth = self.accumulation_steps, self.sink_size, self.prefetch_depth
@@ -67,32 +79,41 @@ class SinkConfig:
                 f"checkpoint_random_state={self.checkpoint_random_state!r} is not valid: pass True (checkpoints save"
                 " and resumes restore the global random generators: torch's, CUDA's, Python's, NumPy's) or False."
             )
+        if not isinstance(self.checkpoint_digests, bool):
+            raise TypeError(f"checkpoint_digests={self.checkpoint_digests!r} is not valid: pass True or False.")
 
 
 def validate_device(name: str, device: object) -> None:
-    """``None``, a ``torch.device``, or a string or index torch understands as a device."""
-    if device is None or isinstance(device, torch.device):
+    """``None``, or a ``torch.device``, device string or index naming a device this machine has."""
+    if device is None:
         return
-    if not isinstance(device, (str, int)) or isinstance(device, bool):
+    if not isinstance(device, (str, int, torch.device)) or isinstance(device, bool):
         raise TypeError(
             f"{name}={device!r} is not valid: pass a device string ('cpu', 'cuda', 'cuda:1', ...), a"
             " torch.device, or None."
         )
     try:
-        torch.device(device)
+        parsed = torch.device(device)
     except RuntimeError:
         raise ValueError(
             f"{name}={device!r} is not a device torch knows: pass e.g. 'cpu', 'cuda', 'cuda:1', 'mps', a torch.device,"
             " or None."
         ) from None
+    missing = missing_device_reason(parsed)
+    if missing is not None:
+        raise ValueError(
+            f"{name}={device!r} is not valid: {missing}; pass a device this machine has"
+            f" ({', '.join(map(repr, available_device_types()))}), or None to take the Trainer's accelerator."
+        )
 
 
 def _known_backends() -> list[str]:
     return [backend for backend in dist.Backend.backend_list if backend != "undefined"]
 
 
-def validate_process_group_backend(backend: object) -> None:
-    """``None`` (chosen by device), a backend torch.distributed knows, or a per-device list ('cpu:gloo,cuda:nccl')."""
+def validate_process_group_backend(backend: object, devices: Iterable[str | int | torch.device] | None = None) -> None:
+    """``None`` (chosen by device), a backend torch.distributed knows, or a per-device list ('cpu:gloo,cuda:nccl');
+    ``"nccl"`` alone only where it can work: CUDA available, and no non-CUDA device among ``devices``."""
     if backend is None:
         return
     known = _known_backends()
@@ -101,6 +122,29 @@ def validate_process_group_backend(backend: object) -> None:
         raise ValueError(
             f"process_group_backend={backend!r} is not valid: choose one of {', '.join(map(repr, known))}, a per-device"
             " list such as 'cpu:gloo,cuda:nccl', or None (gloo on CPU, nccl on CUDA)."
+        )
+    if backend != "nccl":
+        return
+    others = [str(device) for device in devices or () if torch.device(device).type != "cuda"]
+    if not (torch.cuda.is_available() and dist.is_nccl_available()) or others:
+        where = f"the devices {others}" if others else "this machine, which has no CUDA device"
+        raise ValueError(
+            f"process_group_backend={backend!r} cannot work on {where}: nccl needs CUDA devices. Use 'gloo' on CPU,"
+            " or None (gloo on CPU, nccl on CUDA)."
+        )
+
+
+def validate_ddp_keywords(kwargs: Mapping[str, object]) -> None:
+    """Every keyword is one ``DDPStrategy`` takes or one it hands to ``DistributedDataParallel`` (which it does only
+    at fit, where an unknown one would fail deep inside DDP)."""
+    strategy_names = set(inspect.signature(DDPStrategy.__init__).parameters) - {"self", "kwargs"}
+    ddp_names = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self", "module", "device_ids"}
+    unknown = sorted(set(kwargs) - strategy_names - ddp_names)
+    if unknown:
+        raise TypeError(
+            f"SinkDDPStrategy got unknown keyword argument(s) {', '.join(f'{name}={kwargs[name]!r}' for name in unknown)}:"
+            f" valid are this strategy's own, those of lightning's DDPStrategy ({', '.join(sorted(strategy_names))}) and"
+            f" those of torch's DistributedDataParallel ({', '.join(sorted(ddp_names))})."
         )
 
 

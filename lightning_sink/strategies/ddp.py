@@ -22,6 +22,7 @@ from lightning_sink.sink_data import SinkToken
 from lightning_sink.strategies import checkpoint_state
 from lightning_sink.strategies.config import (
     SinkConfig,
+    validate_ddp_keywords,
     validate_device,
     validate_process_group_backend,
     validate_timeout,
@@ -47,6 +48,7 @@ class SinkDDPStrategy(DDPStrategy):
         partial_window: ``"scale"``, ``"drop"`` or ``"carry"``; see ``SinkStrategy``.
         sink_size, prefetch_depth, graph_mode, checkpoint_random_state: sink mode, graph sinking and the random
             generators in checkpoints (per rank); see ``SinkStrategy``.
+        checkpoint_digests: the tensor digests of each ``.ckpt``; see ``SinkStrategy``.
         **kwargs: everything ``lightning.pytorch.strategies.DDPStrategy`` takes (``process_group_backend``,
             ``start_method``, ``timeout``, ...).
     """
@@ -61,15 +63,23 @@ class SinkDDPStrategy(DDPStrategy):
         prefetch_depth: int | None = None,
         graph_mode: str = "eager",
         checkpoint_random_state: bool = True,
+        checkpoint_digests: bool = True,
         **kwargs: Any,
     ) -> None:
         config = SinkConfig(
-            accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode, checkpoint_random_state
+            accumulation_steps,
+            partial_window,
+            sink_size,
+            prefetch_depth,
+            graph_mode,
+            checkpoint_random_state=checkpoint_random_state,
+            checkpoint_digests=checkpoint_digests,
         )
-        validate_process_group_backend(kwargs.get("process_group_backend"))
-        validate_timeout(kwargs.get("timeout"))
+        validate_ddp_keywords(kwargs)
         for device in kwargs.get("parallel_devices") or ():
             validate_device("parallel_devices", device)
+        validate_process_group_backend(kwargs.get("process_group_backend"), kwargs.get("parallel_devices"))
+        validate_timeout(kwargs.get("timeout"))
         super().__init__(**kwargs)
         self.sink_fit = SinkFit(self, config)
 
@@ -195,6 +205,8 @@ class SinkDDPStrategy(DDPStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         checkpoint[checkpoint_state.CHECKPOINT_KEY] = self.sink_state_dict()
+        if self.is_global_zero:  # (the rank that writes the file)
+            self.sink_fit.seal(checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
@@ -202,6 +214,7 @@ class SinkDDPStrategy(DDPStrategy):
         # every rank reads the file from its own disk: they agree that they see the same one, or all stop here
         agree_on_checkpoint_path(Path(checkpoint_path), self.world_size)
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self.sink_fit.check_digests(checkpoint, checkpoint_path)  # before anything of it is restored
         self.sink_fit.restore(checkpoint, checkpoint_path)
         return checkpoint
 

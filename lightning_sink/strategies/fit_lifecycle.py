@@ -43,10 +43,12 @@ from lightning_sink.strategies.recompile_watch import RecompileWatch
 from lightning_sink.strategies.resume_check import check_resume_settings
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
 from lightning_sink.strategies.sink_loop import SinkLoop
+from lightning_sink.strategies.sink_state_check import FitFacts, check_state_against_fit
 from lightning_sink.strategies.step_triggers import (
     ignore_one_batch_per_epoch_warning,
     warn_about_unaligned_step_triggers,
 )
+from lightning_sink.strategies.tensor_digests import add_tensor_digests, check_tensor_digests
 from lightning_sink.training_passes import TrainingPasses
 from lightning_sink.window import GradientStore, Reducer
 
@@ -274,6 +276,7 @@ class SinkFit:
             scaling.to_device(host.root_device)
         if self.pending_state is not None:
             check_resume_settings(self.pending_state, self.window_settings(), self._pending_path)
+            check_state_against_fit(self.pending_state, self._fit_facts(), self._pending_path)
             checkpoint_state.load_window(engine.window, self.pending_state, host)
             self.pending_state = None
         if self.sink_size is None:
@@ -288,6 +291,19 @@ class SinkFit:
         if saved is not None and self.sink_config.checkpoint_random_state:
             host = self.host
             restore_rank_random_state(saved, host.global_rank, host.world_size, self._pending_path)
+
+    def _fit_facts(self) -> FitFacts:
+        """What bounds a checkpoint's counts: the window length, and the batches of a data pass where known (in sink
+        mode the loader's length, otherwise Lightning's epoch length, limits and ``"drop"`` applied)."""
+        if self._sink_loader is not None:
+            try:
+                batches: int | float | None = len(self._sink_loader.loader)
+            except TypeError:
+                batches = None
+        else:
+            batches = self.trainer.num_training_batches
+        finite = isinstance(batches, int) or (isinstance(batches, float) and batches.is_integer())
+        return FitFacts(self.accumulation_steps, int(batches) if finite and batches is not None else None)
 
     def _install_loop_rules(self, trainer: pl.Trainer, engine: StepEngine) -> None:
         if self._sink_loader is not None:
@@ -378,6 +394,17 @@ class SinkFit:
         return checkpoint_state.sink_state(
             self.window_settings(), window, self.data_position, gather, self.host, random_states
         )
+
+    def seal(self, checkpoint: dict[str, Any]) -> None:
+        """Before a ``.ckpt`` is written: record the digest of each of its tensors (unless opted out)."""
+        if self.sink_config.checkpoint_digests:
+            add_tensor_digests(checkpoint, checkpoint_state.CHECKPOINT_KEY)
+
+    def check_digests(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
+        """A loaded ``.ckpt``'s tensors against the digests recorded in it (where it has them, unless opted out).
+        Only for a whole ``.ckpt``: a DCP folder's ``meta.pt`` lacks the tensors (its files have their own)."""
+        if self.sink_config.checkpoint_digests:
+            check_tensor_digests(checkpoint, checkpoint_state.CHECKPOINT_KEY, checkpoint_path)
 
     def restore(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
         """Take this package's state from a loaded checkpoint (also called for resharded checkpoints)."""

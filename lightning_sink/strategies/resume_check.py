@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from lightning_sink.strategies.sink_state_check import window_micro_batches
+
 __all__ = ["WINDOW_SETTINGS", "check_resume_settings"]
 
 # The strategy arguments a checkpoint records next to its window (its ``lightning_sink`` state).
@@ -21,7 +23,8 @@ def check_resume_settings(saved: Mapping[str, Any], current: Mapping[str, Any], 
     """Raise ``ValueError`` naming both values when ``saved`` (a checkpoint's state) has an open window that
     ``current`` (this run's settings) would close differently. Settings the checkpoint did not record pass."""
     window = saved.get("window") or {}
-    done = int(window.get("micro_steps", 0))
+    steps = saved.get("accumulation_steps")
+    done = window_micro_batches(window, steps if isinstance(steps, int) else None)
     if done == 0:
         return
     for name in WINDOW_SETTINGS:

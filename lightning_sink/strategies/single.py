@@ -48,10 +48,14 @@ class SinkStrategy(SingleDeviceStrategy):
         graph_mode: ``"eager"`` (default); ``"compile"``: ``training_step`` and its backward compiled with
             ``torch.compile`` (both step programs share the forward and backward graphs); ``"cuda_graph"``: the
             same graphs captured as CUDA graphs (``torch.compile(mode="reduce-overhead")``), CUDA only.
-        device: the device to train on; ``None`` takes the Trainer's accelerator (``cuda:0``, ``cpu``, ...).
+        device: the device to train on, one this machine has; ``None`` takes the Trainer's accelerator (``cuda:0``,
+            ``cpu``, ...).
         checkpoint_random_state: checkpoints hold the global random generators (torch's CPU and CUDA, Python's,
             NumPy's; ``random_state.py``) and a resume restores them, so that a step drawing random numbers
             (dropout) continues as the uninterrupted run (default ``True``). ``False`` leaves them out.
+        checkpoint_digests: record the SHA-256 of every tensor in each ``.ckpt`` saved and, on resume, refuse a
+            checkpoint whose tensors do not match, naming the file and the tensor (``tensor_digests.py``). Costs a
+            read of every saved byte at save and at resume; ``False`` writes and checks none.
     """
 
     strategy_name = "sink"
@@ -68,9 +72,16 @@ class SinkStrategy(SingleDeviceStrategy):
         checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
         checkpoint_random_state: bool = True,
+        checkpoint_digests: bool = True,
     ) -> None:
         config = SinkConfig(
-            accumulation_steps, partial_window, sink_size, prefetch_depth, graph_mode, checkpoint_random_state
+            accumulation_steps,
+            partial_window,
+            sink_size,
+            prefetch_depth,
+            graph_mode,
+            checkpoint_random_state=checkpoint_random_state,
+            checkpoint_digests=checkpoint_digests,
         )
         validate_device("device", device)
         super().__init__(
@@ -199,11 +210,14 @@ class SinkStrategy(SingleDeviceStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         checkpoint[checkpoint_state.CHECKPOINT_KEY] = self.sink_state_dict()
+        if self.is_global_zero:  # (the rank that writes the file)
+            self.sink_fit.seal(checkpoint)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self.sink_fit.check_digests(checkpoint, checkpoint_path)  # before anything of it is restored
         self.sink_fit.restore(checkpoint, checkpoint_path)
         return checkpoint
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_sink import SinkStrategy
@@ -232,3 +233,53 @@ def test_workers_convert_in_separate_processes_to_the_same_files(tmp_path: Path,
         b = load_resharded_checkpoint(tmp_path / "b" / f"rank_{rank}" / f"checkpoint_{rank}.pt")
         assert a["tensors"].keys() == b["tensors"].keys()
         assert all(torch.equal(a["tensors"][fqn], b["tensors"][fqn]) for fqn in a["tensors"])
+
+
+@pytest.mark.parametrize("source", ["dcp", "ckpt"])
+def test_a_src_dir_holding_other_files_is_refused_at_construction(tmp_path: Path, source):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("the user's")
+    with pytest.raises(ValueError, match=r"src_dir='.*mine' holds 'notes.txt', which is not a file of"):
+        ReshardCheckpoint(tmp_path / "t.json", tmp_path / "out", src_dir=mine, source=source)
+    assert (mine / "notes.txt").read_text() == "the user's"
+
+
+def test_files_added_to_src_dir_during_training_are_not_replaced(tmp_path: Path, target_layout: Path):
+    src = tmp_path / "src"
+    callback = ReshardCheckpoint(target_layout, tmp_path / "out", src_dir=src)
+
+    class AddsAFile(Callback):
+        def on_train_start(self, trainer, pl_module):
+            src.mkdir()
+            (src / "notes.txt").write_text("the user's")
+
+    model = TinyClassifier(**INIT_ARGS)
+    trainer = quiet_trainer(strategy=SinkStrategy(), max_epochs=1, callbacks=[AddsAFile(), callback])
+    with pytest.raises(ValueError, match=r"src_dir='.*src' holds 'notes.txt'"):
+        trainer.fit(model, loader(make_dataset(num_samples=8), 4))
+    assert [p.name for p in src.iterdir()] == ["notes.txt"] and not (tmp_path / "out").exists()
+
+
+def test_a_previous_save_in_src_dir_is_replaced(tmp_path: Path, target_layout: Path):
+    for _ in range(2):  # the second run replaces the first one's src_dir and (overwrite) dst_dir
+        callback = ReshardCheckpoint(target_layout, tmp_path / "out", src_dir=tmp_path / "src", overwrite=True)
+        train_one_device(callback)
+        assert (tmp_path / "src" / "SAVE_DIGESTS.json").is_file()
+        verify_checkpoint(tmp_path / "out")
+
+
+def test_a_dst_dir_holding_other_files_is_refused_at_construction(tmp_path: Path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("the user's")
+    with pytest.raises(ValueError, match=r"dst_dir='.*out' holds files that are not a previous output"):
+        ReshardCheckpoint(tmp_path / "t.json", tmp_path / "out", overwrite=True)
+
+
+@pytest.mark.parametrize(
+    ("src_dir", "match"),
+    [(".", "is the working folder"), ("~", "is the home folder"), ("/", "and dst_dir=.* must not be or contain")],
+)
+def test_src_dir_never_the_working_home_or_root_folder(tmp_path: Path, src_dir, match):
+    with pytest.raises(ValueError, match=rf"src_dir='.*' {match}"):
+        ReshardCheckpoint(tmp_path / "t.json", tmp_path / "out", src_dir=Path(src_dir).expanduser())

@@ -6,10 +6,14 @@ import dataclasses
 from datetime import timedelta
 
 import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_sink import LossScalePrecision, SinkDDPStrategy, SinkModelParallelStrategy, SinkStrategy
 from lightning_sink.loss_scale import DynamicLossScale, FixedLossScale
 from lightning_sink.strategies.config import SinkConfig
+from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
 
 STRATEGIES = [SinkStrategy, SinkDDPStrategy, SinkModelParallelStrategy]
 
@@ -48,8 +52,82 @@ def test_unknown_process_group_backend(strategy_cls):
 
 @pytest.mark.parametrize("strategy_cls", [SinkDDPStrategy, SinkModelParallelStrategy])
 def test_known_process_group_backends_pass(strategy_cls):
-    for backend in ("gloo", "nccl", "cpu:gloo,cuda:nccl", None):
+    for backend in ("gloo", "cpu:gloo,cuda:nccl", None):
         strategy_cls(process_group_backend=backend)
+    if torch.cuda.is_available():
+        strategy_cls(process_group_backend="nccl")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="nccl works on this machine")
+@pytest.mark.parametrize("strategy_cls", [SinkDDPStrategy, SinkModelParallelStrategy])
+def test_nccl_without_cuda_is_refused_at_construction(strategy_cls):
+    with pytest.raises(
+        ValueError, match=r"process_group_backend='nccl' cannot work on this machine, which has no CUDA device.*'gloo'"
+    ):
+        strategy_cls(process_group_backend="nccl")
+
+
+def test_nccl_with_cpu_devices_is_refused_at_construction():
+    with pytest.raises(ValueError, match=r"process_group_backend='nccl' cannot work on the devices \['cpu'\]"):
+        SinkDDPStrategy(process_group_backend="nccl", parallel_devices=[torch.device("cpu")])
+
+
+def test_unknown_ddp_keyword_is_refused_at_construction():
+    with pytest.raises(
+        TypeError, match=r"SinkDDPStrategy got unknown keyword argument\(s\) bogus_kwarg=1: valid are .*find_unused"
+    ):
+        SinkDDPStrategy(bogus_kwarg=1)
+    with pytest.raises(TypeError, match=r"unknown keyword argument\(s\) device_ids=\[0\]"):  # Lightning sets it
+        SinkDDPStrategy(device_ids=[0])
+
+
+def test_lightning_and_ddp_keywords_pass():
+    strategy = SinkDDPStrategy(find_unused_parameters=True, static_graph=False, start_method="spawn")
+    assert strategy._start_method == "spawn"
+
+
+class SeesTheDDPModel(Callback):
+    def on_train_start(self, trainer, pl_module):
+        self.bucket_view = trainer.model.gradient_as_bucket_view
+
+
+@pytest.mark.parametrize("strategy_cls", [SinkDDPStrategy, DDPStrategy])
+def test_ddp_keywords_reach_ddp_as_with_stock_lightning(strategy_cls):
+    seen = SeesTheDDPModel()
+    strategy = strategy_cls(gradient_as_bucket_view=True)
+    trainer = quiet_trainer(strategy=strategy, devices=1, max_epochs=1, callbacks=[seen])
+    trainer.fit(TinyClassifier(), loader(make_dataset(num_samples=16), 4))
+    assert seen.bucket_view is True
+
+
+def test_a_device_that_does_not_exist_is_refused_at_construction():
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU (cuda:0 on a machine without any)
+    with pytest.raises(ValueError, match=rf"device='{missing}' is not valid: this machine has .*'cuda'.*pass a device"):
+        SinkStrategy(device=missing)
+    with pytest.raises(ValueError, match=r"device='meta' is not valid: 'meta' is not a device to train on"):
+        SinkStrategy(device="meta")
+    with pytest.raises(ValueError, match=rf"parallel_devices=device\(type='cuda', index={missing[5:]}\) is not valid"):
+        SinkDDPStrategy(parallel_devices=[torch.device(missing)])
+
+
+@pytest.mark.parametrize(
+    ("device", "reason"),
+    [
+        ("tpu", "not a device type autocast runs on"),
+        ("meta", "not a device type autocast runs on"),
+        ("cuda:0", "an autocast device type has no index"),
+        (1, "not a string"),
+    ],
+)
+def test_loss_scale_precision_refuses_unknown_autocast_devices(device, reason):
+    with pytest.raises(ValueError, match=rf"device={device!r} is not valid: {reason}; pass one of 'cpu'"):
+        LossScalePrecision("16-mixed", device=device)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_loss_scale_precision_refuses_cuda_on_a_machine_without_it():
+    with pytest.raises(ValueError, match=r"device='cuda' is not valid: this machine has no 'cuda' device"):
+        LossScalePrecision("16-mixed", device="cuda")
 
 
 @pytest.mark.parametrize("strategy_cls", [SinkDDPStrategy, SinkModelParallelStrategy])

@@ -59,6 +59,7 @@ def test_manual_optimization_without_accumulation_runs_as_stock_lightning():
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device must exist (else refused at construction)")
 def test_device_that_does_not_match_the_accelerator():
     # Lightning's accelerator connector sees the strategy's device and refuses at construction.
     with pytest.raises(
@@ -72,6 +73,14 @@ def test_single_device_strategy_refuses_several_devices():
         quiet_trainer(strategy="sink", devices=2)
 
 
+def test_a_cuda_device_on_a_machine_without_one_is_refused_at_construction():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(ValueError, match=r"device='cuda:0' is not valid: this machine has no 'cuda' device"):
+        SinkStrategy(accumulation_steps=2, device="cuda:0")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="without CUDA nccl is refused at construction")
 def test_nccl_on_cpu_is_an_error():
     strategy = SinkDDPStrategy(accumulation_steps=2, process_group_backend="nccl")
     trainer = quiet_trainer(strategy=strategy, devices=1, max_epochs=1)

@@ -129,6 +129,7 @@ def test_without_the_recorded_generator_state_the_resume_diverges(tmp_path):
         fit("no_sink", "generator", TinyClassifier(lr=0.05), callbacks=[killer])
     checkpoint = torch.load(killer.path, weights_only=False)
     del checkpoint["lightning_sink"]["data"]["pass_start_generators"]
+    del checkpoint["lightning_sink"]["tensor_digests"]  # (a tensor removed: as a checkpoint written before both)
     torch.save(checkpoint, tmp_path / "without.ckpt")
     resumed = TinyClassifier(lr=0.05)
     trainer = fit("no_sink", "generator", resumed, ckpt_path=tmp_path / "without.ckpt")

@@ -1,0 +1,202 @@
+"""A flipped byte in a saved tensor is refused on resume, naming the file and the tensor, before anything is restored
+or overwritten: the sink strategies' ``.ckpt`` files carry a SHA-256 per tensor, the model-parallel strategy's DCP
+folders their ``SAVE_DIGESTS.json``. Stock checkpoints, which carry neither, resume as before."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_sink import SinkDDPStrategy, SinkStrategy
+from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
+from tests.strategies import model_parallel_worker as mp_worker
+from tests.strategies.mp_models import TPClassifier
+
+DATASET = make_dataset(num_samples=40)  # 10 batches of 4
+
+
+def flip_a_byte_of(path: Path, tensor: torch.Tensor) -> None:
+    """Flip one byte inside ``tensor``'s stored bytes (found by its content: random weights occur once)."""
+    data = bytearray(path.read_bytes())
+    raw = tensor.detach().contiguous().view(torch.uint8).numpy().tobytes()
+    start = data.find(raw)
+    assert start >= 0 and data.find(raw, start + 1) < 0, "the tensor's bytes occur once in the file"
+    data[start + len(raw) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def fit(strategy, model=None, ckpt_path=None, callbacks=(), epochs=1, **trainer_kwargs):
+    if strategy is not None:
+        trainer_kwargs["strategy"] = strategy
+    if callbacks:
+        trainer_kwargs["enable_checkpointing"] = True
+    trainer = quiet_trainer(max_epochs=epochs, callbacks=list(callbacks), **trainer_kwargs)
+    trainer.fit(model or TinyClassifier(optimizer="adamw", lr=0.01), loader(DATASET, 4), ckpt_path=ckpt_path)
+    return trainer
+
+
+def every_file(folder: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
+
+
+@pytest.fixture
+def sink_checkpoint(tmp_path):
+    trainer = fit(SinkStrategy(accumulation_steps=2))
+    path = tmp_path / "saved.ckpt"
+    trainer.save_checkpoint(path)
+    return path
+
+
+def test_the_checkpoint_records_a_digest_of_every_tensor(sink_checkpoint):
+    checkpoint = torch.load(sink_checkpoint, weights_only=True)
+    recorded = checkpoint["lightning_sink"]["tensor_digests"]["sha256"]
+    assert "state_dict['net.0.weight']" in recorded
+    assert "optimizer_states[0]['state'][0]['exp_avg']" in recorded
+    assert len(recorded) == count_tensors(checkpoint)  # every tensor of the file, the lightning_sink state's too
+
+
+def count_tensors(node):
+    if isinstance(node, torch.Tensor):
+        return 1
+    values = node.values() if isinstance(node, dict) else node if isinstance(node, (list, tuple)) else ()
+    return sum(count_tensors(value) for value in values)
+
+
+@pytest.mark.parametrize(
+    ("where", "named"),
+    [
+        (lambda c: c["state_dict"]["net.0.weight"], r"state_dict\['net.0.weight'\]"),
+        (
+            lambda c: c["optimizer_states"][0]["state"][0]["exp_avg"],
+            r"optimizer_states\[0\]\['state'\]\[0\]\['exp_avg'\]",
+        ),
+    ],
+)
+def test_a_flipped_byte_in_a_tensor_is_refused_naming_the_file_and_the_tensor(sink_checkpoint, where, named):
+    flip_a_byte_of(sink_checkpoint, where(torch.load(sink_checkpoint, weights_only=True)))
+    with pytest.raises(ValueError, match=rf"saved.ckpt: tensor {named} is damaged: its bytes differ from the SHA-256"):
+        fit(SinkStrategy(accumulation_steps=2), ckpt_path=sink_checkpoint)
+
+
+def test_model_checkpoint_does_not_get_to_overwrite_good_files(tmp_path):
+    # A run saving after every update; its step-2 checkpoint is then damaged and resumed from, with the same callback.
+    folder = tmp_path / "checkpoints"
+
+    def saver():
+        return ModelCheckpoint(dirpath=folder, every_n_train_steps=1, save_top_k=-1, save_last=True)
+
+    fit(SinkStrategy(accumulation_steps=2), callbacks=[saver()])
+    damaged = folder / "epoch=0-step=2.ckpt"
+    flip_a_byte_of(damaged, torch.load(damaged, weights_only=True)["state_dict"]["net.0.weight"])
+    before = every_file(folder)
+    assert len(before) == 6  # steps 1..5 and last.ckpt
+    with pytest.raises(ValueError, match=r"epoch=0-step=2.ckpt: tensor state_dict\['net.0.weight'\] is damaged"):
+        fit(SinkStrategy(accumulation_steps=2), callbacks=[saver()], ckpt_path=damaged)
+    assert every_file(folder) == before
+
+
+def test_sink_ddp_refuses_a_flipped_byte_too(tmp_path):
+    trainer = fit(SinkDDPStrategy(accumulation_steps=2), devices=1)
+    path = tmp_path / "saved.ckpt"
+    trainer.save_checkpoint(path)
+    flip_a_byte_of(path, torch.load(path, weights_only=True)["state_dict"]["net.2.bias"])
+    with pytest.raises(ValueError, match=r"saved.ckpt: tensor state_dict\['net.2.bias'\] is damaged"):
+        fit(SinkDDPStrategy(accumulation_steps=2), devices=1, ckpt_path=path)
+
+
+def edit(path, change):
+    checkpoint = torch.load(path, weights_only=True)
+    change(checkpoint)
+    torch.save(checkpoint, path)
+
+
+def test_a_tensor_removed_or_added_is_refused(sink_checkpoint, tmp_path):
+    original = sink_checkpoint.read_bytes()
+    edit(sink_checkpoint, lambda c: c["state_dict"].pop("net.2.bias"))
+    with pytest.raises(
+        ValueError, match=r"saved.ckpt: tensor state_dict\['net.2.bias'\] the checkpoint was saved with is"
+    ):
+        fit(SinkStrategy(accumulation_steps=2), ckpt_path=sink_checkpoint)
+    sink_checkpoint.write_bytes(original)
+    edit(sink_checkpoint, lambda c: c["state_dict"].update(extra=torch.ones(2)))
+    with pytest.raises(
+        ValueError, match=r"saved.ckpt: tensor state_dict\['extra'\] is not one the checkpoint was saved"
+    ):
+        fit(SinkStrategy(accumulation_steps=2), ckpt_path=sink_checkpoint)
+
+
+def test_a_malformed_digest_record_is_refused(sink_checkpoint):
+    edit(sink_checkpoint, lambda c: c["lightning_sink"].update(tensor_digests={"sha256": [1]}))
+    with pytest.raises(
+        ValueError, match=r"saved.ckpt: the checkpoint's 'lightning_sink' state is not valid: tensor_dig"
+    ):
+        fit(SinkStrategy(accumulation_steps=2), ckpt_path=sink_checkpoint)
+
+
+def test_a_checkpoint_loaded_and_saved_again_unchanged_resumes(sink_checkpoint):
+    edit(sink_checkpoint, lambda c: None)  # the harness the edits above go through refuses nothing by itself
+    assert fit(SinkStrategy(accumulation_steps=2), ckpt_path=sink_checkpoint, epochs=2).global_step == 10
+
+
+def test_stock_checkpoints_and_opted_out_ones_resume_as_before(tmp_path):
+    stock = fit(None, accumulate_grad_batches=2)
+    stock.save_checkpoint(tmp_path / "stock.ckpt")
+    assert fit(SinkStrategy(accumulation_steps=2), ckpt_path=tmp_path / "stock.ckpt", epochs=2).global_step == 10
+
+    unrecorded = fit(SinkStrategy(accumulation_steps=2, checkpoint_digests=False))
+    unrecorded.save_checkpoint(tmp_path / "unrecorded.ckpt")
+    assert "tensor_digests" not in torch.load(tmp_path / "unrecorded.ckpt", weights_only=True)["lightning_sink"]
+    assert fit(SinkStrategy(accumulation_steps=2), ckpt_path=tmp_path / "unrecorded.ckpt", epochs=2).global_step == 10
+
+
+def test_checkpoint_digests_wants_a_bool():
+    with pytest.raises(TypeError, match=r"checkpoint_digests='no' is not valid: pass True or False"):
+        SinkStrategy(checkpoint_digests="no")
+
+
+def fit_model_parallel(tmp_path, model, ckpt_path=None):
+    """One process (a 1 x 1 mesh, gloo): the model-parallel strategy's own DCP folder saves and loads."""
+    from lightning_sink import SinkModelParallelStrategy
+
+    strategy = SinkModelParallelStrategy(
+        data_parallel_size=1, tensor_parallel_size=1, process_group_backend="gloo", accumulation_steps=3
+    )
+    trainer = quiet_trainer(
+        strategy=strategy, devices=1, max_epochs=1, limit_train_batches=6, default_root_dir=tmp_path
+    )
+    samples = mp_worker.SAMPLES
+    trainer.fit(model, mp_worker.loader(make_dataset(num_samples=samples), mp_worker.MICRO_BATCH), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_a_flipped_byte_in_a_model_parallel_dcp_shard_is_refused_before_loading(tmp_path):
+    trainer = fit_model_parallel(tmp_path, TPClassifier(optimizer="adamw", lr=0.01))
+    folder = tmp_path / "ckpt"
+    trainer.save_checkpoint(folder)
+    shard = next(folder.glob("*.distcp"))
+    good = shard.read_bytes()
+    data = bytearray(good)
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    resumed = TPClassifier(optimizer="adamw", lr=0.01, seed=3)
+    before = [p.detach().clone() for p in resumed.parameters()]  # (sharded by the fit, as DTensors)
+    with pytest.raises(ValueError, match=rf"checkpoint folder .*: file .*{shard.name}' does not belong to this save"):
+        fit_model_parallel(tmp_path / "resumed", resumed, ckpt_path=folder)
+    assert all(torch.equal(p.detach().full_tensor(), b) for p, b in zip(resumed.parameters(), before))  # nothing loaded
+
+    shard.write_bytes(good)  # the control: the same folder, undamaged, resumes
+    assert fit_model_parallel(tmp_path / "resumed", TPClassifier(optimizer="adamw", lr=0.01), ckpt_path=folder)
+
+
+def test_a_dcp_folder_without_save_digests_loads_as_before(tmp_path):
+    # (as stock Lightning's and DCP's own folders: nothing to check them against)
+    trainer = fit_model_parallel(tmp_path, TPClassifier(optimizer="adamw", lr=0.01))
+    trainer.save_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / "SAVE_DIGESTS.json").unlink()
+    resumed = fit_model_parallel(
+        tmp_path / "resumed", TPClassifier(optimizer="adamw", lr=0.01), ckpt_path=tmp_path / "ckpt"
+    )
+    assert resumed.global_step == trainer.global_step
