@@ -37,6 +37,7 @@ __all__ = [
     "restore_batch_reads",
     "hooks_a_functional_step_would_skip",
     "note_optimizer_step",
+    "compiled_graph_count",
 ]
 
 StridedShard = _StridedShard  # FSDP2 + TP's row placement of a parameter sharded twice on one dim
@@ -154,3 +155,11 @@ def note_optimizer_step(optimizer: torch.optim.Optimizer) -> None:
     """Tell LR schedulers that ``optimizer`` has stepped, as its wrapped ``step`` would (a compiled update program
     updates the parameters without calling it); otherwise a scheduler warns that it stepped before the optimizer."""
     optimizer.__dict__["_opt_called"] = True  # the flag its wrapped step sets (torch.optim.lr_scheduler reads it)
+
+
+def compiled_graph_count() -> int:
+    """How many graphs TorchDynamo has compiled in this process so far (a recompilation adds one): torch's own
+    counter, which has no public reader."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))

@@ -24,6 +24,7 @@ from lightning_sink.loss_scale import DynamicLossScale
 from lightning_sink.precision import LossScalePrecision
 from lightning_sink.sink_data import MicroBatchStream, SinkLoader, default_prefetch_depth
 from lightning_sink.strategies import checkpoint_state
+from lightning_sink.strategies.compiled_step import compiled_choice
 from lightning_sink.strategies.config import SinkConfig
 from lightning_sink.strategies.engine import EngineHost, EngineParts, StepEngine
 from lightning_sink.strategies.fit_checks import (
@@ -274,7 +275,14 @@ class SinkFit:
                 self._sink_loader.loader, self.data_position, self._prefetch_depth(), copier=self._device_copier()
             )
             module = trainer.lightning_module
-            self.sink_loop = loop = SinkLoop(engine, stream, self.data_position, SinkLogBuffer(module), self.sink_size)
+            self.sink_loop = loop = SinkLoop(
+                engine,
+                stream,
+                self.data_position,
+                SinkLogBuffer(module),
+                self.sink_size,
+                choose=compiled_choice(engine, self.graph_mode),
+            )
             compat.install_loop_overrides(trainer, compat.LoopOverrides.for_sinks(loop.made_no_update))
             return
         holds = engine.scaling is not None and bool(engine.step_scheduler_configs)
