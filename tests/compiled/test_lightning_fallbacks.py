@@ -90,3 +90,30 @@ def test_each_reason_is_one_line_and_the_fit_is_the_eager_one(case):
     assert trainer.global_step == 4
     tolerance = 1e-2 if trainer_kwargs.get("precision") == "bf16-mixed" else 1e-5  # bf16 rounding: the forward runs
     assert relative_error(params["compile"], params["eager"]) <= tolerance  # through dynamo's graphs under "compile"
+
+
+class UnfreezeAtEpoch(Callback):
+    """Trains the first layer only from the given epoch on (as a finetuning callback does)."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        module.net[0].requires_grad_(trainer.current_epoch >= self.epoch)
+
+
+def test_a_change_of_the_trainable_parameters_hands_over_to_the_eager_pair_exactly():
+    params, lines = {}, []
+    for graph_mode in ("eager", "compile"):
+        model = Net("sgd")
+        model.net[0].requires_grad_(False)
+        trainer = trainer_for(graph_mode, 3, 6, 4, callbacks=[UnfreezeAtEpoch(2)])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model, loader(dataset()))
+        lines = [str(w.message) for w in caught if "no whole-step programs" in str(w.message)]
+        params[graph_mode] = flat(model.net)
+    assert len(lines) == 1 and "the optimizer's trainable parameters changed" in lines[0], lines
+    assert trainer.global_step == 8
+    assert not torch.equal(params["eager"][:144], flat(Net("sgd").net)[:144])  # the first layer did train
+    assert relative_error(params["compile"], params["eager"]) <= 1e-5

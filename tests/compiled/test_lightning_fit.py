@@ -27,6 +27,8 @@ from lightning_sink.precision import LossScalePrecision
 
 SAMPLES, MICRO = 40, 4  # 10 micro-batches per data pass, read in order (no shuffling)
 
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA programs need a CUDA device")
+
 
 @pytest.fixture(autouse=True)
 def quick_backend(monkeypatch):
@@ -103,7 +105,8 @@ def plain_loop(
     last window's micro-batches run without an update."""
     optimizer = OPTIMIZERS[optimizer_kind](net.parameters())
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, step_lr) if step_lr is not None else None
-    x, y = data.tensors
+    device = next(net.parameters()).device
+    x, y = (tensor.to(device) for tensor in data.tensors)
     per_pass = SAMPLES // MICRO
     updates = skipped = 0
     net.train()
@@ -310,3 +313,28 @@ def test_resume_after_a_max_steps_stop_inside_a_sink_is_bit_for_bit(tmp_path, ca
     fit(again, resumed, dataset(), caplog, ckpt_path=tmp_path / "stop.ckpt")
     assert again.global_step == 9
     assert torch.equal(flat(resumed.net), flat(uninterrupted.net))
+
+
+@needs_cuda
+@pytest.mark.parametrize("graph_mode", ["compile", "cuda_graph"])
+def test_on_cuda_the_whole_step_programs_match_the_plain_loop(graph_mode, caplog, monkeypatch):
+    """Inductor, as users get it; with "cuda_graph" both programs replayed as CUDA graphs, the sink's losses and
+    logged values copied out of the graphs' outputs before the next replay."""
+    monkeypatch.setattr(compiled_step, "COMPILE_BACKEND", "inductor")
+    model = Net("adamw", batch_norm=True, step_lr=0.9)
+    reference = copy.deepcopy(model.net).cuda()
+    losses = SinkLosses()
+    trainer = trainer_for(graph_mode, 3, 7, 5, accelerator="gpu", devices=1, callbacks=[losses])
+    fit(trainer, model, dataset(), caplog)
+    expected = plain_loop(reference, "adamw", 35, 3, dataset(), step_lr=0.9)
+    assert trainer.global_step == expected["updates"] == 11
+    assert relative_error(flat(model.net).cpu(), flat(reference).cpu()) <= 1e-5
+    assert len(set(losses.values)) == len(losses.values) == 5  # each sink's own last loss, not a reused buffer
+
+
+class SinkLosses(Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *args: Any) -> None:
+        self.values.append(float(outputs["losses"][-1]))
