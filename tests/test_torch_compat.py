@@ -146,3 +146,16 @@ def test_a_noted_optimizer_step_keeps_schedulers_from_warning():
         warnings.simplefilter("error")  # "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
         scheduler.step()
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.01)
+
+
+def test_the_compiled_graph_count_moves_with_each_compilation_only():
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
+    before = compat.compiled_graph_count()
+    compiled(torch.ones(3))
+    first = compat.compiled_graph_count()
+    compiled(torch.zeros(3))  # same shapes: the compiled graph is reused
+    assert compat.compiled_graph_count() == first == before + 1
+    compiled(torch.ones(5))  # a new shape: compiled again
+    assert compat.compiled_graph_count() == first + 1
+    torch._dynamo.reset()
