@@ -66,15 +66,11 @@ class CompiledSteps:
     batch), or the reason there are none."""
 
     def __init__(self, engine: StepEngine, graph_mode: str) -> None:
-        self._engine = engine
-        self._graph_mode = graph_mode
+        self.engine = engine
+        self.graph_mode = graph_mode
         self.programs: StepPrograms | None = None
         self.reason: str | None = None  # why there are no programs (then the eager pair runs)
         self._trainable: tuple[int, ...] = ()  # the parameters the programs were built over
-
-    @property
-    def decided(self) -> bool:
-        return self.programs is not None or self.reason is not None
 
     # ------------------------------------------------------------------ at each sink's start and end
     def choose(self, engine: StepEngine, updates: SinkUpdates) -> SinkPrograms:
@@ -102,20 +98,20 @@ class CompiledSteps:
         changed = self.programs.rule.changed_flags()
         if changed is not None:
             return f"{changed} after the programs were built"
-        if self._engine.window.micro_batches == 0:
-            self._engine.refresh_store()  # as the direct pair does at a sink's first window start
+        if self.engine.window.micro_batches == 0:
+            self.engine.refresh_store()  # as the direct pair does at a sink's first window start
         if self._trainable_key() != self._trainable:
             return "the optimizer's trainable parameters changed (a parameter unfrozen or a param group added)"
         return None
 
     def _trainable_key(self) -> tuple[int, ...]:
-        params = [p for group in self._engine.optimizer().param_groups for p in group["params"]]
+        params = [p for group in self.engine.optimizer().param_groups for p in group["params"]]
         return tuple(sorted(id(p) for p in unique_trainable(params)))
 
     def _views(self) -> list[tuple[Tensor, Tensor]]:
         """Pairs (the store's view of a parameter's sum, the programs' buffer of it)."""
         assert self.programs is not None
-        store = self._engine.window.store
+        store = self.engine.window.store
         if not isinstance(store, GradientAccumulator):
             return []  # windows of one micro-step: never open at a sink's end
         buffers = {id(param): buffer for param, buffer in zip(self.programs.params, self.programs.window.buffers)}
@@ -124,7 +120,7 @@ class CompiledSteps:
     def _load_window(self) -> None:
         """The open window's sum, from the store (where a resume or the last sink left it), into the programs."""
         assert self.programs is not None
-        store = self._engine.window.store
+        store = self.engine.window.store
         if not store.micro_steps:
             return
         for view, buffer in self._views():
@@ -133,7 +129,7 @@ class CompiledSteps:
 
     def _save_window(self) -> None:
         """At a sink's end: an open window's sum into the store, which the checkpoint saves."""
-        if self.programs is None or not self._engine.window.store.micro_steps:
+        if self.programs is None or not self.engine.window.store.micro_steps:
             return
         for view, buffer in self._views():
             view.copy_(buffer)
@@ -141,7 +137,7 @@ class CompiledSteps:
     # ------------------------------------------------------------------ the decision
     def _run_reason(self) -> str | None:
         """Why this run cannot use compiled programs, whatever its module and optimizer."""
-        engine = self._engine
+        engine = self.engine
         host, trainer = engine.host, engine.trainer
         if host.world_size > 1:
             return (
@@ -182,7 +178,7 @@ class CompiledSteps:
     def build(self, batch: Any) -> StepPrograms | None:
         """At the fit's first micro-batch: build the programs (compiling them now, on copies of the state), or fall
         back with the reason."""
-        engine = self._engine
+        engine = self.engine
         trainer = engine.trainer
         module = trainer.lightning_module
         scaling = engine.scaling
@@ -197,7 +193,7 @@ class CompiledSteps:
             gradient_clip_val=clip_val,
             gradient_clip_algorithm=algorithm,
             backend=COMPILE_BACKEND,
-            cuda_graph=self._graph_mode == "cuda_graph",
+            cuda_graph=self.graph_mode == "cuda_graph",
         )
         if isinstance(built, Unavailable):
             self._fall_back(built.reason)
@@ -210,9 +206,9 @@ class CompiledSteps:
             parts.append("loss scale")
         if clip_val is not None:
             parts.append(f"{algorithm} clipping")
-        kind = "compiled and captured as CUDA graphs" if self._graph_mode == "cuda_graph" else "compiled"
+        kind = "compiled and captured as CUDA graphs" if self.graph_mode == "cuda_graph" else "compiled"
         rank_zero_info(
-            f"{type(engine.host).__name__}(graph_mode={self._graph_mode!r}): the accumulate and update programs are"
+            f"{type(engine.host).__name__}(graph_mode={self.graph_mode!r}): the accumulate and update programs are"
             f" {kind} whole (forward, backward, accumulation, {', '.join(parts)} update) in"
             f" {time.perf_counter() - start:.1f} s"
         )
@@ -220,9 +216,9 @@ class CompiledSteps:
 
     def _fall_back(self, reason: str) -> None:
         self.reason = reason
-        path = "the forward-compiled training_step" if self._graph_mode == "compile" else "the CUDA-graph forward"
+        path = "the forward-compiled training_step" if self.graph_mode == "compile" else "the CUDA-graph forward"
         rank_zero_warn(
-            f"{type(self._engine.host).__name__}(graph_mode={self._graph_mode!r}): no whole-step programs, {path}"
+            f"{type(self.engine.host).__name__}(graph_mode={self.graph_mode!r}): no whole-step programs, {path}"
             f" runs instead (the eager step programs): {reason}."
         )
 
@@ -251,7 +247,7 @@ class _Compiled:
 
     def __init__(self, steps: CompiledSteps, updates: SinkUpdates) -> None:
         self._steps, self._updates = steps, updates
-        self._engine = steps._engine
+        self._engine = steps.engine
         self._eager: SinkPrograms | None = None
 
     def _programs(self, batch: Any) -> StepPrograms | None:
@@ -273,7 +269,7 @@ class _Compiled:
 
     def _outputs(self, programs: StepPrograms, out: StepOutputs) -> Tensor:
         """The micro-batch's loss, its logged values handed to ``self.log``."""
-        copy = self._steps._graph_mode == "cuda_graph"  # a replay overwrites the graph's outputs
+        copy = self._steps.graph_mode == "cuda_graph"  # a replay overwrites the graph's outputs
         if out.logs:
             module = self._engine.trainer.lightning_module
             options = programs.logged.options
