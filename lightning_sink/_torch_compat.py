@@ -44,6 +44,7 @@ __all__ = [
     "recompile_limit",
     "user_function_name",
     "storage_offset_in_file",
+    "compiled_graph_count",
 ]
 
 StridedShard = _StridedShard  # FSDP2 + TP's row placement of a parameter sharded twice on one dim
@@ -214,3 +215,11 @@ def storage_offset_in_file(storage: torch.UntypedStorage) -> int | None:
     torch records it on every storage it loads from a zip file (``_checkpoint_offset``) and has no public reader."""
     offset = getattr(storage, "_checkpoint_offset", None)
     return None if offset is None else int(offset)
+
+
+def compiled_graph_count() -> int:
+    """How many graphs TorchDynamo has compiled in this process so far (a recompilation adds one): torch's own
+    counter, which has no public reader."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))

@@ -200,3 +200,16 @@ def test_only_torch_compat_reads_private_torch_attributes():
             if isinstance(node, ast.Attribute) and node.attr in private:
                 offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: .{node.attr}")
     assert offenders == []
+
+
+def test_the_compiled_graph_count_moves_with_each_compilation_only():
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: x * 2 + 1, backend="eager", dynamic=False)
+    before = compat.compiled_graph_count()
+    compiled(torch.ones(3))
+    first = compat.compiled_graph_count()
+    compiled(torch.zeros(3))  # same shapes: the compiled graph is reused
+    assert compat.compiled_graph_count() == first == before + 1
+    compiled(torch.ones(5))  # a new shape: compiled again
+    assert compat.compiled_graph_count() == first + 1
+    torch._dynamo.reset()

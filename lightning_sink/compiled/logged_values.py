@@ -39,9 +39,16 @@ class LoggedValues:
 
     @contextlib.contextmanager
     def installed_on(self, module: nn.Module) -> Iterator[None]:
-        """Route ``module.log`` and ``module.log_dict`` here for the duration."""
+        """Route ``module.log`` and ``module.log_dict`` here for the duration; whatever the module's instance held
+        under those names before (a sink's log buffer stands in for ``log`` there) is put back afterwards."""
+        names = ("log", "log_dict")
+        held = {name: module.__dict__[name] for name in names if name in module.__dict__}
         module.__dict__["log"], module.__dict__["log_dict"] = self._log, self._log_dict
         try:
             yield
         finally:
-            del module.__dict__["log"], module.__dict__["log_dict"]
+            for name in names:
+                if name in held:
+                    module.__dict__[name] = held[name]
+                else:
+                    del module.__dict__[name]

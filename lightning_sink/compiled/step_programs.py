@@ -22,6 +22,7 @@ the window's state (buffers, micro-step count) explicit in ``window``.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import time
 import types
@@ -81,9 +82,14 @@ class _TrainingStep(nn.Module):
     def __init__(self, module: nn.Module) -> None:
         super().__init__()
         self.module = module
+        # as Lightning calls it: batch_idx only for a training_step that takes a second argument
+        parameters = inspect.signature(cast(Any, module).training_step).parameters.values()
+        positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        self._takes_batch_idx = len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters)
 
     def forward(self, batch: Any, batch_idx: Tensor) -> Tensor:
-        output = cast(Any, self.module).training_step(batch, batch_idx)  # a LightningModule's, typed as Module
+        step = cast(Any, self.module).training_step  # a LightningModule's, typed as Module
+        output = step(batch, batch_idx) if self._takes_batch_idx else step(batch)
         return output["loss"] if isinstance(output, dict) else output
 
 

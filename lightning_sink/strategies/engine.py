@@ -296,7 +296,7 @@ class StepEngine:
         )
         window.end()
         self.last_update_skipped = bool(self.step_scheduler_configs) and scaling.window_overflowed(found_inf)
-        self._log_loss_scale(scaling, found_inf)
+        self.log_loss_scale(scaling, found_inf)
         return loss
 
     def _update_inside_step(self, optimizer: Optimizer, closure: Callable[[], Any], **kwargs: Any) -> Any:
@@ -360,7 +360,7 @@ class StepEngine:
                 optimizer, trainer.gradient_clip_val, GradClipAlgorithmType(algorithm)
             )
 
-    def _log_loss_scale(self, scaling: LossScalePrecision, found_inf: Tensor | None) -> None:
+    def log_loss_scale(self, scaling: LossScalePrecision, found_inf: Tensor | None) -> None:
         """Device tensors into Lightning's logger; they are read back only when the logger writes."""
         if scaling.scaler is None or found_inf is None or not self.trainer.loggers:
             return  # each self.log call costs Lightning's bookkeeping; nothing would read these without a logger

@@ -30,6 +30,7 @@ from lightning_sink.sink_data import (
     quiet_placeholder_length_warning,
 )
 from lightning_sink.strategies import checkpoint_state
+from lightning_sink.strategies.compiled_step import compiled_choice
 from lightning_sink.strategies.config import SinkConfig
 from lightning_sink.strategies.engine import EngineHost, EngineParts, StepEngine
 from lightning_sink.strategies.fit_checks import (
@@ -315,7 +316,13 @@ class SinkFit:
             module = trainer.lightning_module
             watch = RecompileWatch(self.sink_size, self.graph_mode) if self.graph_mode != "eager" else None
             self.sink_loop = loop = SinkLoop(
-                engine, stream, self.data_position, SinkLogBuffer(module), self.sink_size, recompile_watch=watch
+                engine,
+                stream,
+                self.data_position,
+                SinkLogBuffer(module),
+                self.sink_size,
+                recompile_watch=watch,
+                choose=compiled_choice(engine, self.graph_mode),
             )
             compat.install_loop_overrides(trainer, compat.LoopOverrides.for_sinks(loop.made_no_update))
             return

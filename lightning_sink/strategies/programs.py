@@ -244,6 +244,7 @@ class SinkPrograms:
 
     accumulate: StepProgram
     update: StepProgram
+    end_sink: Callable[[], None] | None = None  # called at the sink's end (compiled programs save the window there)
 
 
 def choose_programs(engine: StepEngine, updates: SinkUpdates) -> SinkPrograms:

@@ -9,6 +9,7 @@ to the host: the losses stay on the device.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,8 +38,10 @@ class SinkLoop:
         log_buffer: SinkLogBuffer | None,
         sink_size: int,
         recompile_watch: RecompileWatch | None = None,
+        choose: Callable[[StepEngine, SinkUpdates], SinkPrograms] = choose_programs,
     ) -> None:
         self._engine = engine
+        self._choose = choose  # the pair each sink runs (compiled programs: ``compiled_step.py``)
         self.stream = stream
         self._data_position = data_position
         self._log_buffer = log_buffer
@@ -86,7 +89,7 @@ class SinkLoop:
         trainer, window, updates = engine.trainer, engine.window, self.updates
         # the updates this sink may make before max_steps (global_step moves only through this sink's updates)
         updates_allowed = trainer.max_steps - trainer.global_step if trainer.max_steps != -1 else -1
-        self.programs = programs = choose_programs(engine, updates)
+        self.programs = programs = self._choose(engine, updates)
         window.loss_divisor = programs.update.loss_divisor
         accumulate, update, steps = programs.accumulate.run, programs.update.run, engine.accumulation_steps
         plugin = engine.host.precision_plugin
@@ -114,6 +117,8 @@ class SinkLoop:
             micro_index += 1
             if ends and buffer is not None:
                 buffer.end_update()  # the loggers get this update's values at its step (sink_logging.py)
+        if programs.end_sink is not None:
+            programs.end_sink()
         compat.set_logging_step(trainer, updated=updates.count > 0)
         if not losses:
             return None  # every micro-batch returned None: Lightning skips the batch, as for a None step

@@ -1,0 +1,221 @@
+"""A Lightning fit with ``SinkStrategy(sink_size=K, graph_mode="compile")`` (the whole-step compiled programs)
+against the eager hand-written loop and stock Lightning, per micro-step.
+
+    python benchmarks/compiled_fit.py [--repeats 5] [--sink 200] [--optimizers sgd adamw] [--accumulation 1 4]
+
+Tiny MLP 64-64-10, batch 32, one intra-op thread (``--threads``), CPU. SGD is ``lr=0.01, momentum=0.9``; AdamW
+``lr=1e-3``. Per configuration (optimizer x accumulation):
+
+- **sink + compile**: one fit of ``1 + repeats`` sinks of ``--sink`` micro-batches (one sink per epoch); each sink
+  is timed from its ``on_train_batch_start`` to its ``on_train_batch_end``; the first (which builds the programs)
+  is not counted. ``compile_seconds`` is the programs' build as the fit reports it.
+- **stock Lightning**: ``Trainer(accumulate_grad_batches=N)``, one fit of ``1 + repeats`` epochs of ``--sink``
+  batches; each epoch timed from its start to its end, the first not counted.
+- **hand loop**: the plain PyTorch loop (``loss / N``, ``backward``, ``step`` and ``zero_grad`` at each window's
+  end) over the same batches, pre-built in memory. A hand-loop run of ``--sink`` micro-batches is timed right after
+  each timed sink or epoch (inside its end hook, outside its timing), so each Lightning figure has a hand-loop figure
+  measured next to it in the same process, alternating; ratios are per pair (median, min, max over repeats).
+
+The Lightning fits read the same in-memory ``TensorDataset`` through a ``DataLoader`` (sink mode reads it by
+indexing; stock Lightning collates each batch). The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from lightning_sink import SinkStrategy
+
+from common import make_model, quiet_trainer
+
+BATCH = 32
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+class Classifier(pl.LightningModule):
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        self.net, self.optimizer_name = make_model("tiny_mlp"), optimizer
+
+    def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return make_optimizer(self.optimizer_name, self.parameters())
+
+
+class HandLoop:
+    """The plain loop over pre-built batches; ``run()`` trains ``len(batches)`` micro-batches and returns the
+    seconds per micro-step."""
+
+    def __init__(self, optimizer: str, accumulation: int, batches: list) -> None:
+        self.model = make_model("tiny_mlp")
+        self.optimizer = make_optimizer(optimizer, self.model.parameters())
+        self.accumulation, self.batches = accumulation, batches
+
+    def run(self) -> float:
+        model, optimizer, n = self.model, self.optimizer, self.accumulation
+        start = time.perf_counter()
+        for i, (x, y) in enumerate(self.batches):
+            (F.cross_entropy(model(x), y) / n).backward()
+            if (i + 1) % n == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+        return (time.perf_counter() - start) / len(self.batches)
+
+
+class Paired(pl.Callback):
+    """Times each Lightning batch (``per="batch"``: a sink) or epoch (``per="epoch"``), and runs a timed hand loop
+    after each, outside the timing."""
+
+    def __init__(self, per: str, micro_steps: int, hand: HandLoop) -> None:
+        self.per, self.micro_steps, self.hand = per, micro_steps, hand
+        self.lightning: list[float] = []
+        self.paired_hand: list[float] = []
+        self._start = 0.0
+
+    def _begin(self) -> None:
+        self._start = time.perf_counter()
+
+    def _end(self) -> None:
+        self.lightning.append((time.perf_counter() - self._start) / self.micro_steps)
+        self.paired_hand.append(self.hand.run())
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        if self.per == "batch":
+            self._begin()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self.per == "batch":
+            self._end()
+
+    def on_train_epoch_start(self, *args: Any) -> None:
+        if self.per == "epoch":
+            self._begin()
+
+    def on_train_epoch_end(self, *args: Any) -> None:
+        if self.per == "epoch":
+            self._end()
+
+
+class CompileReport(logging.Handler):
+    """The fit's one line saying the programs were compiled, and in how many seconds."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def measure(optimizer: str, accumulation: int, sink: int, repeats: int, data: TensorDataset) -> dict[str, Any]:
+    batches = [(x, y) for x, y in zip(data.tensors[0].split(BATCH), data.tensors[1].split(BATCH))][:sink]
+    hand = HandLoop(optimizer, accumulation, batches)
+    hand.run()  # warm: allocator and caches
+    loader = DataLoader(data, batch_size=BATCH, shuffle=False)
+    report = CompileReport()
+    rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    rank_zero_logger.addHandler(report)
+    rank_zero_logger.setLevel(logging.INFO)  # (Lightning's other lines are silenced in main)
+    try:
+        compiled = Paired("batch", sink, hand)
+        strategy = SinkStrategy(accumulation_steps=accumulation, sink_size=sink, graph_mode="compile")
+        trainer = quiet_trainer(strategy=strategy, max_epochs=1 + repeats, callbacks=[compiled])
+        trainer.fit(Classifier(optimizer), loader)
+    finally:
+        rank_zero_logger.removeHandler(report)
+    lines = [line for line in report.lines if "compiled whole" in line]
+    if len(lines) != 1:
+        raise RuntimeError(f"the fit did not report its compiled programs (fallback?): {report.lines}")
+    compile_seconds = float(re.findall(r"in ([0-9.]+) s$", lines[0])[0])
+    stock = Paired("epoch", sink, hand)
+    stock_trainer = quiet_trainer(
+        max_epochs=1 + repeats, limit_train_batches=sink, accumulate_grad_batches=accumulation, callbacks=[stock]
+    )
+    stock_trainer.fit(Classifier(optimizer), loader)
+    sink_us, sink_hand = compiled.lightning[1:], compiled.paired_hand[1:]
+    stock_us, stock_hand = stock.lightning[1:], stock.paired_hand[1:]
+    return {
+        "hand_loop_us_per_step": round(1e6 * statistics.median(sink_hand + stock_hand), 1),
+        "sink_compile_us_per_step": round(1e6 * statistics.median(sink_us), 1),
+        "stock_lightning_us_per_step": round(1e6 * statistics.median(stock_us), 1),
+        "sink_compile_vs_hand_loop": spread([h / c for h, c in zip(sink_hand, sink_us)]),
+        "sink_compile_vs_stock_lightning": round(statistics.median(stock_us) / statistics.median(sink_us), 3),
+        "stock_lightning_vs_hand_loop": spread([h / s for h, s in zip(stock_hand, stock_us)]),
+        "compile_seconds": compile_seconds,
+        "first_sink_seconds": round(compiled.lightning[0] * sink, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5, help="timed sinks (and stock epochs) per configuration")
+    parser.add_argument("--sink", type=int, default=200, help="micro-batches per sink (and per stock epoch)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
+    parser.add_argument("--accumulation", nargs="+", type=int, default=[1, 4])
+    args = parser.parse_args(argv)
+    for name in ("repeats", "sink", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1; got {getattr(args, name)}")
+    if any(n < 1 or args.sink % n for n in args.accumulation):
+        parser.error(f"--accumulation values must be >= 1 and divide --sink={args.sink}; got {args.accumulation}")
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    generator = torch.Generator().manual_seed(0)
+    samples = BATCH * args.sink
+    data = TensorDataset(
+        torch.randn(samples, 64, generator=generator), torch.randint(0, 10, (samples,), generator=generator)
+    )
+    result: dict[str, Any] = {
+        "benchmark": "compiled_fit",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, CPU,"
+        f" {args.threads} thread(s)",
+        "model": "tiny_mlp 64-64-10",
+        "batch": BATCH,
+        "sink_size": args.sink,
+        "repeats": args.repeats,
+    }
+    for optimizer in args.optimizers:
+        for accumulation in args.accumulation:
+            figures = measure(optimizer, accumulation, args.sink, args.repeats, data)
+            name = f"tiny_mlp_{optimizer}_acc{accumulation}"
+            result[name] = figures
+            print(json.dumps({name: figures}), file=sys.stderr)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""``SinkStrategy(sink_size=K, graph_mode="compile")`` where the whole-step programs cannot be built: the fit says
+so in one line at its start, naming the reason and what to change, and runs the step it runs today (the
+forward-compiled ``training_step`` and the eager step programs), with the same result as ``graph_mode="eager"``.
+
+Today's forward compilation is given the ``aot_eager`` backend here (the same graphs run by eager kernels: fast to
+build, and the eager run's numbers)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+
+import lightning_sink.strategies.compiled_step as compiled_step
+import lightning_sink.strategies.fit_lifecycle as fit_lifecycle
+from tests.compiled.test_lightning_fit import Net, dataset, flat, loader, relative_error, trainer_for
+
+
+@pytest.fixture(autouse=True)
+def quick_backends(monkeypatch):
+    monkeypatch.setattr(compiled_step, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(
+        fit_lifecycle,
+        "step_function",
+        lambda step, graph_mode: step if graph_mode == "eager" else torch.compile(step, backend="aot_eager"),
+    )
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class RMSpropNet(Net):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.RMSprop(self.parameters(), lr=1e-3)
+
+
+class BeforeStepNet(Net):
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.seen = getattr(self, "seen", 0) + 1
+
+
+class OptimizerStepNet(Net):
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+
+
+class HostReadNet(Net):
+    def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        return loss if loss.item() > 0 else -loss  # a host read: the step cannot be one graph
+
+
+class AfterBackward(Callback):
+    def on_after_backward(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        pass
+
+
+# name: (module class, Trainer arguments, what the one line says)
+CASES: dict[str, tuple[type[Net], dict[str, Any], str]] = {
+    "unsupported optimizer": (RMSpropNet, {}, "the optimizer RMSprop has no compiled update rule"),
+    "module hook": (BeforeStepNet, {}, "LightningModule.on_before_optimizer_step overridden"),
+    "optimizer_step override": (OptimizerStepNet, {}, "LightningModule.optimizer_step overridden"),
+    "callback hook": (Net, {"callbacks": [AfterBackward()]}, "AfterBackward.on_after_backward overridden"),
+    "graph break": (HostReadNet, {}, "training_step did not compile to one graph"),
+    "autocast precision": (Net, {"precision": "bf16-mixed"}, "runs training_step in a context (autocast)"),
+    "profiler": (Net, {"profiler": "simple"}, "Lightning's hooks are dispatched here (a profiler records them"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_reason_is_one_line_and_the_fit_is_the_eager_one(case):
+    module_class, trainer_kwargs, says = CASES[case]
+    params = {}
+    for graph_mode in ("eager", "compile"):
+        model = module_class("adamw")
+        trainer = trainer_for(graph_mode, 3, 7, 2, **dict(trainer_kwargs))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model, loader(dataset()))
+        lines = [str(w.message) for w in caught if "no whole-step programs" in str(w.message)]
+        params[graph_mode] = flat(model.net)
+    assert len(lines) == 1 and "\n" not in lines[0], lines
+    assert lines[0].startswith("SinkStrategy(graph_mode='compile'): no whole-step programs, the forward-compiled")
+    assert says in lines[0]
+    assert "graph_mode='eager'" in lines[0] or "run without" in lines[0]  # what to change
+    assert trainer.global_step == 4
+    tolerance = 1e-2 if trainer_kwargs.get("precision") == "bf16-mixed" else 1e-5  # bf16 rounding: the forward runs
+    assert relative_error(params["compile"], params["eager"]) <= tolerance  # through dynamo's graphs under "compile"
+
+
+class UnfreezeAtEpoch(Callback):
+    """Trains the first layer only from the given epoch on (as a finetuning callback does)."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        module.net[0].requires_grad_(trainer.current_epoch >= self.epoch)
+
+
+def test_a_change_of_the_trainable_parameters_hands_over_to_the_eager_pair_exactly():
+    params, lines = {}, []
+    for graph_mode in ("eager", "compile"):
+        model = Net("sgd")
+        model.net[0].requires_grad_(False)
+        trainer = trainer_for(graph_mode, 3, 6, 4, callbacks=[UnfreezeAtEpoch(2)])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model, loader(dataset()))
+        lines = [str(w.message) for w in caught if "no whole-step programs" in str(w.message)]
+        params[graph_mode] = flat(model.net)
+    assert len(lines) == 1 and "the optimizer's trainable parameters changed" in lines[0], lines
+    assert trainer.global_step == 8
+    assert not torch.equal(params["eager"][:144], flat(Net("sgd").net)[:144])  # the first layer did train
+    assert relative_error(params["compile"], params["eager"]) <= 1e-5
