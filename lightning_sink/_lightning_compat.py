@@ -56,6 +56,7 @@ __all__ = [
     "step_time_left",
     "set_estimated_stepping_batches",
     "stock_estimated_stepping_batches",
+    "reopen_interrupted_epoch",
 ]
 
 # The registry a strategy class registers its names in (``Strategy.register_strategies``'s argument).
@@ -376,3 +377,24 @@ def stock_estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
     owner = _estimate_owner(trainer)
     fget = _STOCK_ESTIMATES.get(owner) or vars(owner)[_NAME].fget
     return fget(trainer)
+
+
+def reopen_interrupted_epoch(checkpoint: dict[str, Any]) -> bool:
+    """In a checkpoint Lightning saved after a stop inside an epoch (``max_steps``), mark that epoch as interrupted
+    rather than finished, as in a checkpoint saved during it: a resume then continues it instead of starting the
+    next. Returns whether the checkpoint was changed (it is left alone when its epoch is already open)."""
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop")
+    if not isinstance(fit_loop, dict):
+        return False
+    progress = fit_loop.get("epoch_progress")
+    if not isinstance(progress, dict):
+        return False
+    trackers = [progress.get("total"), progress.get("current")]
+    if not all(isinstance(tracker, dict) for tracker in trackers):
+        return False
+    if any(tracker.get("completed") != tracker.get("ready") or not tracker.get("ready") for tracker in trackers):
+        return False
+    for tracker in trackers:
+        tracker["processed"] = tracker["completed"] = tracker["ready"] - 1
+    checkpoint["epoch"] = max(0, int(checkpoint.get("epoch", 1)) - 1)
+    return True

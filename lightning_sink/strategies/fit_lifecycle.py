@@ -299,7 +299,9 @@ class SinkFit:
                 validates = self._validates_after_segment(trainer, loop, points.validate_every_n_passes)
             overrides = compat.LoopOverrides.for_sinks(loop.made_no_update, lambda: loop.sink_finished, validates)
             compat.install_loop_overrides(trainer, overrides)
-            rank_zero_info(describe_sink_epoch(self.sink_size, self.accumulation_steps, pass_length, trainer.max_epochs))
+            rank_zero_info(
+                describe_sink_epoch(self.sink_size, self.accumulation_steps, pass_length, trainer.max_epochs)
+            )
             return
         holds = engine.scaling is not None and bool(engine.step_scheduler_configs)
         rules = compat.LoopOverrides(
@@ -415,3 +417,8 @@ class SinkFit:
             # at train start, once the engine exists.
             self.data_position.load_state_dict(state["data"])
             self.pending_state, self._pending_path = state, checkpoint_path
+            size, in_sink = self.sink_size, self.data_position.trained_in_sink
+            if size is not None and 0 < in_sink < size:
+                # A stop inside a sink (max_steps) that Lightning recorded as the end of its epoch: the resume
+                # continues that sink, in that epoch, to its planned end.
+                compat.reopen_interrupted_epoch(checkpoint)

@@ -53,6 +53,7 @@ class SinkLoop:
         self._sink_size = schedule.sink_size
         self._time_left = time_left
         self.updates = SinkUpdates(engine)
+        self._ended_on_update = False  # the last segment's last micro-batch closed a window
         self.programs: SinkPrograms | None = None  # the last segment's
         self.validation_due = False  # the last segment ended where Lightning validates
         self._pass_ended = False  # sink_size=-1: the last segment ended with its data pass
@@ -66,11 +67,15 @@ class SinkLoop:
         self._converts_input = type(host.precision_plugin).convert_input is not Precision.convert_input
 
     def batch_started(self) -> None:
-        """A Lightning batch (a sink) starts: no update yet (what Lightning's ``_should_accumulate`` is told)."""
+        """A Lightning batch (a segment) starts: no update yet (what Lightning's ``_should_accumulate`` is told)."""
         self.updates = SinkUpdates(self._engine)
+        self._ended_on_update = False
 
     def made_no_update(self) -> bool:
-        return self.updates.count == 0
+        """Lightning's "does this batch accumulate?": before the segment, yes; after it, whether its last
+        micro-batch left the window open, as Lightning answers for that micro-batch without sinking (so it
+        neither zero-grads an open window before validating nor counts a logging step for it)."""
+        return not self._ended_on_update
 
     @property
     def sink_finished(self) -> bool:
@@ -151,6 +156,7 @@ class SinkLoop:
                 losses.append(loss)
             position.advance()
             micro_index += 1
+            self._ended_on_update = ends
             if ends and buffer is not None:
                 buffer.end_update()  # the loggers get this update's values at its step (sink_logging.py)
             if timed and time.monotonic() >= deadline:
@@ -159,7 +165,7 @@ class SinkLoop:
             self.validation_due = segment.validates
             if self._sink_size == -1 and segment.ends_sink:
                 self._pass_ended = True
-        compat.set_logging_step(trainer, updated=updates.count > 0)
+        compat.set_logging_step(trainer, updated=self._ended_on_update)
         if not losses:
             return None  # every micro-batch returned None: Lightning skips the batch, as for a None step
         stacked = torch.stack(losses)

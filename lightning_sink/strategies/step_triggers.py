@@ -63,10 +63,14 @@ def schedule_points(
     )
 
 
-def describe_sink_epoch(sink_size: int, accumulation_steps: int, pass_length: int | None, max_epochs: int | None) -> str:
+def describe_sink_epoch(
+    sink_size: int, accumulation_steps: int, pass_length: int | None, max_epochs: int | None
+) -> str:
     """The fit-start line of sink mode: what an epoch is, in micro-batches and updates."""
     steps = accumulation_steps
-    data_pass = f"a data pass is {pass_length} micro-batches" if pass_length is not None else "a data pass has no length"
+    data_pass = (
+        f"a data pass is {pass_length} micro-batches" if pass_length is not None else "a data pass has no length"
+    )
     if sink_size == -1:
         micro = pass_length
         epoch = f"epoch = sink of one data pass ({pass_length if pass_length is not None else 'unknown'} micro-batches)"
