@@ -7,8 +7,8 @@ skipped update) the functions below reach into the loop. ``tests/test_lightning_
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, cast

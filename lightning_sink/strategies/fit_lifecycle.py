@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.nn import Parameter

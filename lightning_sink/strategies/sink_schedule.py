@@ -101,9 +101,8 @@ class SinkSchedule:
             return Segment(math.inf, False, True)  # one segment: the sink ends where the pass does
         points = self.points
         remaining = size - trained_in_sink if size != -1 else None
-        if not points.any:
-            if remaining is not None:
-                return Segment(remaining, False, True)
+        if not points.any and remaining is not None:
+            return Segment(remaining, False, True)
         # Simulate the micro-batches up to the first point (a few integer operations each).
         every_fit, every_pass = points.validate_every_in_fit, points.validate_every_in_pass
         n_passes, multiples, steps = points.validate_every_n_passes, points.update_multiples, self.accumulation_steps

@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_sink import SinkStrategy
 from tests.helpers import TinyClassifier, flat_params, make_dataset, quiet_trainer

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_sink import SinkStrategy
 from tests.helpers import flat_params, make_dataset, quiet_trainer
@@ -105,6 +105,7 @@ def test_kill_9_after_a_mid_sink_checkpoint_then_resume_is_the_uninterrupted_run
         tmp_path / "resumed", ckpt_path=tmp_path / "killed" / "step=8.ckpt", validated_from=[(3, 6), (6, 12)]
     )
     assert saved_steps(tmp_path / "resumed") == [10, 12, 14]
+    assert saved_steps(tmp_path / "killed") + saved_steps(tmp_path / "resumed") == saved
     assert validated_steps(resumed) == validated_steps(model)
     assert resumed_trainer.global_step == trainer.global_step == 15
     assert torch.equal(flat_params(resumed), flat_params(model))
