@@ -389,9 +389,10 @@ def reopen_interrupted_epoch(checkpoint: dict[str, Any]) -> bool:
     progress = fit_loop.get("epoch_progress")
     if not isinstance(progress, dict):
         return False
-    trackers = [progress.get("total"), progress.get("current")]
-    if not all(isinstance(tracker, dict) for tracker in trackers):
+    total, current = progress.get("total"), progress.get("current")
+    if not (isinstance(total, dict) and isinstance(current, dict)):
         return False
+    trackers: list[dict[str, Any]] = [total, current]
     if any(tracker.get("completed") != tracker.get("ready") or not tracker.get("ready") for tracker in trackers):
         return False
     for tracker in trackers:
