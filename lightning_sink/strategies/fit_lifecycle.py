@@ -291,7 +291,9 @@ class SinkFit:
                 self.data_position,
                 SinkLogBuffer(module),
                 schedule,
-                time_left=lambda: compat.step_time_left(trainer),
+                # One process only: ranks reading their own clocks could end a segment at different micro-batches,
+                # and their updates' collectives would then no longer pair up.
+                time_left=(lambda: compat.step_time_left(trainer)) if self.host.world_size == 1 else (lambda: None),
             )
             self._sink_loader.sink_continues = loop.sink_continues
             validates = None

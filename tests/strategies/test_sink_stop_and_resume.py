@@ -51,11 +51,11 @@ def validated_steps(model) -> list[int]:
 def uninterrupted(tmp_path_factory):
     directory = tmp_path_factory.mktemp("uninterrupted")
     trainer, model = run(directory)
-    return trainer, model, saved_steps(directory)
+    return trainer, model, saved_steps(directory), directory
 
 
 def test_the_uninterrupted_run_is_the_run_without_sinking(uninterrupted, tmp_path):
-    trainer, model, saved = uninterrupted
+    trainer, model, saved, _directory = uninterrupted
     stock_trainer, stock_model = run(tmp_path, sink_size=None, epochs=3)
     assert trainer.global_step == stock_trainer.global_step == 15
     assert saved == saved_steps(tmp_path) == [2, 4, 6, 8, 10, 12, 14]
@@ -64,7 +64,7 @@ def test_the_uninterrupted_run_is_the_run_without_sinking(uninterrupted, tmp_pat
 
 
 def test_a_max_steps_stop_inside_a_sink_then_resume_with_max_epochs_is_the_uninterrupted_run(uninterrupted, tmp_path):
-    trainer, model, saved = uninterrupted
+    trainer, model, saved, _directory = uninterrupted
     first_trainer, first = run(tmp_path / "first", max_steps=4)  # stops after 8 micro-batches: 2 into sink 2
     first_trainer.save_checkpoint(tmp_path / "stop.ckpt")
     resumed_trainer, resumed = run(
@@ -91,7 +91,7 @@ run(sys.argv[1], callbacks=[KillAfterSaving()])
 
 
 def test_kill_9_after_a_mid_sink_checkpoint_then_resume_is_the_uninterrupted_run(uninterrupted, tmp_path):
-    trainer, model, saved = uninterrupted
+    trainer, model, saved, _directory = uninterrupted
     killed = subprocess.run(
         [sys.executable, "-c", KILLED_RUN, str(tmp_path / "killed")],
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
@@ -107,5 +107,16 @@ def test_kill_9_after_a_mid_sink_checkpoint_then_resume_is_the_uninterrupted_run
     assert saved_steps(tmp_path / "resumed") == [10, 12, 14]
     assert saved_steps(tmp_path / "killed") + saved_steps(tmp_path / "resumed") == saved
     assert validated_steps(resumed) == validated_steps(model)
+    assert resumed_trainer.global_step == trainer.global_step == 15
+    assert torch.equal(flat_params(resumed), flat_params(model))
+
+
+def test_resume_from_a_checkpoint_saved_at_a_sinks_end_starts_the_next_sink(uninterrupted, tmp_path):
+    trainer, model, saved, directory = uninterrupted
+    # step 6 ends sink 2 (and epoch 1); ModelCheckpoint saved it at that batch's end, before the validation
+    resumed_trainer, resumed = run(tmp_path, ckpt_path=directory / "step=6.ckpt")
+    assert [step for step in saved if step <= 6] + saved_steps(tmp_path) == saved
+    # Lightning does not repeat the validation that followed the save; every later one is the uninterrupted run's
+    assert validated_steps(resumed) == [step for step in validated_steps(model) if step > 6]
     assert resumed_trainer.global_step == trainer.global_step == 15
     assert torch.equal(flat_params(resumed), flat_params(model))
