@@ -38,7 +38,7 @@ def schedule_points(
 ) -> SchedulePoints:
     """The points at which this fit's sinks end early (``val_check_interval``: the Trainer's step-based value)."""
     every_in_fit, every_in_pass, every_n_passes = (None, None, None)
-    if trainer.limit_val_batches != 0:
+    if trainer.enable_validation:  # a validation loop that runs (a val loader, validation_step, batches)
         every_in_fit, every_in_pass, every_n_passes = validation_points(
             val_check_interval, trainer.check_val_every_n_epoch, pass_length
         )
