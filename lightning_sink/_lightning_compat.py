@@ -113,16 +113,19 @@ class LoopOverrides:
     hold_step_schedulers: Callable[[], bool] | None = None
     skip_backward: bool = False
     epoch_ends: Callable[[], bool] | None = None
-    validates: Callable[[], bool] | None = None
+    validates: Callable[[Callable[[], bool]], bool] | None = None
 
     @classmethod
     def for_sinks(
-        cls, made_no_update: Callable[[], bool], sink_finished: Callable[[], bool], validates: Callable[[], bool] | None
+        cls,
+        made_no_update: Callable[[], bool],
+        sink_finished: Callable[[], bool],
+        validates: Callable[[Callable[[], bool]], bool],
     ) -> LoopOverrides:
         """A segment of a sink is one Lightning batch: it accumulates when it made no update; the sink steps the
         schedulers; the epoch ends with the sink (``epoch_ends``: after the epoch's first batch, Lightning's
-        "last batch of the epoch reached"); ``validates`` (optional) replaces Lightning's "validate after this
-        batch?" (``_should_check_val_fx``)."""
+        "last batch of the epoch reached"); ``validates`` answers Lightning's "validate after this batch?"
+        (``_should_check_val_fx``), given Lightning's own decision as a function."""
         return cls(
             batch_has_no_update=made_no_update,
             hold_step_schedulers=lambda: True,
@@ -154,7 +157,8 @@ def install_loop_overrides(trainer: pl.Trainer, overrides: LoopOverrides) -> Non
         loop._num_ready_batches_reached = lambda: loop.batch_progress.current.ready > 0 and epoch_ends()
     validates = overrides.validates
     if validates is not None:
-        loop._should_check_val_fx = lambda data_fetcher: validates()
+        lightning_decides = type(loop)._should_check_val_fx
+        loop._should_check_val_fx = lambda data_fetcher: validates(lambda: lightning_decides(loop, data_fetcher))
     trainer.fit_loop._skip_backward = overrides.skip_backward
 
 

@@ -92,7 +92,7 @@ class _Probe(Callback):
         (lambda: SinkStrategy(accumulation_steps=2, partial_window="carry"), {"_should_accumulate"}, False),
         (
             lambda: SinkStrategy(accumulation_steps=2, sink_size=4),
-            {"_should_accumulate", "update_lr_schedulers", "_num_ready_batches_reached"},
+            {"_should_accumulate", "update_lr_schedulers", "_num_ready_batches_reached", "_should_check_val_fx"},
             True,
         ),
     ],

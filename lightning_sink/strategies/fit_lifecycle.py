@@ -296,9 +296,13 @@ class SinkFit:
                 time_left=(lambda: compat.step_time_left(trainer)) if self.host.world_size == 1 else (lambda: None),
             )
             self._sink_loader.sink_continues = loop.sink_continues
-            validates = None
+            scheduled = None
             if points.validate_every_in_fit or points.validate_every_in_pass:
-                validates = self._validates_after_segment(trainer, loop, points.validate_every_n_passes)
+                scheduled = self._validates_after_segment(trainer, loop, points.validate_every_n_passes)
+
+            def validates(lightning_decides: Callable[[], bool]) -> bool:
+                return loop.decide_validation(scheduled() if scheduled is not None else lightning_decides())
+
             overrides = compat.LoopOverrides.for_sinks(loop.made_no_update, lambda: loop.sink_finished, validates)
             compat.install_loop_overrides(trainer, overrides)
             rank_zero_info(

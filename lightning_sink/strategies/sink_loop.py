@@ -54,6 +54,7 @@ class SinkLoop:
         self._time_left = time_left
         self.updates = SinkUpdates(engine)
         self._ended_on_update = False  # the last segment's last micro-batch closed a window
+        self.validation_pending = False  # Lightning decided to validate after the batch and has not zero-grad yet
         self.programs: SinkPrograms | None = None  # the last segment's
         self.validation_due = False  # the last segment ended where Lightning validates
         self._pass_ended = False  # sink_size=-1: the last segment ended with its data pass
@@ -72,10 +73,19 @@ class SinkLoop:
         self._ended_on_update = False
 
     def made_no_update(self) -> bool:
-        """Lightning's "does this batch accumulate?": before the segment, yes; after it, whether its last
-        micro-batch left the window open, as Lightning answers for that micro-batch without sinking (so it
-        neither zero-grads an open window before validating nor counts a logging step for it)."""
-        return not self._ended_on_update
+        """Lightning's "does this batch accumulate?" (``_should_accumulate``): whether the segment made no update.
+        Asked right after Lightning decided to validate, before it zero-grads for validation, the answer is instead
+        whether the segment's last micro-batch left the window open, as Lightning answers for that micro-batch
+        without sinking: an open window's partial sum follows zero-grad and must survive validation."""
+        if self.validation_pending:
+            self.validation_pending = False
+            return not self._ended_on_update
+        return self.updates.count == 0
+
+    def decide_validation(self, decision: bool) -> bool:
+        """Lightning's (or the schedule's) decision to validate after this batch, noted for ``made_no_update``."""
+        self.validation_pending = decision
+        return decision
 
     @property
     def sink_finished(self) -> bool:
@@ -165,7 +175,7 @@ class SinkLoop:
             self.validation_due = segment.validates
             if self._sink_size == -1 and segment.ends_sink:
                 self._pass_ended = True
-        compat.set_logging_step(trainer, updated=self._ended_on_update)
+        compat.set_logging_step(trainer, updated=updates.count > 0)  # (the log buffer writes each update's step)
         if not losses:
             return None  # every micro-batch returned None: Lightning skips the batch, as for a None step
         stacked = torch.stack(losses)
