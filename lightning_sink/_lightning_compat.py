@@ -7,6 +7,7 @@ skipped update) the functions below reach into the loop. ``tests/test_lightning_
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -15,7 +16,7 @@ from typing import Any, Protocol, cast
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.load import _METADATA_FILENAME
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, Timer
 from lightning.pytorch.loops.fetchers import _DataFetcher, _PrefetchDataFetcher
 from lightning.pytorch.profilers import Profiler
 from lightning.pytorch.strategies.strategy import _StrategyRegistry
@@ -57,6 +58,11 @@ __all__ = [
     "model_parallel_sizes",
     "precision_after_closure",
     "callback_state_key",
+    "can_stop_early",
+    "step_time_left",
+    "set_estimated_stepping_batches",
+    "stock_estimated_stepping_batches",
+    "reopen_interrupted_epoch",
 ]
 
 # The registry a strategy class registers its names in (``Strategy.register_strategies``'s argument).
@@ -66,7 +72,7 @@ StrategyRegistry = _StrategyRegistry
 DCP_METADATA_FILE_NAME: str = _METADATA_FILENAME
 
 # Names of the instance attributes we shadow on the epoch loop; deleting them restores Lightning's methods.
-_SHADOWED = ("_should_accumulate", "update_lr_schedulers")
+_SHADOWED = ("_should_accumulate", "update_lr_schedulers", "_num_ready_batches_reached", "_should_check_val_fx")
 
 
 class TrainerSettings(Protocol):
@@ -112,11 +118,27 @@ class LoopOverrides:
     batch_has_no_update: Callable[[], bool] | None = None
     hold_step_schedulers: Callable[[], bool] | None = None
     skip_backward: bool = False
+    epoch_ends: Callable[[], bool] | None = None
+    validates: Callable[[Callable[[], bool]], bool] | None = None
 
     @classmethod
-    def for_sinks(cls, made_no_update: Callable[[], bool]) -> LoopOverrides:
-        """A sink is one Lightning batch: it accumulates when it made no update; the sink steps the schedulers."""
-        return cls(batch_has_no_update=made_no_update, hold_step_schedulers=lambda: True, skip_backward=True)
+    def for_sinks(
+        cls,
+        made_no_update: Callable[[], bool],
+        sink_finished: Callable[[], bool],
+        validates: Callable[[Callable[[], bool]], bool],
+    ) -> LoopOverrides:
+        """A segment of a sink is one Lightning batch: it accumulates when it made no update; the sink steps the
+        schedulers; the epoch ends with the sink (``epoch_ends``: after the epoch's first batch, Lightning's
+        "last batch of the epoch reached"); ``validates`` answers Lightning's "validate after this batch?"
+        (``_should_check_val_fx``), given Lightning's own decision as a function."""
+        return cls(
+            batch_has_no_update=made_no_update,
+            hold_step_schedulers=lambda: True,
+            skip_backward=True,
+            epoch_ends=sink_finished,
+            validates=validates,
+        )
 
 
 def install_loop_overrides(trainer: pl.Trainer, overrides: LoopOverrides) -> None:
@@ -136,6 +158,13 @@ def install_loop_overrides(trainer: pl.Trainer, overrides: LoopOverrides) -> Non
             original_update(interval, update_plateau_schedulers)
 
         loop.update_lr_schedulers = update_lr_schedulers
+    epoch_ends = overrides.epoch_ends
+    if epoch_ends is not None:
+        loop._num_ready_batches_reached = lambda: loop.batch_progress.current.ready > 0 and epoch_ends()
+    validates = overrides.validates
+    if validates is not None:
+        lightning_decides = type(loop)._should_check_val_fx
+        loop._should_check_val_fx = lambda data_fetcher: validates(lambda: lightning_decides(loop, data_fetcher))
     trainer.fit_loop._skip_backward = overrides.skip_backward
 
 
@@ -353,3 +382,79 @@ def forget_saved_loader_states(trainer: pl.Trainer) -> None:
     """Keep Lightning from loading the checkpoint's state into a stateful training loader (the strategy resumes the
     loader itself); Lightning reads these states right after ``Strategy.process_dataloader``."""
     trainer.fit_loop._combined_loader_states_to_load = []
+
+
+def can_stop_early(trainer: pl.Trainer) -> bool:
+    """Whether ``trainer.should_stop`` may end the fit now (``min_epochs``/``min_steps`` are met)."""
+    return bool(trainer.fit_loop._can_stop_early)
+
+
+def step_time_left(trainer: pl.Trainer) -> float | None:
+    """Seconds left before a ``Timer`` (``Trainer(max_time=...)``) that checks after every training batch stops the
+    fit; ``None`` without such a timer."""
+    for callback in trainer_settings(trainer).callbacks:
+        if isinstance(callback, Timer) and callback._interval == "step" and callback._duration is not None:
+            left = callback.time_remaining("train")
+            if left is not None:
+                return float(left)
+    return None
+
+
+# ``Trainer.estimated_stepping_batches`` is a property of the class; a fit that knows its updates better (sink
+# mode, where an epoch is a sink) registers its own estimate here, and the property, wrapped once per Trainer class
+# that defines it (``lightning`` and ``pytorch_lightning`` each have one), asks it first.
+_ESTIMATES: weakref.WeakKeyDictionary[Any, Callable[[], int | float]] = weakref.WeakKeyDictionary()
+_STOCK_ESTIMATES: dict[type, Callable[[Any], int | float]] = {}
+_NAME = "estimated_stepping_batches"
+
+
+def _estimate_owner(trainer: pl.Trainer) -> type:
+    return next(cls for cls in type(trainer).__mro__ if _NAME in vars(cls))
+
+
+def set_estimated_stepping_batches(trainer: pl.Trainer, estimate: Callable[[], int | float] | None) -> None:
+    """Make ``trainer.estimated_stepping_batches`` return ``estimate()`` (``None``: Lightning's own again)."""
+    if estimate is None:
+        _ESTIMATES.pop(trainer, None)
+        return
+    owner = _estimate_owner(trainer)
+    if owner not in _STOCK_ESTIMATES:
+        stock = vars(owner)[_NAME]
+        _STOCK_ESTIMATES[owner] = stock.fget
+
+        def estimated_stepping_batches(self: Any) -> int | float:
+            own = _ESTIMATES.get(self)
+            return own() if own is not None else stock.fget(self)
+
+        estimated_stepping_batches.__doc__ = stock.__doc__
+        setattr(owner, _NAME, property(estimated_stepping_batches))
+    _ESTIMATES[trainer] = estimate
+
+
+def stock_estimated_stepping_batches(trainer: pl.Trainer) -> int | float:
+    """Lightning's own ``estimated_stepping_batches`` (which loads the training data if it is not loaded yet)."""
+    owner = _estimate_owner(trainer)
+    fget = _STOCK_ESTIMATES.get(owner) or vars(owner)[_NAME].fget
+    return fget(trainer)
+
+
+def reopen_interrupted_epoch(checkpoint: dict[str, Any]) -> bool:
+    """In a checkpoint Lightning saved after a stop inside an epoch (``max_steps``), mark that epoch as interrupted
+    rather than finished, as in a checkpoint saved during it: a resume then continues it instead of starting the
+    next. Returns whether the checkpoint was changed (it is left alone when its epoch is already open)."""
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop")
+    if not isinstance(fit_loop, dict):
+        return False
+    progress = fit_loop.get("epoch_progress")
+    if not isinstance(progress, dict):
+        return False
+    total, current = progress.get("total"), progress.get("current")
+    if not (isinstance(total, dict) and isinstance(current, dict)):
+        return False
+    trackers: list[dict[str, Any]] = [total, current]
+    if any(tracker.get("completed") != tracker.get("ready") or not tracker.get("ready") for tracker in trackers):
+        return False
+    for tracker in trackers:
+        tracker["processed"] = tracker["completed"] = tracker["ready"] - 1
+    checkpoint["epoch"] = max(0, int(checkpoint.get("epoch", 1)) - 1)
+    return True

@@ -134,12 +134,17 @@ class DataPosition:
 
     ``pass_index`` counts completed data passes in sink mode (there it is the sampler epoch of the pass being
     trained); outside sink mode Lightning's epoch is the pass and it stays 0. Pass starts may be recorded ahead of
-    training by sink mode's prefetch thread, hence the lock.
+    training by sink mode's prefetch thread, hence the lock. In sink mode ``trained_in_sink`` (micro-batches of the
+    sink being trained) and ``trained_total`` (of the fit) place the schedule points (``sink_schedule.py``) and let a
+    resume continue an interrupted sink to its planned end.
     """
 
     def __init__(self) -> None:
         self.pass_index = 0
         self.trained_in_pass = 0
+        self.trained_in_sink = 0
+        self.trained_total = 0
+        self.sink_mode = False  # whether the two sink counters are saved (set by a sink-mode fit)
         self._pending_skip = 0
         self._pending_generator_states: list[Tensor] | None = None
         self._start_states: dict[int, list[Tensor]] = {}
@@ -174,6 +179,8 @@ class DataPosition:
 
     def advance(self, batches: int = 1) -> None:
         self.trained_in_pass += batches
+        self.trained_in_sink += batches
+        self.trained_total += batches
 
     def end_pass(self) -> None:
         self.trained_in_pass = 0
@@ -188,6 +195,8 @@ class DataPosition:
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"pass_index": self.pass_index, "trained_in_pass": self.trained_in_pass}
+        if self.sink_mode:  # sink mode's counters (absent outside it and in older checkpoints: read as 0)
+            state["trained_in_sink"], state["trained_total"] = self.trained_in_sink, self.trained_total
         with self._lock:
             states = self._start_states.get(self.pass_index)
         if states:  # absent for loaders without generators, so their state stays two counters
@@ -204,3 +213,5 @@ class DataPosition:
         self._pending_skip = int(state["trained_in_pass"])
         self.trained_in_pass = self._pending_skip
         self._pending_generator_states = state.get("pass_start_generators")
+        self.trained_in_sink = int(state.get("trained_in_sink", 0))
+        self.trained_total = int(state.get("trained_total", 0))

@@ -3,8 +3,9 @@
 MindSpore's ``dataset_sink_mode`` traverses the dataset continuously: with ``sink_size=K`` epoch e trains batches
 e*K .. e*K+K-1 of an endless pass. Read in the training thread, a pass over an in-memory ``TensorDataset`` takes each
 batch by one indexing per tensor (``indexed_batches``): the same batches for a fraction of the ``DataLoader``'s cost.
-``SinkLoader`` is what Lightning iterates: one placeholder ``SinkToken`` per epoch (so a Lightning epoch is one
-Lightning batch); the strategy pulls the sink's micro-batches from ``MicroBatchStream``, whose iterator survives
+``SinkLoader`` is what Lightning iterates: placeholder ``SinkToken`` items, one per epoch (so a Lightning epoch is
+one Lightning batch), or one per segment where the fit's schedule ends a sink early (``sink_schedule.py``); it has
+no length, since the segments of a sink are known only as it runs. The strategy pulls the sink's micro-batches from ``MicroBatchStream``, whose iterator survives
 epochs and whose sampler epoch advances at each new data pass. ``SinkLoader`` is therefore what
 ``trainer.train_dataloader`` returns in sink mode; it forwards the user loader's attributes (``batch_size``,
 ``dataset``, ``num_workers``, ...) and the loader itself is its ``loader`` attribute.
@@ -54,7 +55,7 @@ class SinkToken:
 # sink, racing the stream, which sets it per data pass. With ``state_dict``/``load_state_dict`` Lightning would save
 # the position of a stateful loader, which the stream reads ahead of training; the strategy saves its own.
 _NOT_FORWARDED = frozenset({"sampler", "batch_sampler", "state_dict", "load_state_dict"})
-_OWN_ATTRIBUTES = frozenset({"loader", "_sinks"})
+_OWN_ATTRIBUTES = frozenset({"loader", "_sinks", "sink_continues"})
 
 
 class SinkLoader:
@@ -75,6 +76,8 @@ class SinkLoader:
             )
         self.loader = loader
         self._sinks = 0
+        # Asked before each segment runs: whether another segment of the same sink follows (set by the fit).
+        self.sink_continues: Callable[[], bool] = lambda: False
 
     def __getattr__(self, name: str) -> Any:  # only called for names not found on the SinkLoader itself
         if name.startswith("_") or name in _NOT_FORWARDED:
@@ -87,12 +90,11 @@ class SinkLoader:
         else:
             setattr(self.loader, name, value)
 
-    def __len__(self) -> int:
-        return 1
-
     def __iter__(self) -> Iterator[SinkToken]:
         self._sinks += 1
         yield SinkToken(self._sinks - 1)
+        while self.sink_continues():
+            yield SinkToken(self._sinks - 1)
 
 
 def quiet_placeholder_length_warning(loader: Any) -> Callable[[], None] | None:

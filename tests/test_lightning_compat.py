@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import inspect
+from datetime import timedelta
 
 import lightning.pytorch as pl
 import pytest
 import torch
 import torchmetrics
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint, Timer
 from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.plugins.precision import Precision
@@ -71,6 +72,15 @@ def test_private_lightning_attributes_still_exist():
     with compat.metric_step_value_set_to(mean, torch.tensor(5.0)):
         assert float(compat.metric_step_value(mean)) == 5.0
     assert float(compat.metric_step_value(mean)) == 6.0
+    # sink schedules: the validation decision, early stopping's permission, the time limit, the epoch's state
+    assert list(inspect.signature(_TrainingEpochLoop._should_check_val_fx).parameters) == ["self", "data_fetcher"]
+    assert isinstance(trainer.fit_loop._can_stop_early, bool)
+    timer = Timer(duration=timedelta(seconds=5))
+    assert timer._interval == "step" and timer._duration == 5
+    assert isinstance(vars(pl.Trainer)["estimated_stepping_batches"], property)
+    state = trainer.fit_loop.state_dict()
+    assert {"ready", "completed", "started", "processed"} <= set(state["epoch_progress"]["total"])
+    assert set(state["epoch_progress"]) >= {"total", "current"}
 
 
 def test_process_group_backend_is_read_from_the_parent_strategy():
@@ -100,7 +110,11 @@ class _Probe(Callback):
     [
         (lambda: SinkStrategy(accumulation_steps=2), set(), False),  # Lightning's own loop decides everything
         (lambda: SinkStrategy(accumulation_steps=2, partial_window="carry"), {"_should_accumulate"}, False),
-        (lambda: SinkStrategy(accumulation_steps=2, sink_size=4), {"_should_accumulate", "update_lr_schedulers"}, True),
+        (
+            lambda: SinkStrategy(accumulation_steps=2, sink_size=4),
+            {"_should_accumulate", "update_lr_schedulers", "_num_ready_batches_reached", "_should_check_val_fx"},
+            True,
+        ),
     ],
 )
 def test_loop_overrides_only_where_needed_and_removed_after(strategy, shadowed, skip_backward):

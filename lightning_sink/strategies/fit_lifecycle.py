@@ -9,9 +9,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.nn import Parameter
 
@@ -44,11 +46,9 @@ from lightning_sink.strategies.recompile_watch import RecompileWatch
 from lightning_sink.strategies.resume_check import check_resume_settings
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
 from lightning_sink.strategies.sink_loop import SinkLoop
+from lightning_sink.strategies.sink_schedule import SinkSchedule
 from lightning_sink.strategies.sink_state_check import FitFacts, check_state_against_fit
-from lightning_sink.strategies.step_triggers import (
-    ignore_one_batch_per_epoch_warning,
-    warn_about_unaligned_step_triggers,
-)
+from lightning_sink.strategies.step_triggers import describe_sink_epoch, schedule_points
 from lightning_sink.strategies.tensor_digests import add_tensor_digests, check_tensor_digests
 from lightning_sink.training_passes import TrainingPasses
 from lightning_sink.window import GradientStore, Reducer
@@ -97,6 +97,7 @@ class SinkFit:
         self.sink_loop: SinkLoop | None = None
         self.direct_transfer = False  # batch_to_device may skip the transfer-hook dispatch (during a fit)
         self._trainer: pl.Trainer | None = None
+        self._val_check_interval: int | float | None = None  # the Trainer's, held during a sink-mode fit
 
     # ------------------------------------------------------------------ what the strategy and its users read
     @property
@@ -169,7 +170,13 @@ class SinkFit:
             # the accumulating loss scaler instead (an explicit LossScalePrecision plugin is kept as given).
             host.precision_plugin = LossScalePrecision("16-mixed", DynamicLossScale(), device=plugin.device)
         if self.sink_size is not None:
-            ignore_one_batch_per_epoch_warning()
+            # A step-based val_check_interval is the sink schedule's (sink_schedule.py); Lightning's own reading of
+            # it, against a loader of sink placeholders, would be wrong. Given back when the fit ends.
+            interval = trainer.val_check_interval
+            if isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval != 1.0:
+                self._val_check_interval = interval
+                trainer.val_check_interval = 1.0
+            compat.set_estimated_stepping_batches(trainer, self.estimated_updates)
         else:
             # Lightning's loop opens and closes windows with this (and divides each loss by it).
             trainer.accumulate_grad_batches = self.accumulation_steps
@@ -309,22 +316,41 @@ class SinkFit:
     def _install_loop_rules(self, trainer: pl.Trainer, engine: StepEngine) -> None:
         if self._sink_loader is not None:
             assert self.sink_size is not None
-            warn_about_unaligned_step_triggers(trainer, self.sink_size, self.accumulation_steps)
             stream = MicroBatchStream(
                 self._sink_loader.loader, self.data_position, self._prefetch_depth(), copier=self._device_copier()
             )
             module = trainer.lightning_module
             watch = RecompileWatch(self.sink_size, self.graph_mode) if self.graph_mode != "eager" else None
+            loader = self._sink_loader.loader
+            pass_length = sized_len(loader)
+            self.data_position.sink_mode = True
+            points = schedule_points(trainer, self._val_check_interval, pass_length, self.sink_size)
+            schedule = SinkSchedule(points, self.sink_size, self.accumulation_steps, pass_length)
             self.sink_loop = loop = SinkLoop(
                 engine,
                 stream,
                 self.data_position,
                 SinkLogBuffer(module),
-                self.sink_size,
+                schedule,
+                # One process only: ranks reading their own clocks could end a segment at different micro-batches,
+                # and their updates' collectives would then no longer pair up.
+                time_left=(lambda: compat.step_time_left(trainer)) if self.host.world_size == 1 else (lambda: None),
                 recompile_watch=watch,
                 choose=compiled_choice(engine, self.graph_mode),
             )
-            compat.install_loop_overrides(trainer, compat.LoopOverrides.for_sinks(loop.made_no_update))
+            self._sink_loader.sink_continues = loop.sink_continues
+            scheduled = None
+            if points.validate_every_in_fit or points.validate_every_in_pass:
+                scheduled = self._validates_after_segment(trainer, loop, points.validate_every_n_passes)
+
+            def validates(lightning_decides: Callable[[], bool]) -> bool:
+                return loop.decide_validation(scheduled() if scheduled is not None else lightning_decides())
+
+            overrides = compat.LoopOverrides.for_sinks(loop.made_no_update, lambda: loop.sink_finished, validates)
+            compat.install_loop_overrides(trainer, overrides)
+            rank_zero_info(
+                describe_sink_epoch(self.sink_size, self.accumulation_steps, pass_length, trainer.max_epochs)
+            )
             return
         holds = engine.scaling is not None and bool(engine.step_scheduler_configs)
         rules = compat.LoopOverrides(
@@ -332,6 +358,38 @@ class SinkFit:
             hold_step_schedulers=(lambda: engine.last_update_skipped) if holds else None,
         )
         compat.install_loop_overrides(trainer, rules)
+
+    def _validates_after_segment(
+        self, trainer: pl.Trainer, loop: SinkLoop, every_n_passes: int | None
+    ) -> Callable[[], bool]:
+        """Lightning's "validate after this batch?" for a step-based ``val_check_interval``: at the segment ends the
+        schedule placed, and when the fit is told to stop (as Lightning validates before an early stop)."""
+        position = self.data_position
+
+        def validates() -> bool:
+            if not trainer.enable_validation:
+                return False
+            if loop.validation_due:
+                return True
+            in_validated_pass = every_n_passes is None or (position.pass_index + 1) % every_n_passes == 0
+            return trainer.should_stop and compat.can_stop_early(trainer) and in_validated_pass
+
+        return validates
+
+    def estimated_updates(self) -> int | float:
+        """``trainer.estimated_stepping_batches`` in sink mode: the optimizer updates of ``max_epochs`` sinks (a
+        window's micro-batches may span sinks), capped by ``max_steps``; Lightning's own answer where the number of
+        micro-batches is not known (``max_epochs=-1``, ``sink_size=-1`` over a loader without a length)."""
+        trainer = self.trainer
+        stock = compat.stock_estimated_stepping_batches(trainer)  # (loads the training data if needed)
+        epochs = trainer.max_epochs
+        if self._sink_loader is None or epochs is None or epochs < 0:
+            return stock
+        per_sink = self.sink_size if self.sink_size != -1 else sized_len(self._sink_loader.loader)
+        if per_sink is None:
+            return stock
+        updates = max(epochs, 1) * per_sink // self.accumulation_steps
+        return min(updates, trainer.max_steps) if trainer.max_steps != -1 else updates
 
     def _prefetch_depth(self) -> int:
         """``prefetch_depth``, or by default (``default_prefetch_depth``) from the device and the loader."""
@@ -370,6 +428,11 @@ class SinkFit:
         compat.remove_loop_overrides(self.trainer)
 
     def teardown(self) -> None:
+        if self._val_check_interval is not None and self._trainer is not None:
+            self._trainer.val_check_interval = self._val_check_interval  # the Trainer's own setting, given back
+        self._val_check_interval = None
+        if self._trainer is not None:
+            compat.set_estimated_stepping_batches(self._trainer, None)
         self._close_stream()  # also when training raised and on_train_end never ran
         self._unbind_direct_backward()
         self.direct_transfer = False
@@ -422,3 +485,8 @@ class SinkFit:
             self.data_position.load_state_dict(state["data"])
             self.pending_state, self._pending_path = state, checkpoint_path
             self._pending_random_states = state.get("random")
+            size, in_sink = self.sink_size, self.data_position.trained_in_sink
+            if size is not None and 0 < in_sink < size:
+                # A stop inside a sink (max_steps) that Lightning recorded as the end of its epoch: the resume
+                # continues that sink, in that epoch, to its planned end.
+                compat.reopen_interrupted_epoch(checkpoint)

@@ -2,13 +2,18 @@
 with the logging and the LR schedulers that Lightning would have run per update done once per sink.
 
 Windows run on across sinks and data passes (the data is one endless stream), so ``partial_window`` does not apply
-here. A ``max_steps`` reached inside the sink ends it; the data position records what was trained. ``self.log``
-calls are recorded during the sink and handed to Lightning at its end (``sink_logging.py``). Nothing is read back
-to the host: the losses stay on the device.
+here. A sink may run as several Lightning batches ("segments"), each ending at a point of the fit's schedule
+(``sink_schedule.py``) or at the sink's planned end; a ``max_steps`` reached inside the sink ends it, and so does a
+``max_time`` deadline passed (the host clock is read once per micro-batch, only when a time limit is set). The data
+position records what was trained, including the micro-batches of the sink, so a resume continues the interrupted
+sink to its planned end. ``self.log`` calls are recorded during a segment and handed to Lightning at its end
+(``sink_logging.py``). Nothing is read back to the host: the losses stay on the device.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +28,7 @@ from lightning_sink.strategies.engine import StepEngine
 from lightning_sink.strategies.programs import SinkPrograms, SinkUpdates, choose_programs
 from lightning_sink.strategies.recompile_watch import RecompileWatch
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
+from lightning_sink.strategies.sink_schedule import Segment, SinkSchedule
 
 __all__ = ["SinkLoop"]
 
@@ -36,19 +42,27 @@ class SinkLoop:
         stream: MicroBatchStream,
         data_position: DataPosition,
         log_buffer: SinkLogBuffer | None,
-        sink_size: int,
+        schedule: SinkSchedule,
+        time_left: Callable[[], float | None] = lambda: None,
         recompile_watch: RecompileWatch | None = None,
         choose: Callable[[StepEngine, SinkUpdates], SinkPrograms] = choose_programs,
     ) -> None:
+        """``time_left``: seconds until ``max_time`` (``None``: no limit checked per step)."""
         self._engine = engine
         self._choose = choose  # the pair each sink runs (compiled programs: ``compiled_step.py``)
         self.stream = stream
         self._data_position = data_position
         self._log_buffer = log_buffer
-        self._sink_size = sink_size
+        self._schedule = schedule
+        self._sink_size = schedule.sink_size
+        self._time_left = time_left
         self._recompile_watch = recompile_watch  # (graph modes: TorchDynamo compiles the step)
         self.updates = SinkUpdates(engine)
-        self.programs: SinkPrograms | None = None  # the last sink's
+        self._ended_on_update = False  # the last segment's last micro-batch closed a window
+        self.validation_pending = False  # Lightning decided to validate after the batch and has not zero-grad yet
+        self.programs: SinkPrograms | None = None  # the last segment's
+        self.validation_due = False  # the last segment ended where Lightning validates
+        self._pass_ended = False  # sink_size=-1: the last segment ended with its data pass
         host = engine.host
         # Batches need moving unless the stream's thread already did, or they are for the CPU and no transfer hook
         # runs (a loader's batches are on the CPU already, and walking them would cost a step's worth of time).
@@ -59,20 +73,57 @@ class SinkLoop:
         self._converts_input = type(host.precision_plugin).convert_input is not Precision.convert_input
 
     def batch_started(self) -> None:
-        """A Lightning batch (a sink) starts: no update yet (what Lightning's ``_should_accumulate`` is told)."""
+        """A Lightning batch (a segment) starts: no update yet (what Lightning's ``_should_accumulate`` is told)."""
         self.updates = SinkUpdates(self._engine)
+        self._ended_on_update = False
 
     def made_no_update(self) -> bool:
+        """Lightning's "does this batch accumulate?" (``_should_accumulate``): whether the segment made no update.
+        Asked right after Lightning decided to validate, before it zero-grads for validation, the answer is instead
+        whether the segment's last micro-batch left the window open, as Lightning answers for that micro-batch
+        without sinking: an open window's partial sum follows zero-grad and must survive validation."""
+        if self.validation_pending:
+            self.validation_pending = False
+            return not self._ended_on_update
         return self.updates.count == 0
 
+    def decide_validation(self, decision: bool) -> bool:
+        """Lightning's (or the schedule's) decision to validate after this batch, noted for ``made_no_update``."""
+        self.validation_pending = decision
+        return decision
+
+    @property
+    def sink_finished(self) -> bool:
+        """Whether the sink in flight reached its planned end (the next segment starts a new sink)."""
+        if self._sink_size == -1:
+            return self._pass_ended
+        return self._data_position.trained_in_sink >= self._sink_size
+
+    def _next_segment(self) -> Segment:
+        position, window = self._data_position, self._engine.window
+        in_sink = 0 if self.sink_finished else position.trained_in_sink
+        return self._schedule.next_segment(
+            in_sink,
+            position.trained_in_pass,
+            position.pass_index,
+            position.trained_total,
+            window.micro_batches,
+            self._engine.trainer.global_step,
+        )
+
+    def sink_continues(self) -> bool:
+        """Asked when the Lightning batch (segment) about to run is taken from the loader: whether another segment
+        of this sink follows it (Lightning reads one batch ahead to know the epoch's last)."""
+        return not self._next_segment().ends_sink
+
     def run(self) -> dict[str, Tensor] | None:
-        """One sink (one Lightning batch)."""
-        output = self._logged_sink()
-        if self._recompile_watch is not None:
-            self._recompile_watch.sink_ended()
+        """One segment of a sink (one Lightning batch)."""
+        output = self._logged_segment()
+        if self._recompile_watch is not None and self.sink_finished:
+            self._recompile_watch.sink_ended()  # (per sink, not per segment: it counts whole sinks' micro-batches)
         return output
 
-    def _logged_sink(self) -> dict[str, Tensor] | None:
+    def _logged_segment(self) -> dict[str, Tensor] | None:
         buffer = self._log_buffer
         if buffer is None:
             return self._micro_batches()
@@ -85,22 +136,32 @@ class SinkLoop:
         return output
 
     def _micro_batches(self) -> dict[str, Tensor] | None:
-        engine, stream, buffer = self._engine, self.stream, self._log_buffer
+        engine, stream, buffer, position = self._engine, self.stream, self._log_buffer, self._data_position
         trainer, window, updates = engine.trainer, engine.window, self.updates
-        # the updates this sink may make before max_steps (global_step moves only through this sink's updates)
+        # the updates this segment may make before max_steps (global_step moves only through its updates)
         updates_allowed = trainer.max_steps - trainer.global_step if trainer.max_steps != -1 else -1
+        segment = self._next_segment()
+        if self.sink_finished:
+            position.trained_in_sink = 0  # a new sink
+        self._pass_ended = False
+        self.validation_due = False
+        length = segment.length
+        seconds = self._time_left()
+        timed = seconds is not None
+        deadline = time.monotonic() + seconds if seconds is not None else math.inf
         self.programs = programs = self._choose(engine, updates)
         window.loss_divisor = programs.update.loss_divisor
         accumulate, update, steps = programs.accumulate.run, programs.update.run, engine.accumulation_steps
         plugin = engine.host.precision_plugin
         losses: list[Tensor] = []
         micro_index = 0
-        while self._sink_size == -1 or micro_index < self._sink_size:
+        while micro_index < length:
             if updates_allowed != -1 and updates.count >= updates_allowed:
                 break
             batch = stream.next()
             if batch is PASS_END:
                 if self._sink_size == -1 and micro_index:
+                    self._pass_ended = True
                     break  # one data pass per sink
                 continue
             if self._converts_input:
@@ -110,16 +171,24 @@ class SinkLoop:
             if buffer is not None:
                 buffer.begin_micro_step(batch)
             ends = window.micro_batches + 1 >= steps
-            loss = update(batch, micro_index) if ends else accumulate(batch, micro_index)
+            index = position.trained_in_sink  # the micro-batch's index in its sink (training_step's batch_idx)
+            loss = update(batch, index) if ends else accumulate(batch, index)
             if loss is not None:
                 losses.append(loss)
-            self._data_position.advance()
+            position.advance()
             micro_index += 1
+            self._ended_on_update = ends
             if ends and buffer is not None:
                 buffer.end_update()  # the loggers get this update's values at its step (sink_logging.py)
+            if timed and time.monotonic() >= deadline:
+                break  # max_time: Lightning stops after this batch, as it would after this micro-batch
+        if micro_index == length:
+            self.validation_due = segment.validates
+            if self._sink_size == -1 and segment.ends_sink:
+                self._pass_ended = True
         if programs.end_sink is not None:
-            programs.end_sink()
-        compat.set_logging_step(trainer, updated=updates.count > 0)
+            programs.end_sink()  # the compiled programs' window sum into the store (checkpoints read it there)
+        compat.set_logging_step(trainer, updated=updates.count > 0)  # (the log buffer writes each update's step)
         if not losses:
             return None  # every micro-batch returned None: Lightning skips the batch, as for a None step
         stacked = torch.stack(losses)

@@ -78,6 +78,8 @@ TOP_FIELDS = (
     Field("partial_window", False, lambda v: v in PARTIAL_WINDOW_MODES, f"one of {PARTIAL_WINDOW_MODES}"),
     Field("window", False, lambda v: v is None or isinstance(v, dict), "None or a dict"),
     Field("data", True, lambda v: isinstance(v, dict), "a dict"),
+    # each rank's generators; their contents are checked where they are restored (``random_state.py``)
+    Field("random", False, lambda v: isinstance(v, list) and len(v) >= 1, "a list of each rank's random state"),
 )
 WINDOW_FIELDS = (
     Field("micro_steps", True, _int_at_least(0), "an int >= 0"),
@@ -96,6 +98,9 @@ WINDOW_FIELDS = (
 DATA_FIELDS = (
     Field("trained_in_pass", True, _int_at_least(0), "an int >= 0"),
     Field("pass_index", False, _int_at_least(0), "an int >= 0"),
+    # sink mode: micro-batches of the sink in flight, and of the whole fit
+    Field("trained_in_sink", False, _int_at_least(0), "an int >= 0"),
+    Field("trained_total", False, _int_at_least(0), "an int >= 0"),
     Field(
         "pass_start_generators",
         False,

@@ -1,77 +1,92 @@
-"""Lightning's step-based triggers in sink mode: checked once per sink, at its end.
+"""Lightning's step-based triggers in sink mode: which ones end a sink early, and the fit-start line that says what
+an epoch is.
 
 ``ModelCheckpoint(every_n_train_steps=n)`` saves at the end of a Lightning batch whose ``global_step`` is a
-multiple of n. In sink mode a Lightning batch is a whole sink of u = sink_size / accumulation_steps updates, and
-saving inside a sink would cost the host round trips that sinking removes, so this check runs at sink ends only.
-It fires
-
-- at exactly every n-th update when n is a multiple of u (every sink end where ``global_step % n == 0``), and
-- at every sink end when n divides u (the first sink boundary after each multiple of n);
-
-for any other n, a multiple of n that falls inside a sink is never seen, so the strategy warns at fit start.
-
-``Trainer(log_every_n_steps=n)`` needs no such rule: the sink's log buffer writes every update's values at the steps
-Lightning would (``sink_logging.py``). Only a LightningModule that defines its own ``log`` bypasses the buffer; its
-values reach the loggers once per sink, by the rule above.
+multiple of n; ``Trainer(log_every_n_steps=n)`` writes the logs of a module that defines its own ``log`` (which
+bypasses the sink's log buffer) at such batch ends too. In sink mode each multiple of n that falls inside a sink ends
+a segment of it (``sink_schedule.py``), so both fire at the same updates as without sinking. Every other module's
+logged values need no segment: the sink's log buffer writes every update's values at the steps Lightning would
+(``sink_logging.py``).
 """
 
 from __future__ import annotations
-
-import warnings
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
+from lightning_sink.strategies.sink_schedule import SchedulePoints, validation_points
 
-__all__ = ["updates_per_sink", "warn_about_unaligned_step_triggers", "ignore_one_batch_per_epoch_warning"]
-
-
-def updates_per_sink(sink_size: int, accumulation_steps: int) -> int | None:
-    """Optimizer updates every sink makes, or ``None`` when sink ends do not fall at a fixed number of updates."""
-    if sink_size == -1 or sink_size % accumulation_steps:
-        return None
-    return sink_size // accumulation_steps
+__all__ = ["schedule_points", "describe_sink_epoch"]
 
 
-def _step_triggers(trainer: pl.Trainer) -> list[tuple[str, int]]:
+def _update_multiples(trainer: pl.Trainer) -> list[tuple[str, int]]:
     triggers = [
         (f"ModelCheckpoint(every_n_train_steps={n})", n)
         for n in map(compat.checkpoint_every_n_train_steps, trainer.checkpoint_callbacks)
-        if n > 1
+        if n > 0
     ]
     every_n = compat.trainer_settings(trainer).log_every_n_steps
     if trainer.loggers and every_n > 1 and not SinkLogBuffer.usable(trainer.lightning_module):
-        name = f"Trainer(log_every_n_steps={every_n}), for a LightningModule that overrides `log`,"
-        triggers.append((name, every_n))
+        triggers.append((f"Trainer(log_every_n_steps={every_n}), for a LightningModule that overrides `log`,", every_n))
     return triggers
 
 
-def warn_about_unaligned_step_triggers(trainer: pl.Trainer, sink_size: int, accumulation_steps: int) -> None:
-    per_sink = updates_per_sink(sink_size, accumulation_steps)
-    for name, n in _step_triggers(trainer):
-        if per_sink is not None and (n % per_sink == 0 or per_sink % n == 0):
-            continue
-        sinks = (
-            f"every sink makes {per_sink} updates (sink_size={sink_size} / accumulation_steps={accumulation_steps})"
-            if per_sink is not None
-            else f"sink ends do not fall every fixed number of updates (sink_size={sink_size},"
-            f" accumulation_steps={accumulation_steps})"
+def schedule_points(
+    trainer: pl.Trainer, val_check_interval: int | float | None, pass_length: int | None, sink_size: int
+) -> SchedulePoints:
+    """The points at which this fit's sinks end early (``val_check_interval``: the Trainer's step-based value)."""
+    every_in_fit, every_in_pass, every_n_passes = (None, None, None)
+    if trainer.enable_validation:  # a validation loop that runs (a val loader, validation_step, batches)
+        every_in_fit, every_in_pass, every_n_passes = validation_points(
+            val_check_interval, trainer.check_val_every_n_epoch, pass_length
         )
-        valid = f"a multiple or a divisor of {per_sink}" if per_sink is not None else "1"
-        rank_zero_warn(
-            f"{name} is checked at the end of each sink only, and {sinks}: multiples of {n} that fall inside a"
-            f" sink are skipped. Use {valid} for n, or a sink_size that is a multiple of accumulation_steps * {n}."
+    triggers = _update_multiples(trainer)
+    if sink_size == -1 and pass_length is None:
+        # A sink is the rest of a data pass whose length is unknown: no segment can be planned ahead.
+        names = [name for name, _ in triggers] + (
+            [f"val_check_interval={val_check_interval}"] if every_in_fit or every_in_pass else []
         )
-
-
-def ignore_one_batch_per_epoch_warning() -> None:
-    """Lightning warns that "the number of training batches (1) is smaller than the logging interval" whenever an
-    epoch has fewer batches than ``log_every_n_steps``; in sink mode every epoch is one Lightning batch by design,
-    and ``log_every_n_steps`` counts updates, honoured by the sink's log buffer. The filter is process-wide, so it also quiets that one message for later one-batch epochs."""
-    warnings.filterwarnings(
-        "ignore",
-        message=r"The number of training batches \(1\) is smaller than the logging"
-        r" interval",
+        if names:
+            rank_zero_warn(
+                f"{', '.join(names)} is checked at the end of each sink only: with sink_size=-1 a sink is a data pass"
+                " and the training loader has no length, so points inside a pass cannot be planned. Give sink_size"
+                " a number of micro-batches, or the loader a length."
+            )
+        return SchedulePoints()
+    return SchedulePoints(
+        validate_every_in_fit=every_in_fit,
+        validate_every_in_pass=every_in_pass,
+        validate_every_n_passes=every_n_passes,
+        update_multiples=tuple(sorted({n for _, n in triggers})),
     )
+
+
+def describe_sink_epoch(
+    sink_size: int, accumulation_steps: int, pass_length: int | None, max_epochs: int | None
+) -> str:
+    """The fit-start line of sink mode: what an epoch is, in micro-batches and updates."""
+    steps = accumulation_steps
+    data_pass = (
+        f"a data pass is {pass_length} micro-batches" if pass_length is not None else "a data pass has no length"
+    )
+    if sink_size == -1:
+        micro = pass_length
+        epoch = f"epoch = sink of one data pass ({pass_length if pass_length is not None else 'unknown'} micro-batches)"
+    else:
+        micro = sink_size
+        epoch = f"epoch = sink of {sink_size} micro-batches"
+    if micro is not None:
+        updates = micro // steps if micro % steps == 0 else f"{micro / steps:g} (windows run across sinks)"
+        epoch += f" = {updates} updates (accumulation_steps={steps})"
+    line = f"Sink mode: {epoch}; {data_pass}"
+    if max_epochs is not None and max_epochs >= 0 and micro is not None:
+        line += f"; max_epochs={max_epochs} trains {max_epochs * micro} micro-batches"
+    line += "."
+    if sink_size != -1 and pass_length is not None and sink_size > pass_length:
+        line += (
+            f" sink_size={sink_size} is larger than a data pass ({pass_length} micro-batches): each sink reads on into"
+            " the next pass."
+        )
+    return line

@@ -108,6 +108,9 @@ MID_WINDOW_EDITS = [
     (setter("window", "drop", 1), "window.drop", r"is 1, expected a bool"),
     (setter(None, "window", 5), "window", r"is 5, expected None or a dict"),
     (setter(None, "accumulation_steps", 0), "accumulation_steps", r"is 0, expected an int >= 1"),
+    (setter("data", "trained_in_sink", -1), "data.trained_in_sink", r"is -1, expected an int >= 0"),
+    (setter("data", "trained_total", "9"), "data.trained_total", r"is '9', expected an int >= 0"),
+    (setter(None, "random", "x"), "random", r"is 'x', expected a list of each rank's random state"),
     (replace_state([1, 2]), "the state", r"is a list, expected a dict"),
 ]
 

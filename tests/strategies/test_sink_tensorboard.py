@@ -134,16 +134,16 @@ class OverridesLog(TinyClassifier):
         super().log(name, value, *args, **kwargs)
 
 
-def test_a_module_with_its_own_log_is_warned_about_an_unaligned_log_every_n_steps(tmp_path):
-    """Its self.log is not recorded per micro-step, so its values reach the logger once per sink."""
+def test_a_module_with_its_own_log_gets_a_segment_end_at_each_log_every_n_steps_multiple(tmp_path):
+    """Its self.log is not recorded per micro-step; every multiple of log_every_n_steps inside a sink ends a segment
+    (instead of the warning it got before), so its values reach the logger at the steps Lightning writes them."""
     logger = TensorBoardLogger(tmp_path, name="run", version=0)
     trainer = quiet_trainer(strategy=SinkStrategy(sink_size=8), logger=logger, log_every_n_steps=3, max_epochs=1)
-    with pytest.warns(
-        UserWarning,
-        match=r"Trainer\(log_every_n_steps=3\), for a LightningModule that overrides `log`,"
-        r" is checked at the end of each sink only",
-    ):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer.fit(OverridesLog(), loader(make_dataset(num_samples=32), MICRO))
+    assert [str(w.message) for w in caught if "log_every_n_steps" in str(w.message)] == []
+    assert sorted(scalars(logger.log_dir)["train_loss"]) == [2, 5]  # global_step 3 and 6, at logger step - 1
 
 
 def test_the_loggers_get_the_values_of_the_updates_in_one_read_back(tmp_path):
