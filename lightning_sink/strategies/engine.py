@@ -75,6 +75,10 @@ class EngineHost(Protocol):
 
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any: ...
 
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Lightning's ``Strategy.broadcast``: rank ``src``'s object on every rank."""
+        ...
+
     def accumulate_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """The engine's ``forward``, reached through the strategy so that wrappers placed there see it."""
         ...

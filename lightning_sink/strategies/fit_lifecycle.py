@@ -332,9 +332,10 @@ class SinkFit:
                 self.data_position,
                 SinkLogBuffer(module),
                 schedule,
-                # One process only: ranks reading their own clocks could end a segment at different micro-batches,
-                # and their updates' collectives would then no longer pair up.
-                time_left=(lambda: compat.step_time_left(trainer)) if self.host.world_size == 1 else (lambda: None),
+                time_left=lambda: compat.step_time_left(trainer),
+                # Ranks reading their own clocks could end a segment at different micro-batches, and their updates'
+                # collectives would then no longer pair up: rank 0's clock decides, as Lightning's Timer does.
+                agree=self.host.broadcast if self.host.world_size > 1 else None,
                 recompile_watch=watch,
                 choose=compiled_choice(engine, self.graph_mode),
             )

@@ -44,10 +44,13 @@ class SinkLoop:
         log_buffer: SinkLogBuffer | None,
         schedule: SinkSchedule,
         time_left: Callable[[], float | None] = lambda: None,
+        agree: Callable[[bool], bool] | None = None,
         recompile_watch: RecompileWatch | None = None,
         choose: Callable[[StepEngine, SinkUpdates], SinkPrograms] = choose_programs,
     ) -> None:
-        """``time_left``: seconds until ``max_time`` (``None``: no limit checked per step)."""
+        """``time_left``: seconds until ``max_time`` (``None``: no limit checked per step). ``agree``: under
+        several processes, rank 0's decision that the time is up, given to every rank (the strategy's ``broadcast``,
+        once per micro-batch while a time limit is set, as Lightning's ``Timer`` broadcasts once per batch)."""
         self._engine = engine
         self._choose = choose  # the pair each sink runs (compiled programs: ``compiled_step.py``)
         self.stream = stream
@@ -56,6 +59,7 @@ class SinkLoop:
         self._schedule = schedule
         self._sink_size = schedule.sink_size
         self._time_left = time_left
+        self._agree = agree
         self._recompile_watch = recompile_watch  # (graph modes: TorchDynamo compiles the step)
         self.updates = SinkUpdates(engine)
         self._ended_on_update = False  # the last segment's last micro-batch closed a window
@@ -180,7 +184,7 @@ class SinkLoop:
             self._ended_on_update = ends
             if ends and buffer is not None:
                 buffer.end_update()  # the loggers get this update's values at its step (sink_logging.py)
-            if timed and time.monotonic() >= deadline:
+            if timed and self._out_of_time(deadline):
                 break  # max_time: Lightning stops after this batch, as it would after this micro-batch
         if micro_index == length:
             self.validation_due = segment.validates
@@ -193,6 +197,10 @@ class SinkLoop:
             return None  # every micro-batch returned None: Lightning skips the batch, as for a None step
         stacked = torch.stack(losses)
         return {"loss": stacked[-1], "mean_loss": stacked.mean(), "losses": stacked}
+
+    def _out_of_time(self, deadline: float) -> bool:
+        out = time.monotonic() >= deadline
+        return out if self._agree is None else bool(self._agree(out))
 
     def _device_batch(self, batch: Any) -> Any:
         """The transfer hooks, as Lightning's loop runs them for each of its batches (``batch_to_device`` alone moves

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -154,6 +155,35 @@ def logging_scenario(out_dir: Path, steps: int, partial_window: str, num_samples
     trainer.fit(LogsPerRank(), loader(make_dataset(num_samples=num_samples), MICRO_BATCH))
 
 
+class SlowOnRankZero(TinyClassifier):
+    """Rank 0's micro-batches take longer, so the ranks' clocks disagree about when a time limit passes."""
+
+    def __init__(self) -> None:
+        super().__init__(optimizer="sgd", lr=0.05)
+        self.micro_batches = 0
+
+    def training_step(self, batch, batch_idx):
+        self.micro_batches += 1
+        time.sleep(0.02 if self.global_rank == 0 else 0.002)
+        return super().training_step(batch, batch_idx)
+
+
+def max_time_scenario(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> None:
+    """A time limit passed inside a sink far longer than it: both ranks stop after the same micro-batch."""
+    from datetime import timedelta
+
+    strategy = SinkDDPStrategy(accumulation_steps=steps, sink_size=400, process_group_backend="gloo")
+    trainer = quiet_trainer(strategy=strategy, devices=2, max_time=timedelta(seconds=1), limit_val_batches=0)
+    model = SlowOnRankZero()
+    started = time.monotonic()
+    trainer.fit(model, loader(make_dataset(num_samples=num_samples), MICRO_BATCH))
+    seconds = time.monotonic() - started
+    counts = [torch.zeros(1) for _ in range(2)]
+    dist.all_gather(counts, torch.tensor([float(model.micro_batches)]))
+    if trainer.global_rank == 0:
+        torch.save({"micro_batches": [int(c.item()) for c in counts], "seconds": seconds}, out_dir / "max_time.pt")
+
+
 def main(out_dir: Path, steps: int, partial_window: str, num_samples: int, epochs: int) -> None:
     dataset = make_dataset(num_samples=num_samples)
     model = TinyClassifier(optimizer="adamw", lr=0.01, step_lr_gamma=0.95)
@@ -179,6 +209,7 @@ if __name__ == "__main__":
         "overflow": overflow_scenario,
         "sink": sink_scenario,
         "logging": logging_scenario,
+        "max_time": max_time_scenario,
     }[sys.argv[6]]
     scenario(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
     # Tear gloo down before the interpreter exits; a live process group can abort the process at exit.

@@ -153,3 +153,14 @@ def test_ddp_sinks_write_every_updates_values_synced_as_lightning_syncs_them(tmp
     assert [float(row["synced_mean"]) for row in rows] == [0.5 + 10 * u for u in range(6)]
     assert [float(row["synced_max"]) for row in rows] == [1.0 + 10 * u for u in range(6)]
     assert [float(row["local"]) for row in rows] == [10.0 * u for u in range(6)]
+
+
+@pytest.mark.slow
+def test_ddp_max_time_inside_a_sink_stops_every_rank_after_the_same_micro_batch(tmp_path):
+    """Rank 0's clock decides (its micro-batches are the slow ones): both ranks end the sink at the same
+    micro-batch, soon after the limit, instead of at the end of a 400-micro-batch sink."""
+    launch(tmp_path, 2, "scale", 64, 1, "max_time")
+    result = torch.load(tmp_path / "max_time.pt")
+    rank0, rank1 = result["micro_batches"]
+    assert rank0 == rank1
+    assert 0 < rank0 < 400
