@@ -145,6 +145,7 @@ class DataPosition:
         self.trained_in_sink = 0
         self.trained_total = 0
         self.sink_mode = False  # whether the two sink counters are saved (set by a sink-mode fit)
+        self.sink_open = False  # sink mode: the sink in flight has not reached its planned end (set at segment ends)
         self._pending_skip = 0
         self._pending_generator_states: list[Tensor] | None = None
         self._start_states: dict[int, list[Tensor]] = {}
@@ -197,6 +198,7 @@ class DataPosition:
         state: dict[str, Any] = {"pass_index": self.pass_index, "trained_in_pass": self.trained_in_pass}
         if self.sink_mode:  # sink mode's counters (absent outside it and in older checkpoints: read as 0)
             state["trained_in_sink"], state["trained_total"] = self.trained_in_sink, self.trained_total
+            state["sink_open"] = self.sink_open
         with self._lock:
             states = self._start_states.get(self.pass_index)
         if states:  # absent for loaders without generators, so their state stays two counters
@@ -215,3 +217,4 @@ class DataPosition:
         self._pending_generator_states = state.get("pass_start_generators")
         self.trained_in_sink = int(state.get("trained_in_sink", 0))
         self.trained_total = int(state.get("trained_total", 0))
+        self.sink_open = bool(state.get("sink_open", False))

@@ -486,8 +486,10 @@ class SinkFit:
             self.data_position.load_state_dict(state["data"])
             self.pending_state, self._pending_path = state, checkpoint_path
             self._pending_random_states = state.get("random")
-            size, in_sink = self.sink_size, self.data_position.trained_in_sink
-            if size is not None and 0 < in_sink < size:
+            size, position = self.sink_size, self.data_position
+            # (``sink_open`` is what the sink loop recorded; checkpoints written before it have the counts only, and
+            # a sink of ``sink_size=-1`` ends with its data pass, whose length only the loop knew)
+            if (size == -1 and position.sink_open) or (size is not None and 0 < position.trained_in_sink < size):
                 # A stop inside a sink (max_steps) that Lightning recorded as the end of its epoch: the resume
                 # continues that sink, in that epoch, to its planned end.
                 compat.reopen_interrupted_epoch(checkpoint)

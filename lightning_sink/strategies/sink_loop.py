@@ -190,6 +190,7 @@ class SinkLoop:
             self.validation_due = segment.validates
             if self._sink_size == -1 and segment.ends_sink:
                 self._pass_ended = True
+        position.sink_open = not self.sink_finished  # (saved: a resume continues an open sink in its epoch)
         if programs.end_sink is not None:
             programs.end_sink()  # the compiled programs' window sum into the store (checkpoints read it there)
         compat.set_logging_step(trainer, updated=updates.count > 0)  # (the log buffer writes each update's step)

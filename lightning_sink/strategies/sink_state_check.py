@@ -101,6 +101,7 @@ DATA_FIELDS = (
     # sink mode: micro-batches of the sink in flight, and of the whole fit
     Field("trained_in_sink", False, _int_at_least(0), "an int >= 0"),
     Field("trained_total", False, _int_at_least(0), "an int >= 0"),
+    Field("sink_open", False, lambda v: isinstance(v, bool), "a bool"),
     Field(
         "pass_start_generators",
         False,

@@ -120,3 +120,24 @@ def test_resume_from_a_checkpoint_saved_at_a_sinks_end_starts_the_next_sink(unin
     assert validated_steps(resumed) == [step for step in validated_steps(model) if step > 6]
     assert resumed_trainer.global_step == trainer.global_step == 15
     assert torch.equal(flat_params(resumed), flat_params(model))
+
+
+def test_a_max_steps_stop_inside_a_pass_long_sink_then_resume_is_the_uninterrupted_run(tmp_path):
+    """``sink_size=-1``: a sink is the rest of a data pass, so the interrupted sink ends where its pass ends."""
+    trainer, model = run(tmp_path / "uninterrupted", sink_size=-1, epochs=3)
+    assert trainer.global_step == 15 and validated_steps(model) == [5, 10, 15]  # pass ends
+    first_trainer, first = run(tmp_path / "first", max_steps=7, sink_size=-1, epochs=3)  # 4 into pass 2
+    first_trainer.save_checkpoint(tmp_path / "stop.ckpt")
+    resumed_trainer, resumed = run(
+        tmp_path / "resumed",
+        ckpt_path=tmp_path / "stop.ckpt",
+        validated_from=first.validated_at,
+        sink_size=-1,
+        epochs=3,
+    )
+    assert saved_steps(tmp_path / "first") + saved_steps(tmp_path / "resumed") == saved_steps(
+        tmp_path / "uninterrupted"
+    )
+    assert validated_steps(resumed) == validated_steps(model)
+    assert resumed_trainer.global_step == 15
+    assert torch.equal(flat_params(resumed), flat_params(model))
