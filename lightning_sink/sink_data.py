@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import queue
 import threading
-import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -32,7 +31,6 @@ __all__ = [
     "MicroBatchStream",
     "PASS_END",
     "default_prefetch_depth",
-    "quiet_placeholder_length_warning",
 ]
 
 PASS_END = object()  # a data pass ended; the next item starts a new pass
@@ -95,27 +93,6 @@ class SinkLoader:
         yield SinkToken(self._sinks - 1)
         while self.sink_continues():
             yield SinkToken(self._sinks - 1)
-
-
-def quiet_placeholder_length_warning(loader: Any) -> Callable[[], None] | None:
-    """For a training ``loader`` without a length (an ``IterableDataset``'s): ignore Lightning's warning "Your
-    ``IterableDataset`` has ``__len__`` defined" until the returned function is called (at the fit's end).
-
-    Lightning gives it when the loader it iterates has a length and a ``dataset`` that is an ``IterableDataset``:
-    the ``SinkLoader`` has both (its length is one sink; ``dataset`` is the user's), so the warning would speak of a
-    length the user's loader does not have. A loader with a length gets the warning as from stock Lightning."""
-    if pass_length(loader) is not None:
-        return None
-    warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
-    entry = warnings.filters[0]
-
-    def remove() -> None:
-        # An "ignore" entry leaves nothing in the modules' warning registries, so taking it out restores the filters.
-        filters = cast("list[Any]", warnings.filters)  # a list at run time; typeshed declares a Sequence
-        if entry in filters:
-            filters.remove(entry)
-
-    return remove
 
 
 def default_prefetch_depth(device: torch.device, loader: Any) -> int:

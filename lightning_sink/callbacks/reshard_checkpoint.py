@@ -48,10 +48,9 @@ from lightning_sink.checkpoint_format.destination import (
     is_distributed_save_file,
 )
 from lightning_sink.checkpoint_format.fs import check_file_prefix
+from lightning_sink.checkpoint_format.sink_section import drop_tensor_digests
 from lightning_sink.layout import load_layout
 from lightning_sink.reshard import ReshardReport, transform_checkpoints, verify_checkpoint
-from lightning_sink.strategies.checkpoint_state import CHECKPOINT_KEY
-from lightning_sink.strategies.tensor_digests import DIGESTS_FIELD
 
 __all__ = ["ONE_DEVICE_CHECKPOINT", "SOURCES", "ReshardCheckpoint"]
 
@@ -311,9 +310,7 @@ def _save_one_rank_dcp(trainer: pl.Trainer, pl_module: pl.LightningModule, targe
     metadata = _checkpoint_dict(trainer, target)
     metadata.pop("state_dict", None)
     metadata.pop("optimizer_states", None)
-    sink_state = metadata.get(CHECKPOINT_KEY)
-    if isinstance(sink_state, dict):  # a .ckpt's tensor digests: this folder's files have SAVE_DIGESTS.json instead
-        sink_state.pop(DIGESTS_FIELD, None)
+    metadata = drop_tensor_digests(metadata)  # this folder's files have SAVE_DIGESTS.json instead
     state: dict[str, Any] = {"state_dict": get_model_state_dict(pl_module)}
     for index, optimizer in enumerate(trainer.optimizers):
         state[f"optimizer_{index}"] = get_optimizer_state_dict(pl_module, optimizer)

@@ -30,6 +30,7 @@ from typing import Any, cast
 import torch
 
 from lightning_sink.checkpoint_format.dcp_folder import LIGHTNING_META_FILE
+from lightning_sink.checkpoint_format.sink_section import drop_tensor_digests
 from lightning_sink.error_text import reason_of
 from lightning_sink.layout.io import load_layout
 from lightning_sink.layout.schema import Chunk, Layout, MeshLayout, TensorLayout
@@ -135,7 +136,8 @@ class OneDeviceSource(Source):
         if not self.lightning:
             return {}
         objects = self._objects()
-        return {LIGHTNING_META_FILE: _saved({k: v for k, v in objects.items() if k not in _LIGHTNING_TENSOR_KEYS})}
+        meta = drop_tensor_digests({k: v for k, v in objects.items() if k not in _LIGHTNING_TENSOR_KEYS})
+        return {LIGHTNING_META_FILE: _saved(meta)}  # (the .ckpt's tensor digests describe the .ckpt only)
 
 
 def _saved(value: Any) -> bytes:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_sink.checkpoint_format.sink_section import CHECKPOINT_KEY
 from lightning_sink.data import DataPosition
 from lightning_sink.strategies.engine import EngineHost
 from lightning_sink.strategies.sink_state_check import check_state_fields, check_state_is_a_dict
@@ -25,7 +26,6 @@ from lightning_sink.window.state import Window
 
 __all__ = ["CHECKPOINT_KEY", "gather_flat_buffers", "sink_state", "read_sink_state", "load_window"]
 
-CHECKPOINT_KEY = "lightning_sink"
 _STATE_VERSION = 1
 
 

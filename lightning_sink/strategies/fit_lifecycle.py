@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities.data import has_len_all_ranks
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.nn import Parameter
 
@@ -29,7 +30,6 @@ from lightning_sink.sink_data import (
     MicroBatchStream,
     SinkLoader,
     default_prefetch_depth,
-    quiet_placeholder_length_warning,
 )
 from lightning_sink.strategies import checkpoint_state
 from lightning_sink.strategies.compiled_step import compiled_choice
@@ -89,7 +89,6 @@ class SinkFit:
         self.passes = TrainingPasses(self.data_position)  # the loader outside sink mode (resume, "drop" length)
         self._indexed_reads = IndexedLoaderReads()  # outside sink mode: in-memory loaders read by indexing
         self._sink_loader: SinkLoader | None = None
-        self._unquiet_length_warning: Callable[[], None] | None = None  # (sink_data.quiet_placeholder_length_warning)
         self.pending_state: dict[str, Any] | None = None  # a checkpoint's state, applied at train start
         self._pending_random_states: list[Any] | None = None  # a checkpoint's random generators, also at train start
         self._pending_path: Any = None  # the checkpoint the pending state came from, for error messages
@@ -187,8 +186,12 @@ class SinkFit:
             return dataloader
         if self.sink_size is not None:
             self._sink_loader = SinkLoader(dataloader)
-            if self._unquiet_length_warning is None:
-                self._unquiet_length_warning = quiet_placeholder_length_warning(dataloader)
+            # Lightning checks the length of the loader it iterates, which is now the placeholder (no length): the
+            # same checks and warnings over the user's loader, as stock gives them (a sized IterableDataset, a
+            # loader empty on some rank).
+            module = trainer.lightning_module
+            allow_zero = bool(module and module.allow_zero_length_dataloader_with_multiple_devices)
+            has_len_all_ranks(dataloader, trainer.strategy, allow_zero)
             return self._sink_loader
         whole = self.accumulation_steps if self.partial_window == "drop" else None
         counts_batches = not draws_own_batches(trainer.lightning_module)
@@ -439,9 +442,6 @@ class SinkFit:
         self.direct_transfer = False
         self.passes.release()
         self._indexed_reads.release()
-        if self._unquiet_length_warning is not None:
-            self._unquiet_length_warning()
-            self._unquiet_length_warning = None
 
     def _unbind_direct_backward(self) -> None:
         engine = self.engine

@@ -20,9 +20,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_sink.checkpoint_format.sink_section import DIGESTS_FIELD
+
 __all__ = ["DIGESTS_FIELD", "tensor_digests", "add_tensor_digests", "check_tensor_digests"]
 
-DIGESTS_FIELD = "tensor_digests"  # in the checkpoint's lightning_sink section: {"sha256": {where: hex digest}}
 _ALGORITHM = "sha256"
 
 

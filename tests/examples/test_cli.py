@@ -117,6 +117,8 @@ def test_printed_config_runs_again_unchanged(tmp_path):
             "accelerator": None,
             "checkpoint_io": None,
             "precision_plugin": None,
+            "checkpoint_random_state": True,
+            "checkpoint_digests": True,
         },
     }
     callbacks = [c["class_path"] for c in config["trainer"]["callbacks"]]

@@ -140,8 +140,9 @@ def length_warnings(strategy, dataset: IterableDataset) -> list[str]:
 
 @pytest.mark.parametrize("dataset_type", [Rows, SizedRows])
 def test_an_iterable_dataset_gets_lightnings_length_warning_only_where_stock_gives_it(dataset_type):
-    """The placeholder Lightning iterates in sink mode has a length (one sink) and forwards the user's dataset; an
-    IterableDataset without a length must not get Lightning's warning that it has one (stock gives none)."""
+    """In sink mode Lightning iterates a placeholder without a length; the strategy runs Lightning's length checks on
+    the user's loader instead: an IterableDataset without a length gets no warning that it has one (stock gives
+    none), and one with a length gets Lightning's warning, as from stock."""
     stock = length_warnings("auto", dataset_type())
     sink = length_warnings(SinkStrategy(sink_size=4), dataset_type())
     assert bool(stock) == (dataset_type is SizedRows)
