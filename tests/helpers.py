@@ -8,6 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -171,3 +172,38 @@ def quiet_trainer(**kwargs: Any) -> pl.Trainer:
     )
     defaults.update(kwargs)
     return pl.Trainer(**defaults)
+
+
+class RecordingLogger(Logger):
+    """Every point Lightning writes to the loggers, as ``(step, {name: value})`` in the order written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.points: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.points.append((step, {name: float(value) for name, value in metrics.items()}))
+
+    def values(self, skip: tuple[str, ...] = ()) -> list[tuple[int | None, str, float]]:
+        """Every value written, as ``(step, name, value)``, leaving out the names in ``skip``."""
+        return [
+            (step, name, value) for step, metrics in self.points for name, value in metrics.items() if name not in skip
+        ]
+
+    def by_step_and_name(self) -> dict[tuple[int | None, str], list[float]]:
+        """The values written at each ``(step, name)``, in order."""
+        found: dict[tuple[int | None, str], list[float]] = {}
+        for step, name, value in self.values():
+            found.setdefault((step, name), []).append(value)
+        return found

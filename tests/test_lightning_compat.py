@@ -190,20 +190,8 @@ def test_model_parallel_strategy_keeps_save_distributed_checkpoint_where_the_com
 
 def test_logging_step_set_to_is_the_step_lightnings_log_every_n_steps_and_lr_monitor_use():
     from lightning.pytorch.callbacks import LearningRateMonitor
-    from lightning.pytorch.loggers import Logger
 
-    class Recording(Logger):
-        name, version = "recording", 0
-
-        def __init__(self):
-            super().__init__()
-            self.points = []
-
-        def log_metrics(self, metrics, step=None):
-            self.points.append((step, dict(metrics)))
-
-        def log_hyperparams(self, *args, **kwargs):
-            pass
+    from tests.helpers import RecordingLogger
 
     monitor, seen = LearningRateMonitor(), {}
 
@@ -220,7 +208,7 @@ def test_logging_step_set_to_is_the_step_lightnings_log_every_n_steps_and_lr_mon
             seen["points"] = [(step, sorted(metrics)) for step, metrics in logger.points]
             seen["restored"] = trainer.fit_loop.epoch_loop._batches_that_stepped == before
 
-    trainer = quiet_trainer(logger=Recording(), log_every_n_steps=7, max_steps=1, callbacks=[monitor, Probe()])
+    trainer = quiet_trainer(logger=RecordingLogger(), log_every_n_steps=7, max_steps=1, callbacks=[monitor, Probe()])
     trainer.fit(TinyClassifier(), loader(make_dataset(num_samples=16), 4))
     assert seen == {40: False, 41: True, "points": [(41, ["lr-SGD"])], "restored": True}
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -24,6 +23,7 @@ from lightning_sink import SinkStrategy
 from lightning_sink._torch_compat import compiled_graph_count
 from lightning_sink.loss_scale import DynamicLossScale
 from lightning_sink.precision import LossScalePrecision
+from tests.helpers import RecordingLogger
 
 SAMPLES, MICRO = 40, 4  # 10 micro-batches per data pass, read in order (no shuffling)
 
@@ -216,28 +216,6 @@ def test_dynamic_loss_scaling_skips_overflowing_windows_and_holds_the_scheduler(
     assert int(scaler.skipped.item()) == expected["skipped"]
     eager_trainer = runs["eager"][1]
     assert trainer.global_step == eager_trainer.global_step  # skipped windows count as Lightning counts them
-
-
-class RecordingLogger(Logger):
-    """Every point the loggers are given, as Lightning writes it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.points: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "recording"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.points.append((step, dict(metrics)))
 
 
 def test_self_log_values_reach_lightning_as_in_the_eager_fit(caplog):

@@ -14,37 +14,15 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_sink import SinkStrategy
+from tests.helpers import RecordingLogger
 
 VOCAB, CONTEXT, WIDTH = 32, 8, 16
 MICRO_BATCH, PASS_BATCHES, STEPS = 4, 12, 4  # a pass of 12 micro-batches is 3 updates
 UPDATES = 9  # three passes
-
-
-class Points(Logger):
-    """Every value written to the loggers, as (step, name, value)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.points: list[tuple[int, str, float]] = []
-
-    @property
-    def name(self) -> str:
-        return "points"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics, step=None) -> None:
-        self.points += [(step, name, float(value)) for name, value in metrics.items() if name != "epoch"]
 
 
 class TinyGPT(pl.LightningModule):
@@ -97,8 +75,8 @@ def tokens(samples: int, seed: int) -> TensorDataset:
     return TensorDataset((start + steps * torch.arange(CONTEXT + 1)) % VOCAB)  # learnable sequences
 
 
-def fit(sink_size: int | None, checkpoints: Path) -> tuple[TinyGPT, Points, pl.Trainer, list[int]]:
-    module, points = TinyGPT(), Points()
+def fit(sink_size: int | None, checkpoints: Path) -> tuple[TinyGPT, RecordingLogger, pl.Trainer, list[int]]:
+    module, points = TinyGPT(), RecordingLogger()
     train = DataLoader(
         tokens(MICRO_BATCH * PASS_BATCHES, 1),
         batch_size=MICRO_BATCH,
@@ -136,7 +114,10 @@ def test_sinks_give_the_run_without_sinking(tmp_path, sink_size):
 
     assert reference_trainer.global_step == sunk_trainer.global_step == UPDATES
     assert reference_trainer.estimated_stepping_batches == sunk_trainer.estimated_stepping_batches == UPDATES
-    reference_points, sunk_points = sorted(reference_points.points), sorted(sunk_points.points)
+    reference_points, sunk_points = (
+        sorted(reference_points.values(skip=("epoch",))),
+        sorted(sunk_points.values(skip=("epoch",))),
+    )
     assert sunk_points == reference_points
     names = {name for _, name, _ in reference_points}
     assert {"train_loss", "lr", "val_loss"} <= names

@@ -8,36 +8,12 @@ from __future__ import annotations
 import pytest
 import torch.nn.functional as F
 import torchmetrics
-from lightning.pytorch.loggers import Logger
 
 from lightning_sink import SinkStrategy
-from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
+from tests.helpers import RecordingLogger, TinyClassifier, loader, make_dataset, quiet_trainer
 
 MICRO, STEPS, PASS = 4, 4, 8  # a data pass of 8 micro-batches: two updates
 STEP_NAMES = ("acc_metric", "loss_metric_step", "acc_tensor")
-
-
-class PointsLogger(Logger):
-    """Every (step, name) -> the values a run writes there, in order."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.points: dict[tuple[int, str], list[float]] = {}
-
-    @property
-    def name(self) -> str:
-        return "points"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params, *args, **kwargs) -> None:
-        pass
-
-    def log_metrics(self, metrics, step=None) -> None:
-        for name, value in metrics.items():
-            self.points.setdefault((step, name), []).append(float(value))
 
 
 class LogsMetrics(TinyClassifier):
@@ -61,11 +37,11 @@ class LogsMetrics(TinyClassifier):
 
 
 def points(strategy, log_every_n_steps: int, **trainer_kwargs) -> dict[tuple[int, str], list[float]]:
-    logger = PointsLogger()
+    logger = RecordingLogger()
     trainer = quiet_trainer(strategy=strategy, logger=logger, log_every_n_steps=log_every_n_steps, **trainer_kwargs)
     trainer.fit(LogsMetrics(), loader(make_dataset(num_samples=PASS * MICRO), MICRO))
     assert trainer.global_step == 12
-    return logger.points
+    return logger.by_step_and_name()
 
 
 @pytest.mark.parametrize(
