@@ -52,7 +52,7 @@ class RecordedRecord:
     """One record DCP stored in a file: a tensor chunk (``offsets``: where it starts in the tensor) or a non-tensor
     value (``offsets`` None), at bytes ``start`` to ``start + length`` of the file."""
 
-    tensor: str
+    name: str
     offsets: tuple[int, ...] | None
     start: int
     length: int
@@ -61,8 +61,8 @@ class RecordedRecord:
     def describe(self) -> str:
         where = f"bytes {self.start}-{self.start + self.length}"
         if self.offsets is None:
-            return f"non-tensor value {self.tensor!r} ({where})"
-        return f"tensor {self.tensor!r} (chunk at offsets {list(self.offsets)}, {where})"
+            return f"non-tensor value {self.name!r} ({where})"
+        return f"tensor {self.name!r} (chunk at offsets {list(self.offsets)}, {where})"
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def write_save_digests(folder: Path) -> None:
             files[entry.name] = {"sha256": digest, "bytes": size}
             if ranges:
                 files[entry.name]["records"] = [
-                    {"tensor": fqn, "offsets": offsets, "start": start, "length": length, "sha256": record_digest}
+                    {"name": fqn, "offsets": offsets, "start": start, "length": length, "sha256": record_digest}
                     for (fqn, offsets, start, length), record_digest in zip(records[entry.name], record_digests)
                 ]
     document = {"format": _FORMAT, "version": _VERSION, "files": files}
@@ -164,20 +164,20 @@ def _recorded_file(entry: object, where: str) -> RecordedFile:
 def _recorded_record(raw: object, where: str) -> RecordedRecord:
     if not isinstance(raw, dict):
         raise ValueError(f"{where}: not a map")
-    tensor, offsets, start, length = (raw.get(key) for key in ("tensor", "offsets", "start", "length"))
+    name, offsets, start, length = (raw.get(key) for key in ("name", "offsets", "start", "length"))
     if not (
-        isinstance(tensor, str)
+        isinstance(name, str)
         and (offsets is None or (isinstance(offsets, list) and all(_is_count(o) for o in offsets)))
         and _is_count(start)
         and _is_count(length)
         and _is_digest(raw.get("sha256"))
     ):
         raise ValueError(
-            f"{where}: needs 'tensor' (a name), 'offsets' (counts or null), 'start' and 'length' (counts) and"
+            f"{where}: needs 'name' (a string), 'offsets' (counts or null), 'start' and 'length' (counts) and"
             " 'sha256' (64 hex digits)"
         )
     assert isinstance(start, int) and isinstance(length, int)
-    return RecordedRecord(tensor, None if offsets is None else tuple(offsets), start, length, raw["sha256"])
+    return RecordedRecord(name, None if offsets is None else tuple(offsets), start, length, raw["sha256"])
 
 
 # ---------------------------------------------------------------------------------------------------- checking
