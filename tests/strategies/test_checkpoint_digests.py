@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_sink import SinkDDPStrategy, SinkStrategy
 from tests.distributed import run_nodes
@@ -178,14 +179,18 @@ def test_a_flipped_byte_in_a_model_parallel_dcp_shard_is_refused_before_loading(
     trainer = fit_model_parallel(tmp_path, TPClassifier(optimizer="adamw", lr=0.01))
     folder = tmp_path / "ckpt"
     trainer.save_checkpoint(folder)
-    shard = next(folder.glob("*.distcp"))
+    # where DCP's own reader says the first layer's weight lies
+    metadata = FileSystemReader(folder).read_metadata()
+    info = next(s for i, s in metadata.storage_data.items() if i.fqn == "state_dict.net.0.weight")
+    shard = folder / info.relative_path
     good = shard.read_bytes()
     data = bytearray(good)
-    data[len(data) // 2] ^= 0x10
+    data[info.offset + info.length // 2] ^= 0x10
     shard.write_bytes(bytes(data))
     resumed = TPClassifier(optimizer="adamw", lr=0.01, seed=3)
     before = [p.detach().clone() for p in resumed.parameters()]  # (sharded by the fit, as DTensors)
-    with pytest.raises(ValueError, match=rf"checkpoint folder .*: file .*{shard.name}' does not belong to this save"):
+    named = rf"file .*{shard.name}' does not belong to this save: tensor 'state_dict.net.0.weight' \(chunk at offsets"
+    with pytest.raises(ValueError, match=rf"checkpoint folder .*: {named} \[0, 0\], bytes {info.offset}-"):
         fit_model_parallel(tmp_path / "resumed", resumed, ckpt_path=folder)
     assert all(torch.equal(p.detach().full_tensor(), b) for p, b in zip(resumed.parameters(), before))  # nothing loaded
 
