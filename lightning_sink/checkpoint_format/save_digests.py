@@ -1,16 +1,18 @@
 """What binds the files of one save together: ``SAVE_DIGESTS.json``, the SHA-256 and size of every file of a DCP
-folder this package saved, and of each stored record in it, written last (by rank 0, once DCP has written its
-``.metadata``, which it does after every rank's files), before the folder is committed.
+folder this package saved, written last (by rank 0, once DCP has written its ``.metadata``, which it does after
+every rank's files), before the folder is committed.
 
 Without it, a folder mixing two saves - one save's ``.metadata`` with another's ``__0_0.distcp`` at the same
 offsets - converts without complaint: each record's CRC-32 is consistent with its own bytes. A conversion of a
 folder that has the file checks every file it reads against it first. Stock DCP folders (saved by Lightning or DCP
 itself) record nothing of the kind, so for them a mix of two saves with identical structure cannot be told apart.
 
-Each file is checked whole first (one pass over its bytes); only a file that fails is read again, record by record,
-to name the tensor whose bytes changed: the byte range of every record comes from DCP's ``.metadata``
-(``storage_data``: a tensor chunk or a non-tensor value, by name and offsets, to its file, start and length), read
-with this package's restricted unpickler.
+A DCP storage file is recorded record by record: the SHA-256 of each record DCP stored in it (a tensor chunk or a
+non-tensor value, by name and offsets), whose byte ranges come from the save's ``.metadata`` (``storage_data``,
+read with this package's restricted unpickler) and cover the file from its first byte to its last. A damaged byte
+is then refused naming the tensor it lies in, for the same single pass over the bytes that a digest of the whole
+file costs. Other files (``.metadata``, ``meta.pt``, the layout), and a storage file whose records would not cover
+it exactly, are recorded whole.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ __all__ = [
 
 SAVE_DIGESTS_FILE = "SAVE_DIGESTS.json"
 _FORMAT = "lightning-sink-save-digests"
-_VERSION = 1
+_VERSION = 2
+_VERSIONS_READ = (1, 2)  # (version 1 recorded every file whole)
 _BLOCK = 1 << 23
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -67,29 +70,35 @@ class RecordedRecord:
 
 @dataclass(frozen=True)
 class RecordedFile:
-    """A file of the save: its SHA-256 and size, and its records in byte order (none for files DCP did not write)."""
+    """A file of the save: its size and either its records, in byte order, covering it exactly, or (no records) the
+    SHA-256 of the whole file."""
 
-    sha256: str
     size: int
+    sha256: str | None
     records: tuple[RecordedRecord, ...]
 
 
 # ---------------------------------------------------------------------------------------------------- writing
 def write_save_digests(folder: Path) -> None:
-    """Record every regular file directly in ``folder`` (the save's own, freshly written) and every record of its
-    DCP storage files."""
+    """Record every regular file directly in ``folder`` (the save's own, freshly written)."""
     records = _records_in_metadata(folder)
-    files = {}
+    files: dict[str, dict[str, object]] = {}
     for entry in sorted(os.scandir(folder), key=lambda e: e.name):
-        if entry.name != SAVE_DIGESTS_FILE and entry.is_file(follow_symlinks=False):
-            ranges = [(start, length) for _, _, start, length in records.get(entry.name, [])]
-            digest, size, record_digests = _digests(folder, entry.name, ranges, f"checkpoint {str(folder)!r}")
-            files[entry.name] = {"sha256": digest, "bytes": size}
-            if ranges:
-                files[entry.name]["records"] = [
-                    {"name": fqn, "offsets": offsets, "start": start, "length": length, "sha256": record_digest}
-                    for (fqn, offsets, start, length), record_digest in zip(records[entry.name], record_digests)
-                ]
+        if entry.name == SAVE_DIGESTS_FILE or not entry.is_file(follow_symlinks=False):
+            continue
+        mine = records.get(entry.name, [])
+        if not _tiles(mine, entry.stat(follow_symlinks=False).st_size):
+            mine = []  # (recorded whole)
+        ranges = [(start, length) for _, _, start, length in mine]
+        digest, size, record_digests = _digests(folder, entry.name, ranges, f"checkpoint {str(folder)!r}")
+        files[entry.name] = {"bytes": size}
+        if mine:
+            files[entry.name]["records"] = [
+                {"name": fqn, "offsets": offsets, "start": start, "length": length, "sha256": record_digest}
+                for (fqn, offsets, start, length), record_digest in zip(mine, record_digests)
+            ]
+        else:
+            files[entry.name]["sha256"] = digest
     document = {"format": _FORMAT, "version": _VERSION, "files": files}
     write_new_file(folder / SAVE_DIGESTS_FILE, json.dumps(document, separators=(",", ":")).encode())
 
@@ -104,12 +113,17 @@ def _records_in_metadata(folder: Path) -> dict[str, list[tuple[str, list[int] | 
         by_file.setdefault(info.relative_path, []).append((index.fqn, offsets, info.offset, info.length))
     for records in by_file.values():
         records.sort(key=lambda record: record[2])
-    return {name: records if _disjoint(records) else [] for name, records in by_file.items()}
+    return by_file
 
 
-def _disjoint(records: Sequence[tuple[str, object, int, int]]) -> bool:
-    # (DCP writes each record after the previous one; should it ever not, the file is still digested whole)
-    return all(a[2] + a[3] <= b[2] for a, b in zip(records, records[1:]))
+def _tiles(records: Sequence[tuple[str, object, int, int]], size: int) -> bool:
+    """Whether the records cover bytes 0 to ``size`` exactly, one after the other (as DCP writes them)."""
+    end = 0
+    for _, _, start, length in records:
+        if start != end or length < 1:
+            return False
+        end = start + length
+    return bool(records) and end == size
 
 
 # ---------------------------------------------------------------------------------------------------- reading
@@ -124,8 +138,10 @@ def read_save_digests(folder: Path, what: str) -> dict[str, RecordedFile] | None
     files = document.get("files") if isinstance(document, dict) else None
     if not isinstance(document, dict) or document.get("format") != _FORMAT or not isinstance(files, dict):
         raise ValueError(f"{where}: not a {_FORMAT!r} file")
-    if document.get("version") != _VERSION:
-        raise ValueError(f"{where}: version {document.get('version')!r} is not one this package reads ({_VERSION})")
+    if document.get("version") not in _VERSIONS_READ:
+        raise ValueError(
+            f"{where}: version {document.get('version')!r} is not one this package reads {list(_VERSIONS_READ)}"
+        )
     recorded = {}
     for name, entry in files.items():
         if not isinstance(name, str) or len(check_relative_name(name, where).parts) != 1:
@@ -143,22 +159,28 @@ def _is_digest(value: object) -> bool:
 
 
 def _recorded_file(entry: object, where: str) -> RecordedFile:
-    if not isinstance(entry, dict) or not _is_digest(entry.get("sha256")) or not _is_count(entry.get("bytes")):
-        raise ValueError(f"{where}: not a record of a file (a 'sha256' of 64 hex digits and a 'bytes' count)")
-    raw_records = entry.get("records", [])
-    if not isinstance(raw_records, list):
-        raise ValueError(f"{where}: 'records' is not a list")
+    raw_records = entry.get("records") if isinstance(entry, dict) else None
+    if not isinstance(entry, dict) or not _is_count(entry.get("bytes")):
+        raise ValueError(f"{where}: not a record of a file (a 'bytes' count and a 'sha256' or 'records')")
+    if raw_records is None:
+        if not _is_digest(entry.get("sha256")):
+            raise ValueError(f"{where}: has neither 'records' nor a 'sha256' of 64 hex digits")
+        return RecordedFile(entry["bytes"], entry["sha256"], ())
+    if not isinstance(raw_records, list) or not raw_records:
+        raise ValueError(f"{where}: 'records' is not a list of records")
     size, records, end = entry["bytes"], [], 0
     for number, raw in enumerate(raw_records):
         record = _recorded_record(raw, f"{where}: record {number}")
-        if record.start < end or record.start + record.length > size:
+        if record.start != end or record.length < 1 or record.start + record.length > size:
             raise ValueError(
-                f"{where}: record {number} ({record.describe()}) overlaps the one before it or lies outside the"
-                f" file's {size} bytes"
+                f"{where}: record {number} ({record.describe()}) does not follow the one before it, is empty or lies"
+                f" outside the file's {size} bytes"
             )
         end = record.start + record.length
         records.append(record)
-    return RecordedFile(entry["sha256"], size, tuple(records))
+    if end != size:
+        raise ValueError(f"{where}: its records end at byte {end}, the file's {size} bytes are not all covered")
+    return RecordedFile(size, None, tuple(records))
 
 
 def _recorded_record(raw: object, where: str) -> RecordedRecord:
@@ -182,36 +204,31 @@ def _recorded_record(raw: object, where: str) -> RecordedRecord:
 
 # ---------------------------------------------------------------------------------------------------- checking
 def check_recorded_files(folder: Path, recorded: dict[str, RecordedFile], names: Sequence[str], what: str) -> int:
-    """Check that each of ``names`` is recorded with the SHA-256 and size of its bytes; return the bytes read. A file
-    that differs is a ValueError naming it and, read again record by record, the first tensor whose bytes differ."""
+    """Check each of ``names`` against what was recorded of it, in one pass over its bytes; return the bytes read.
+    A file that differs is a ValueError naming it and, for a storage file, the first tensor whose bytes differ."""
     read = 0
     for name in names:
         check_relative_name(name, f"{what}: file")
         entry = recorded.get(name)
         if entry is None:
             raise ValueError(f"{what}: file {str(folder / name)!r} is not one this save wrote ({SAVE_DIGESTS_FILE})")
-        digest, size, _ = _digests(folder, name, [], what)
+        digest, size, record_digests = _digests(folder, name, [(r.start, r.length) for r in entry.records], what)
         read += size
-        if digest != entry.sha256 or size != entry.size:
-            raise ValueError(_difference(folder, name, entry, size, what))
+        differing = [record for record, got in zip(entry.records, record_digests) if got != record.sha256]
+        if differing:
+            more = f" and {len(differing) - 1} more record(s)" if len(differing) > 1 else ""
+            culprit = f"{differing[0].describe()}{more} differs from its SHA-256"
+        elif size != entry.size:
+            culprit = f"it holds {size} bytes, the save wrote {entry.size}"
+        elif entry.sha256 is not None and digest != entry.sha256:
+            culprit = "its SHA-256 differs from the one"
+        else:
+            continue
+        raise ValueError(
+            f"{what}: file {str(folder / name)!r} does not belong to this save: {culprit} in {SAVE_DIGESTS_FILE} (a"
+            " damaged byte, a file of another save, or changed since)"
+        )
     return read
-
-
-def _difference(folder: Path, name: str, entry: RecordedFile, size: int, what: str) -> str:
-    """Which record of a file that differs from its digest holds the difference (a second pass over it)."""
-    _, _, record_digests = _digests(folder, name, [(r.start, r.length) for r in entry.records], what)
-    differing = [record for record, digest in zip(entry.records, record_digests) if digest != record.sha256]
-    if differing:
-        more = f" and {len(differing) - 1} more record(s)" if len(differing) > 1 else ""
-        culprit = f"{differing[0].describe()}{more} differs from its SHA-256"
-    elif size != entry.size:
-        culprit = f"it holds {size} bytes, the save wrote {entry.size}"
-    else:
-        culprit = "its SHA-256 differs (outside the records of its tensors)"
-    return (
-        f"{what}: file {str(folder / name)!r} does not belong to this save: {culprit} in {SAVE_DIGESTS_FILE} (a"
-        " damaged byte, a file of another save, or changed since)"
-    )
 
 
 def check_save_digests(folder: Path, names: list[str], what: str) -> int | None:
@@ -239,19 +256,19 @@ def share_of_files(recorded: dict[str, RecordedFile], names: Sequence[str], rank
 
 
 def _digests(folder: Path, name: str, ranges: Sequence[tuple[int, int]], what: str) -> tuple[str, int, list[str]]:
-    """(SHA-256, size) of the file and the SHA-256 of each of ``ranges`` (start, length; in order, disjoint), in one
-    pass; the file reached without following symbolic links."""
+    """In one pass over the file (reached without following symbolic links): the SHA-256 of each of ``ranges`` (start,
+    length; in order, one after the other from byte 0) or, without ranges, of the whole file (else ""); the size."""
     whole = hashlib.sha256()
     parts = [hashlib.sha256() for _ in ranges]
     position = 0
     with os.fdopen(open_inside(folder, name, what), "rb") as handle:
-        for (start, length), part in zip(ranges, parts):
-            position += _feed(handle, start - position, (whole,))
-            if position < start:
-                break  # the file ends before this record: its digest (and the ones after) will differ
-            position += _feed(handle, length, (whole, part))
-        position += _feed(handle, None, (whole,))
-    return whole.hexdigest(), position, [part.hexdigest() for part in parts]
+        for (_, length), part in zip(ranges, parts):
+            fed = _feed(handle, length, (part,))
+            position += fed
+            if fed < length:
+                break  # the file ends inside this record: its digest (and the ones after) will differ
+        position += _feed(handle, None, () if ranges else (whole,))
+    return ("" if ranges else whole.hexdigest()), position, [part.hexdigest() for part in parts]
 
 
 def _feed(handle: BinaryIO, count: int | None, hashes: Sequence[hashlib._Hash]) -> int:

@@ -7,6 +7,7 @@ is one ValueError naming it, checked with DCP's own metadata reader as the refer
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import warnings
@@ -76,6 +77,27 @@ def test_an_undamaged_save_passes_and_stock_folders_are_not_checked(saved):
     check_one_save(saved)  # nothing recorded, nothing to check against (as before)
 
 
+def test_files_recorded_whole_are_refused_naming_the_file(saved):
+    flip(saved / "meta.pt", (saved / "meta.pt").stat().st_size // 2)
+    with pytest.raises(ValueError, match=r"file '.*ckpt/meta.pt' does not belong to this save: its SHA-256 differs"):
+        check_one_save(saved)
+
+
+def test_a_version_1_digests_file_is_still_read(saved):
+    # (version 1, written before the records: every file recorded whole)
+    files = {
+        path.name: {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "bytes": path.stat().st_size}
+        for path in saved.iterdir()
+        if path.name != DIGESTS
+    }
+    document = {"format": "lightning-sink-save-digests", "version": 1, "files": files}
+    (saved / DIGESTS).write_text(json.dumps(document))
+    check_one_save(saved)
+    flip(saved / "__0_0.distcp", 100)
+    with pytest.raises(ValueError, match=r"__0_0.distcp' does not belong to this save: its SHA-256 differs"):
+        check_one_save(saved)
+
+
 def rewrite(folder: Path, change) -> None:
     document = json.loads((folder / DIGESTS).read_text())
     change(document)
@@ -89,21 +111,24 @@ def shard(document: dict) -> dict:
 @pytest.mark.parametrize(
     ("change", "reason"),
     [
-        (lambda d: shard(d)["records"][0].update(start=shard(d)["bytes"]), "lies outside the file's"),
         (lambda d: shard(d)["records"][-1].update(length=10**18), "lies outside the file's"),
-        (lambda d: shard(d)["records"][1].update(start=0), "overlaps the one before it"),
+        (lambda d: shard(d)["records"][1].update(start=0), "does not follow the one before it"),
+        (lambda d: shard(d)["records"][0].update(length=0), "is empty"),
+        (lambda d: shard(d)["records"].pop(), "the file's \\d+ bytes are not all covered"),
+        (lambda d: shard(d).pop("records"), "has neither 'records' nor a 'sha256'"),
         (lambda d: shard(d)["records"][0].update(start=-1), "'start' and 'length' \\(counts\\)"),
         (lambda d: shard(d)["records"][0].update(length=True), "'start' and 'length' \\(counts\\)"),
         (lambda d: shard(d)["records"][0].update(offsets=["0"]), "'offsets' \\(counts or null\\)"),
         (lambda d: shard(d)["records"][0].update(name=7), "needs 'name' \\(a string\\)"),
         (lambda d: shard(d)["records"][0].update(sha256="x" * 64), "'sha256' \\(64 hex digits\\)"),
         (lambda d: shard(d)["records"].append([1, 2]), "record \\d+: not a map"),
-        (lambda d: shard(d).update(records={"a": 1}), "'records' is not a list"),
+        (lambda d: shard(d).update(records={"a": 1}), "'records' is not a list of records"),
+        (lambda d: shard(d).update(records=[]), "'records' is not a list of records"),
         (lambda d: shard(d).update(bytes="4479"), "not a record of a file"),
         (lambda d: d["files"].update({"__7_0.distcp": shard(d)}), "records '__7_0.distcp', which is not in the folder"),
         (lambda d: d["files"].update({"../x": shard(d)}), "would escape its folder"),
         (lambda d: d["files"].update({"sub/x": shard(d)}), "'sub/x' is not a file name directly in the folder"),
-        (lambda d: d.update(version=2), "version 2 is not one this package reads"),
+        (lambda d: d.update(version=3), "version 3 is not one this package reads"),
         (lambda d: d.update(files=[]), "not a 'lightning-sink-save-digests' file"),
     ],
 )
