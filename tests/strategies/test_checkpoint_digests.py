@@ -225,6 +225,7 @@ def rank_records(out: Path, case: str) -> list[dict]:
     return [json.loads((out / f"{case}.rank{rank}.json").read_text()) for rank in range(2)]
 
 
+@pytest.mark.slow
 def test_each_rank_checks_only_its_share_of_the_files(two_rank_resumes):
     clean = rank_records(two_rank_resumes, "clean")
     assert [record["error"] for record in clean] == [None, None]
@@ -238,6 +239,7 @@ def test_each_rank_checks_only_its_share_of_the_files(two_rank_resumes):
     assert all(any(name.endswith(".distcp") for name in share) for share in shares)  # one storage file each
 
 
+@pytest.mark.slow
 def test_a_flipped_byte_only_rank_1_checks_is_refused_on_both_ranks_naming_file_and_tensor(two_rank_resumes):
     flipped = json.loads((two_rank_resumes / "flipped.json").read_text())
     records = rank_records(two_rank_resumes, "flipped")
@@ -252,6 +254,7 @@ def test_a_flipped_byte_only_rank_1_checks_is_refused_on_both_ranks_naming_file_
     assert all(record["seconds"] < 60 for record in records)  # (a hang would wait for the process-group timeout)
 
 
+@pytest.mark.slow
 def test_a_rank_that_cannot_read_its_share_fails_every_rank(two_rank_resumes):
     records = rank_records(two_rank_resumes, "unreadable")
     assert records[0]["error"] == records[1]["error"]
