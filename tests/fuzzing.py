@@ -7,7 +7,9 @@ Formats and the entry point each mutated file goes through:
 - ``rank_file``: a rank file of a resharded folder with its manifest entry re-signed (so that the SHA-256 check
   passes and the parser is reached), through ``verify_checkpoint`` and ``load_resharded_checkpoint``;
 - ``dcp_metadata``: a DCP folder's ``.metadata``, through ``transform_checkpoints``;
-- ``distcp``: a DCP storage file, through ``transform_checkpoints``.
+- ``distcp``: a DCP storage file, through ``transform_checkpoints``;
+- ``save_digests``: the ``SAVE_DIGESTS.json`` of a DCP folder this package saved, through the resume's check
+  (``check_one_save``) and the conversion's (``check_save_digests``).
 
 The oracle: a mutated input gives a correct result or a clean refusal - a ``ValueError`` or ``FileNotFoundError``
 of one line naming the folder or file - never any other exception (a traceback for the user), never more than
@@ -32,6 +34,9 @@ from pathlib import Path
 
 import torch
 
+from lightning_sink.checkpoint_format.dcp_folder import save_dcp_atomically
+from lightning_sink.checkpoint_format.dcp_load import check_one_save
+from lightning_sink.checkpoint_format.save_digests import SAVE_DIGESTS_FILE, check_save_digests
 from lightning_sink.layout import Chunk, Layout, MeshLayout, TensorLayout, layout_on_mesh, load_layout, save_layout
 from lightning_sink.reshard import load_resharded_checkpoint, transform_checkpoints, verify_checkpoint
 
@@ -39,7 +44,7 @@ __all__ = ["FORMATS", "MAX_GROWTH_MIB", "SECONDS_PER_CASE", "Finding", "fuzz"]
 
 SECONDS_PER_CASE = 20.0
 MAX_GROWTH_MIB = 512
-FORMATS = ("layout", "manifest", "rank_file", "dcp_metadata", "distcp")
+FORMATS = ("layout", "manifest", "rank_file", "dcp_metadata", "distcp", "save_digests")
 _EXTREMES = [0, -1, 1, 2**31, 2**63, 10**30, 3 * 10**8, 1e308, -1e308, 0.5, True, None, "", "x", [], {}, [[]]]
 
 
@@ -58,6 +63,7 @@ class _Fixtures:
     source: Path  # rank files of one 3x4 tensor and a vector, with layout.json
     resharded: Path  # the same converted to two ranks (MANIFEST.json, layout.json, two rank files)
     dcp: Path  # a one-rank DCP folder of the same state
+    saved: Path  # the same state saved by this package (with SAVE_DIGESTS.json)
     target: Path  # the two-rank target layout file
     files: dict[str, bytes] = field(default_factory=dict)
 
@@ -89,13 +95,20 @@ def _fixtures(root: Path) -> _Fixtures:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({**state, "step": 3}, checkpoint_id=folder, no_dist=True)
-    found = _Fixtures(root, source, resharded, folder, target)
+    saved = root / "saved"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        save_dcp_atomically(
+            {**state, "step": 3}, {"epoch": 1}, saved, global_rank=0, world_size=1, barrier=lambda: None
+        )
+    found = _Fixtures(root, source, resharded, folder, saved, target)
     found.files = {
         "layout": (root / "two.json").read_bytes(),
         "manifest": (resharded / "MANIFEST.json").read_bytes(),
         "rank_file": (resharded / "rank_1" / "ckpt_1.pt").read_bytes(),
         "dcp_metadata": (folder / ".metadata").read_bytes(),
         "distcp": (folder / "__0_0.distcp").read_bytes(),
+        "save_digests": (saved / SAVE_DIGESTS_FILE).read_bytes(),
     }
     return found
 
@@ -152,7 +165,7 @@ def _mutate_json(data: bytes, rng: random.Random) -> bytes:
 
 
 def _mutated(kind: str, original: bytes, rng: random.Random) -> bytes:
-    if kind in ("layout", "manifest") and rng.random() < 0.6:
+    if kind in ("layout", "manifest", "save_digests") and rng.random() < 0.6:
         return _mutate_json(original, rng)
     return _mutate_bytes(original, rng)
 
@@ -185,6 +198,16 @@ def _case(kind: str, fixtures: _Fixtures, data: bytes, work: Path) -> tuple[Call
             return load_resharded_checkpoint(folder / "rank_1" / "ckpt_1.pt")
 
         return check, [str(folder)]
+    if kind == "save_digests":
+        saved = Path(shutil.copytree(fixtures.saved, work / "saved"))
+        (saved / SAVE_DIGESTS_FILE).write_bytes(data)
+        names = sorted(path.name for path in saved.iterdir() if path.name != SAVE_DIGESTS_FILE)
+
+        def check_saved() -> object:
+            check_one_save(saved)
+            return check_save_digests(saved, names, f"DCP checkpoint {str(saved)!r}")
+
+        return check_saved, [str(saved)]
     folder = Path(shutil.copytree(fixtures.dcp, work / "dcp"))
     (folder / (".metadata" if kind == "dcp_metadata" else "__0_0.distcp")).write_bytes(data)
     return lambda: transform_checkpoints(folder, work / "out", "ckpt_", None, fixtures.target), [str(folder)]

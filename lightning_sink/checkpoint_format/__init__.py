@@ -4,7 +4,8 @@
 - ``atomic``: a folder written under a staging name and renamed into place;
 - ``destination``: which folders a conversion may replace, one writer at a time, staging removed on failure,
   write failures in words naming the file;
-- ``save_digests``: ``SAVE_DIGESTS.json``, what binds the files of one DCP save together;
+- ``save_digests``: ``SAVE_DIGESTS.json``, what binds the files of one DCP save together (a SHA-256 per stored
+  record of a storage file, so that a damaged byte is refused naming its tensor, and per other file);
 - ``manifest``: ``MANIFEST.json``, every file's SHA-256 and the conversion's provenance;
 - ``rank_file``: one target rank's file of a resharded checkpoint (``rank_{r}/{prefix}{r}.pt``);
 - ``resharded_folder``: which rank file a rank reads, and ``verify_checkpoint``;

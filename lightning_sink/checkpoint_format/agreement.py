@@ -10,7 +10,9 @@ same verdict, so a disagreement is one error raised on every rank, never a hang:
 
 - ``check_every_rank_file_present``: after the ranks wrote their shards into the staging folder, rank 0's folder
   (the one that gets committed) must hold every file every rank wrote;
-- ``agree_on_checkpoint_path``: before a resume loads, every rank must see the same entries at the path.
+- ``agree_on_checkpoint_path``: before a resume loads, every rank must see the same entries at the path;
+- ``gather_from_every_rank``: the one collective behind both, also how the ranks combine their shares of a check
+  (``dcp_load.check_one_save``: each rank checks some files, every rank gets every verdict).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import socket
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch.distributed as dist
 
@@ -31,6 +34,7 @@ __all__ = [
     "agree_on_checkpoint_path",
     "check_every_rank_file_present",
     "describe_path",
+    "gather_from_every_rank",
     "gather_views",
 ]
 
@@ -45,6 +49,9 @@ NOT_SHARED_ADVICE = (
 _MAX_ENTRIES = 10_000
 _SHOWN = 6
 _SHOWN_GROUPS = 4  # (one per node, typically; each costs one broadcast of a listing, in the error case only)
+
+
+T = TypeVar("T")
 
 
 class CheckpointNotSharedError(RuntimeError):
@@ -103,14 +110,19 @@ def _distributed(world_size: int) -> bool:
     return world_size > 1 and dist.is_available() and dist.is_initialized()
 
 
+def gather_from_every_rank(value: T, world_size: int) -> list[T | None]:
+    """Every rank's ``value``, indexed by global rank: one ``all_gather_object`` (just ``[value]`` in one process)."""
+    if not _distributed(world_size):
+        return [value]
+    gathered: list[T | None] = [None] * world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
 def gather_views(digest: str, world_size: int) -> list[RankView]:
     """Every rank's host and digest, indexed by global rank: one ``all_gather_object`` of a few dozen bytes each (the
     file names themselves travel only when the ranks disagree)."""
-    mine = RankView(_host(), digest)
-    if not _distributed(world_size):
-        return [mine]
-    views: list[RankView | None] = [None] * world_size
-    dist.all_gather_object(views, mine)
+    views = gather_from_every_rank(RankView(_host(), digest), world_size)
     return [view if view is not None else RankView("unknown host", "") for view in views]
 
 

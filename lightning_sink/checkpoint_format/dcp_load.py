@@ -16,9 +16,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_sink._torch_compat import MetadataCheckedReader, WeightsOnlyLoadPlanner
+from lightning_sink.checkpoint_format.agreement import gather_from_every_rank
 from lightning_sink.checkpoint_format.dcp_folder import LIGHTNING_META_FILE
 from lightning_sink.checkpoint_format.fs import inside
-from lightning_sink.checkpoint_format.save_digests import check_save_digests
+from lightning_sink.checkpoint_format.save_digests import (
+    SAVE_DIGESTS_FILE,
+    RecordedFile,
+    check_recorded_files,
+    read_save_digests,
+    share_of_files,
+)
+from lightning_sink.error_text import reason_of
 from lightning_sink.layout.dcp_metadata import DCP_METADATA_FILE, read_dcp_metadata
 
 __all__ = ["check_one_save", "load_dcp_folder"]
@@ -38,16 +46,62 @@ def _load(state: dict[str, Any], folder: Path) -> None:
         ) from None
 
 
-def check_one_save(folder: Path) -> None:
+def check_one_save(folder: Path, global_rank: int = 0, world_size: int = 1) -> None:
     """Where this package saved the folder (``SAVE_DIGESTS.json``): every file the load reads (``.metadata``, the
     ``.distcp`` shards, ``meta.pt``) has the SHA-256 and size recorded at the save, so a flipped byte or a file of
-    another save is refused, naming the file, before anything is loaded. Each rank checks every file (it cannot know
-    which ones DCP will read for it). Stock DCP folders record nothing and load as before."""
+    another save is refused, naming the file and the tensor, before anything is loaded. Stock DCP folders record
+    nothing and load as before.
+
+    Called on every rank: each checks its share of the files (``share_of_files``: the largest first, balanced by
+    bytes), and one collective gives every rank every rank's verdict, so all of them raise the same ValueError (the
+    lowest failing rank's) - also when a rank could not read its share, or the ranks did not divide the files
+    between them (they read different digests). Nothing waits on a rank that failed."""
+    what = f"checkpoint folder {str(folder)!r}"
+    names: list[str] = []
+    checked: list[str] = []
+    failure: str | None = None
+    try:
+        needed = _files_to_check(folder, what)
+        if needed is not None:
+            names, recorded = needed
+            checked = share_of_files(recorded, names, global_rank, world_size)
+            check_recorded_files(folder, recorded, checked, what)
+    except ValueError as error:  # (this package's refusals: one line naming the file)
+        failure = str(error)
+    except Exception as error:
+        failure = f"{what}: rank {global_rank} could not check its share of the files: {reason_of(error)}"
+    _agree(checked, failure, names, world_size, what)
+
+
+def _files_to_check(folder: Path, what: str) -> tuple[list[str], dict[str, RecordedFile]] | None:
+    """The files a load reads and what ``SAVE_DIGESTS.json`` records (None: the folder has none), after checking that
+    every file it records is in the folder."""
+    recorded = read_save_digests(folder, what)
+    if recorded is None:
+        return None
+    absent = sorted(name for name in recorded if not os.path.lexists(folder / name))
+    if absent:
+        raise ValueError(
+            f"save digests {str(folder / SAVE_DIGESTS_FILE)!r}: records {absent[0]!r}"
+            f"{f' and {len(absent) - 1} more' if len(absent) > 1 else ''}, which is not in the folder"
+        )
     names = [DCP_METADATA_FILE, LIGHTNING_META_FILE]
     names += sorted(entry.name for entry in os.scandir(folder) if entry.name.endswith(".distcp"))
-    check_save_digests(
-        folder, [name for name in names if os.path.lexists(folder / name)], f"checkpoint folder {str(folder)!r}"
-    )
+    return [name for name in names if os.path.lexists(folder / name)], recorded
+
+
+def _agree(checked: list[str], failure: str | None, needed: list[str], world_size: int, what: str) -> None:
+    """One collective: every rank's share and verdict; the first failure is raised on every rank."""
+    reports = gather_from_every_rank((checked, failure), world_size)
+    for report in reports:
+        if report is not None and report[1] is not None:
+            raise ValueError(report[1])
+    covered = [name for report in reports if report is not None for name in report[0]]
+    if sorted(covered) != sorted(needed):
+        raise ValueError(
+            f"{what}: the ranks did not share the check of its {len(needed)} files between them (they read"
+            f" different {SAVE_DIGESTS_FILE} files): the checkpoint directory must be the same on every node"
+        )
 
 
 def load_dcp_folder(
@@ -56,6 +110,8 @@ def load_dcp_folder(
     optimizers: list[torch.optim.Optimizer],
     strict: bool,
     weights_only: bool | None,
+    global_rank: int = 0,
+    world_size: int = 1,
 ) -> dict[str, Any]:
     """Fill ``module`` and ``optimizers`` (keys ``state_dict``, ``optimizer_{i}``) from the DCP folder; return the
     rest of the checkpoint (``meta.pt``: Lightning's loops, callbacks, schedulers...)."""
@@ -66,7 +122,7 @@ def load_dcp_folder(
         set_optimizer_state_dict,
     )
 
-    check_one_save(folder)
+    check_one_save(folder, global_rank, world_size)
     read_dcp_metadata(folder)  # a foreign or hostile .metadata fails here, naming the file, before any collective
     model_state = {"state_dict": get_model_state_dict(module)}
     _load(model_state, folder)

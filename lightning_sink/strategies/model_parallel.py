@@ -269,7 +269,15 @@ class SinkModelParallelStrategy(ModelParallelStrategy):
         if (path / DCP_METADATA_FILE).is_file():
             module = self.lightning_module
             assert self.model is not None and module is not None  # (Lightning loads checkpoints after setup)
-            checkpoint = load_dcp_folder(path, self.model, self.optimizers, module.strict_loading, weights_only)
+            checkpoint = load_dcp_folder(
+                path,
+                self.model,
+                self.optimizers,
+                module.strict_loading,
+                weights_only,
+                self.global_rank,
+                self.world_size,
+            )
             self.sink_fit.restore(checkpoint, path)
             return checkpoint
         if not is_resharded_checkpoint(path):

@@ -4,13 +4,16 @@ folders their ``SAVE_DIGESTS.json``. Stock checkpoints, which carry neither, res
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_sink import SinkDDPStrategy, SinkStrategy
+from tests.distributed import run_nodes
 from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
 from tests.strategies import model_parallel_worker as mp_worker
 from tests.strategies.mp_models import TPClassifier
@@ -176,14 +179,18 @@ def test_a_flipped_byte_in_a_model_parallel_dcp_shard_is_refused_before_loading(
     trainer = fit_model_parallel(tmp_path, TPClassifier(optimizer="adamw", lr=0.01))
     folder = tmp_path / "ckpt"
     trainer.save_checkpoint(folder)
-    shard = next(folder.glob("*.distcp"))
+    # where DCP's own reader says the first layer's weight lies
+    metadata = FileSystemReader(folder).read_metadata()
+    info = next(s for i, s in metadata.storage_data.items() if i.fqn == "state_dict.net.0.weight")
+    shard = folder / info.relative_path
     good = shard.read_bytes()
     data = bytearray(good)
-    data[len(data) // 2] ^= 0x10
+    data[info.offset + info.length // 2] ^= 0x10
     shard.write_bytes(bytes(data))
     resumed = TPClassifier(optimizer="adamw", lr=0.01, seed=3)
     before = [p.detach().clone() for p in resumed.parameters()]  # (sharded by the fit, as DTensors)
-    with pytest.raises(ValueError, match=rf"checkpoint folder .*: file .*{shard.name}' does not belong to this save"):
+    named = rf"file .*{shard.name}' does not belong to this save: tensor 'state_dict.net.0.weight' \(chunk at offsets"
+    with pytest.raises(ValueError, match=rf"checkpoint folder .*: {named} \[0, 0\], bytes {info.offset}-"):
         fit_model_parallel(tmp_path / "resumed", resumed, ckpt_path=folder)
     assert all(torch.equal(p.detach().full_tensor(), b) for p, b in zip(resumed.parameters(), before))  # nothing loaded
 
@@ -200,3 +207,59 @@ def test_a_dcp_folder_without_save_digests_loads_as_before(tmp_path):
         tmp_path / "resumed", TPClassifier(optimizer="adamw", lr=0.01), ckpt_path=tmp_path / "ckpt"
     )
     assert resumed.global_step == trainer.global_step
+
+
+# ---------------------------------------------------------------------------------------------------- two ranks
+@pytest.fixture(scope="module")
+def two_rank_resumes(tmp_path_factory) -> Path:
+    """One launch of 2 ranks: a save, a clean resume, a resume with a flipped byte in a file only rank 1 checks, and
+    one where rank 1 cannot read its files (see save_digests_worker.py)."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    out = root / "out"
+    out.mkdir()
+    run_nodes("tests.strategies.save_digests_worker", out, nodes=1, devices=2, root=root, timeout=480)
+    return out
+
+
+def rank_records(out: Path, case: str) -> list[dict]:
+    return [json.loads((out / f"{case}.rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.slow
+def test_each_rank_checks_only_its_share_of_the_files(two_rank_resumes):
+    clean = rank_records(two_rank_resumes, "clean")
+    assert [record["error"] for record in clean] == [None, None]
+    folder = {path.name for path in (two_rank_resumes / "ckpt").iterdir()}
+    checked = {".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp"}
+    assert checked <= folder
+    shares = [record["opened"] for record in clean]
+    assert all(len(share) == len(set(share)) for share in shares)  # no file read twice
+    assert not set(shares[0]) & set(shares[1])  # disjoint
+    assert set(shares[0]) | set(shares[1]) == checked  # and together every file the load reads
+    assert all(any(name.endswith(".distcp") for name in share) for share in shares)  # one storage file each
+
+
+@pytest.mark.slow
+def test_a_flipped_byte_only_rank_1_checks_is_refused_on_both_ranks_naming_file_and_tensor(two_rank_resumes):
+    flipped = json.loads((two_rank_resumes / "flipped.json").read_text())
+    records = rank_records(two_rank_resumes, "flipped")
+    assert records[0]["error"] == records[1]["error"]  # the same one line on every rank
+    error = records[0]["error"]
+    assert "\n" not in error
+    assert error.startswith("ValueError: checkpoint folder ")
+    assert f"{flipped['file']}' does not belong to this save: tensor '{flipped['tensor']}'" in error
+    assert f"(chunk at offsets {flipped['offsets']}, bytes " in error
+    assert flipped["file"] not in records[0]["opened"]  # rank 0 did not read it: rank 1's verdict reached it
+    assert flipped["file"] in records[1]["opened"]
+    assert all(record["seconds"] < 60 for record in records)  # (a hang would wait for the process-group timeout)
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_read_its_share_fails_every_rank(two_rank_resumes):
+    records = rank_records(two_rank_resumes, "unreadable")
+    assert records[0]["error"] == records[1]["error"]
+    error = records[0]["error"]
+    assert "\n" not in error
+    assert "rank 1 could not check its share of the files: [Errno 13] Permission denied" in error
+    assert ".distcp" in error
+    assert all(record["seconds"] < 60 for record in records)
