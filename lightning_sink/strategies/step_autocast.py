@@ -28,7 +28,7 @@ def _autocast_only(plugin: Precision) -> bool:
     )
 
 
-def step_autocast(plugin: Precision) -> AutocastRegion | None | str:
+def step_autocast(plugin: Precision) -> AutocastRegion | str | None:
     """The autocast region ``plugin`` runs ``training_step`` in (None: none), or the one-line reason the programs
     cannot build its context."""
     kind = type(plugin)
