@@ -19,6 +19,13 @@ __all__ = ["AutocastRegion"]
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
+def _autocast_runs_on(device_type: str) -> bool:
+    try:
+        return torch.amp.is_autocast_available(device_type)
+    except RuntimeError:  # not a device type torch knows
+        return False
+
+
 @dataclass(frozen=True)
 class AutocastRegion:
     """``torch.autocast(device_type, dtype=dtype, cache_enabled=cache_enabled)`` around each program's forward."""
@@ -28,7 +35,7 @@ class AutocastRegion:
     cache_enabled: bool = True
 
     def __post_init__(self) -> None:
-        if not isinstance(self.device_type, str) or not torch.amp.is_autocast_available(self.device_type):
+        if not isinstance(self.device_type, str) or not _autocast_runs_on(self.device_type):
             raise ValueError(
                 f"device_type={self.device_type!r} is not valid: pass a device type autocast runs on ('cpu', 'cuda')"
             )
