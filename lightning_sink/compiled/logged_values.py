@@ -15,7 +15,6 @@ runs inside the traced program, where ``inspect.Signature.bind`` cannot be trace
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -65,7 +64,6 @@ _KEYWORDS_ONLY = {
 }
 
 
-@functools.lru_cache(maxsize=64)
 def _parameters_of(kind: type, method: str) -> _Parameters:
     """The parameters of ``kind``'s own ``method`` (``log`` or ``log_dict``); a class without it: keywords only."""
     function = getattr(kind, method, None)
@@ -93,6 +91,7 @@ class LoggedValues:
         self.options: dict[str, dict[str, Any]] = {}  # per name, as the programs last returned them
         self._log_parameters = _KEYWORDS_ONLY["log"]  # the installed module's (installed_on)
         self._log_dict_parameters = _KEYWORDS_ONLY["log_dict"]
+        self._parameters_read_for: type | None = None  # the module class they were read from
         # bound once, so that the attributes installed on the module are the same objects at every call
         self._log, self._log_dict = self.log, self.log_dict
 
@@ -116,7 +115,12 @@ class LoggedValues:
         under those names before (a sink's log buffer stands in for ``log`` there) is put back afterwards."""
         names = ("log", "log_dict")
         kind = type(module)
-        self._log_parameters, self._log_dict_parameters = _parameters_of(kind, "log"), _parameters_of(kind, "log_dict")
+        if kind is not self._parameters_read_for:  # read once: installed at every program call
+            self._log_parameters, self._log_dict_parameters = (
+                _parameters_of(kind, "log"),
+                _parameters_of(kind, "log_dict"),
+            )
+            self._parameters_read_for = kind
         held = {name: module.__dict__[name] for name in names if name in module.__dict__}
         module.__dict__["log"], module.__dict__["log_dict"] = self._log, self._log_dict
         try:
