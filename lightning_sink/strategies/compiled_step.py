@@ -5,8 +5,8 @@ step (``lightning_sink.compiled``), behind the ``StepProgram`` seam of ``program
 (``CompiledAccumulate`` / ``CompiledUpdate``) or, when the programs do not apply, the pair ``choose_programs`` picks
 (today's path: with ``"compile"`` the forward-compiled ``training_step``). Whether they apply is decided once, at the
 first micro-batch of the fit's first sink, before anything of the run changed: the run's own reasons (DDP, the
-model-parallel strategy, hooks that run between forward and update, a precision context other than autocast) first, then
-``build_step_programs``'s (the optimizer, the module's hook overrides and registered hooks, a ``training_step`` that
+model-parallel strategy, hooks that run between forward and update, a precision context other than autocast)
+first, then ``build_step_programs``'s (the optimizer, the module's hook overrides and registered hooks, a ``training_step`` that
 is not one graph). The fit logs one line either way: the programs compiled, or why not and what to change.
 
 What stays where it was:

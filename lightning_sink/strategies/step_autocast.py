@@ -46,8 +46,9 @@ def step_autocast(plugin: Precision) -> AutocastRegion | str | None:
     if not _autocast_only(owner):
         return (
             f"the precision plugin {kind.__name__} runs training_step in a context other than autocast (a default"
-            " dtype, as '16-true', 'bf16-true' and '64-true' set) that the programs do not build: use precision='32-true',"
-            " '16-mixed' or 'bf16-mixed' (a LossScalePrecision of these works) or graph_mode='eager'"
+            " dtype, as '16-true', 'bf16-true' and '64-true' set) that the programs do not build: use"
+            " precision='32-true', '16-mixed' or 'bf16-mixed' (a LossScalePrecision of these works) or"
+            " graph_mode='eager'"
         )
     assert isinstance(owner, MixedPrecision)  # _autocast_only
     return AutocastRegion.entered_by(plugin.train_step_context(), owner.device)
