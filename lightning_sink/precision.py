@@ -126,6 +126,12 @@ class LossScalePrecision(Precision):
         self._overflow_on_host: bool | None = None
 
     # ------------------------------------------------------------------ autocast / dtypes: Lightning's own plugin
+    @property
+    def context_plugin(self) -> Precision:
+        """Lightning's own plugin whose contexts and conversions this one uses, without its loss scaling:
+        ``MixedPrecision`` (autocast) for ``*-mixed``, ``HalfPrecision`` for ``*-true`` halves, else ``Precision``."""
+        return self._inner
+
     @override
     def convert_module(self, module: Module) -> Module:
         return self._inner.convert_module(module)

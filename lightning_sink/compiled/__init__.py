@@ -1,6 +1,7 @@
 """Compiled whole-step programs: each step program of a window (accumulate, update) one compiled function, and on a
 GPU captured as a CUDA graph over a device-resident dataset. See docs/compiled_programs.md."""
 
+from lightning_sink.compiled.autocast_region import AutocastRegion
 from lightning_sink.compiled.step_programs import (
     ProgramUnavailable,
     StepOutputs,
@@ -10,4 +11,12 @@ from lightning_sink.compiled.step_programs import (
 )
 from lightning_sink.compiled.support import Unavailable
 
-__all__ = ["ProgramUnavailable", "StepOutputs", "StepPrograms", "Unavailable", "Window", "build_step_programs"]
+__all__ = [
+    "AutocastRegion",
+    "ProgramUnavailable",
+    "StepOutputs",
+    "StepPrograms",
+    "Unavailable",
+    "Window",
+    "build_step_programs",
+]

@@ -7,7 +7,8 @@
   ``torch.where``, no host sync), the loss-scale update and the window reset.
 
 Route: ``torch.func.grad_and_value`` over ``torch.func.functional_call`` of the module's ``training_step`` (one graph
-for forward and backward), the optimizer's update written functionally (``optimizer_rules``), and
+for forward and backward; under mixed precision the forward inside the caller's ``AutocastRegion``, the backward
+outside it, as a precision plugin's step runs), the optimizer's update written functionally (``optimizer_rules``), and
 ``torch.compile(fullgraph=True)`` over a function that takes every tensor it reads or writes as an argument: the
 parameters, buffers, optimizer state, hyperparameters, window buffers and loss-scale state. Everything it changes
 it writes back in place, so the module, the optimizer (``state_dict``, schedulers) and the ``LossScaler`` hold the
@@ -35,6 +36,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value
 
 from lightning_sink._torch_compat import note_optimizer_step
+from lightning_sink.compiled.autocast_region import AutocastRegion
 from lightning_sink.compiled.cuda_graphs import CapturedProgram
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
 from lightning_sink.compiled.logged_values import LoggedValues
@@ -125,8 +127,10 @@ class StepPrograms:
         backend: str,
         data: tuple[DeviceDataset, SinkIndices] | None = None,
         several: tuple[int, int] | None = None,
+        autocast: AutocastRegion | None = None,
     ) -> None:
         self.module, self.rule, self.scaler, self.clip = module, rule, scaler, clip
+        self.autocast = autocast
         self.sink_indices = data[1] if data is not None else None
         self.logged = LoggedValues()
         self._step = _TrainingStep(module)
@@ -170,7 +174,7 @@ class StepPrograms:
     # -- the programs (traced by torch.compile; every tensor they touch comes in through `state`) -------------
 
     def _gradients(self, state: dict[str, Any], batch: Any) -> tuple[list[Tensor], Tensor, dict[str, Tensor], dict]:
-        param_names, buffer_names, logged = self._param_names, self._buffer_names, self.logged
+        param_names, buffer_names, logged, autocast = self._param_names, self._buffer_names, self.logged, self.autocast
         if batch is None:  # the staged dataset's next micro-batch, gathered on the device
             batch = DeviceDataset.gather(list(self._dataset), state["data"]["rows"], state["data"]["cursor"])
         scale = state["scaler"]["scale"] if state["scaler"] is not None else None
@@ -180,7 +184,11 @@ class StepPrograms:
             values: dict[str, Tensor] = {}
             logged.values, logged.call_options = values, options
             tensors = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}
-            loss = functional_call(self._step, tensors, (batch, state["batch_index"]))
+            if autocast is None:
+                loss = functional_call(self._step, tensors, (batch, state["batch_index"]))
+            else:  # the forward only: the gradients are taken outside the region, as after a plugin's step context
+                with torch.autocast(autocast.device_type, dtype=autocast.dtype, cache_enabled=autocast.cache_enabled):
+                    loss = functional_call(self._step, tensors, (batch, state["batch_index"]))
             # what was logged leaves through the return value: the recorder keeps nothing between calls (a value
             # kept there would be one more thing the compiled program is guarded on)
             logged.values, logged.call_options = {}, {}
@@ -353,6 +361,7 @@ def build_step_programs(
     data: tuple[DeviceDataset, SinkIndices] | None = None,
     micro_steps_per_call: int = 1,
     accumulation_steps: int = 1,
+    autocast: AutocastRegion | None = None,
 ) -> StepPrograms | Unavailable:
     """Compile ``module``'s ``training_step`` with ``optimizer`` into the accumulate and update programs.
 
@@ -372,6 +381,8 @@ def build_step_programs(
         micro_steps_per_call: above 1, also build ``run_several``: that many micro-steps unrolled into one program
             (whole windows of ``accumulation_steps``; a multiple of it).
         accumulation_steps: the window length ``run_several`` assumes.
+        autocast: mixed precision: each forward runs in this autocast region (the backward outside it, the
+            window's sum in fp32); None: the module's own dtypes.
 
     Returns: the programs, or ``Unavailable`` with the one-line reason (then run the eager step instead).
     """
@@ -383,6 +394,8 @@ def build_step_programs(
         isinstance(gradient_clip_val, bool) or not isinstance(gradient_clip_val, (int, float)) or gradient_clip_val <= 0
     ):
         raise ValueError(f"gradient_clip_val={gradient_clip_val!r} is not valid: pass a number > 0 or None")
+    if autocast is not None and not isinstance(autocast, AutocastRegion):
+        raise ValueError(f"autocast={autocast!r} is not valid: pass an AutocastRegion(device_type, dtype) or None")
     reason = unsupported_reason(module, optimizer)
     if reason is not None:
         return Unavailable(reason)
@@ -411,7 +424,7 @@ def build_step_programs(
         raise ValueError(f"cuda_graph=True needs the module on a CUDA device; its parameters are on {device}")
     if data is not None and example_batch is not None:
         raise ValueError("with data=(dataset, indices) the programs gather their own batches: pass example_batch=None")
-    programs = StepPrograms(module, rule, loss_scale, clip, backend, data, several)
+    programs = StepPrograms(module, rule, loss_scale, clip, backend, data, several, autocast)
     try:
         if data is not None:  # an example to compile with: the first row of the buffer (all zeros: sample 0)
             data[1].cursor.zero_()

@@ -5,8 +5,8 @@ step (``lightning_sink.compiled``), behind the ``StepProgram`` seam of ``program
 (``CompiledAccumulate`` / ``CompiledUpdate``) or, when the programs do not apply, the pair ``choose_programs`` picks
 (today's path: with ``"compile"`` the forward-compiled ``training_step``). Whether they apply is decided once, at the
 first micro-batch of the fit's first sink, before anything of the run changed: the run's own reasons (DDP, the
-model-parallel strategy, hooks that run between forward and update, an autocast precision) first, then
-``build_step_programs``'s (the optimizer, the module's hook overrides and registered hooks, a ``training_step`` that
+model-parallel strategy, hooks that run between forward and update, a precision context other than autocast)
+first, then ``build_step_programs``'s (the optimizer, the module's hook overrides and registered hooks, a ``training_step`` that
 is not one graph). The fit logs one line either way: the programs compiled, or why not and what to change.
 
 What stays where it was:
@@ -38,10 +38,10 @@ from torch import Tensor
 
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.accumulation import GradientAccumulator, SingleStepGradients, unique_trainable
-from lightning_sink.compiled import StepOutputs, StepPrograms, Unavailable, build_step_programs
-from lightning_sink.precision import LossScalePrecision
+from lightning_sink.compiled import AutocastRegion, StepOutputs, StepPrograms, Unavailable, build_step_programs
 from lightning_sink.strategies.engine import StepEngine
 from lightning_sink.strategies.programs import SinkPrograms, SinkUpdates, choose_programs
+from lightning_sink.strategies.step_autocast import step_autocast
 from lightning_sink.window import NoGradients
 
 __all__ = ["COMPILE_BACKEND", "CompiledSteps", "CompiledAccumulate", "CompiledUpdate", "compiled_choice"]
@@ -71,6 +71,7 @@ class CompiledSteps:
         self.programs: StepPrograms | None = None
         self.reason: str | None = None  # why there are no programs (then the eager pair runs)
         self._trainable: tuple[int, ...] = ()  # the parameters the programs were built over
+        self.autocast: AutocastRegion | None = None  # the precision plugin's autocast, built into the forward
 
     # ------------------------------------------------------------------ at each sink's start and end
     def choose(self, engine: StepEngine, updates: SinkUpdates) -> SinkPrograms:
@@ -152,16 +153,11 @@ class CompiledSteps:
                 f"{type(host).__name__} keeps the window's gradients in {type(store).__name__} (sharded by the"
                 " model-parallel strategy), which stays eager"
             )
-        full_precision = isinstance(host.precision_plugin, LossScalePrecision) and host.precision_plugin.precision in (
-            "32-true",
-            "64-true",
-        )  # its contexts are its inner plugin's, which enters none at these precisions
-        if engine.parts.needs_step_context and not full_precision:
-            return (
-                f"the precision plugin {type(host.precision_plugin).__name__} runs training_step in a context"
-                " (autocast) the programs do not build: use precision='32-true' (a LossScalePrecision('32-true')"
-                " works) or graph_mode='eager'"
-            )
+        if engine.parts.needs_step_context:
+            region = step_autocast(host.precision_plugin)  # mixed precision: built into the programs' forward
+            if isinstance(region, str):
+                return region
+            self.autocast = region
         used = _hooks_between(trainer)
         if used:
             return (
@@ -194,6 +190,7 @@ class CompiledSteps:
             gradient_clip_algorithm=algorithm,
             backend=COMPILE_BACKEND,
             cuda_graph=self.graph_mode == "cuda_graph",
+            autocast=self.autocast,
         )
         if isinstance(built, Unavailable):
             self._fall_back(built.reason)
@@ -206,11 +203,13 @@ class CompiledSteps:
             parts.append("loss scale")
         if clip_val is not None:
             parts.append(f"{algorithm} clipping")
+        region = self.autocast
+        where = "" if region is None else f"; the forward under autocast({region.device_type!r}, {region.dtype})"
         kind = "compiled and captured as CUDA graphs" if self.graph_mode == "cuda_graph" else "compiled"
         rank_zero_info(
             f"{type(engine.host).__name__}(graph_mode={self.graph_mode!r}): the accumulate and update programs are"
             f" {kind} whole (forward, backward, accumulation, {', '.join(parts)} update) in"
-            f" {time.perf_counter() - start:.1f} s"
+            f" {time.perf_counter() - start:.1f} s{where}"
         )
         return built
 

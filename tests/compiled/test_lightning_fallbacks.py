@@ -66,7 +66,7 @@ CASES: dict[str, tuple[type[Net], dict[str, Any], str]] = {
     "optimizer_step override": (OptimizerStepNet, {}, "LightningModule.optimizer_step overridden"),
     "callback hook": (Net, {"callbacks": [AfterBackward()]}, "AfterBackward.on_after_backward overridden"),
     "graph break": (HostReadNet, {}, "training_step did not compile to one graph"),
-    "autocast precision": (Net, {"precision": "bf16-mixed"}, "runs training_step in a context (autocast)"),
+    "half precision": (Net, {"precision": "bf16-true"}, "runs training_step in a context other than autocast"),
     "profiler": (Net, {"profiler": "simple"}, "Lightning's hooks are dispatched here (a profiler records them"),
 }
 
@@ -88,7 +88,7 @@ def test_each_reason_is_one_line_and_the_fit_is_the_eager_one(case):
     assert says in lines[0]
     assert "graph_mode='eager'" in lines[0] or "run without" in lines[0]  # what to change
     assert trainer.global_step == 4
-    tolerance = 1e-2 if trainer_kwargs.get("precision") == "bf16-mixed" else 1e-5  # bf16 rounding: the forward runs
+    tolerance = 1e-2 if trainer_kwargs.get("precision") == "bf16-true" else 1e-5  # bf16 rounding: the forward runs
     assert relative_error(params["compile"], params["eager"]) <= tolerance  # through dynamo's graphs under "compile"
 
 
