@@ -3,6 +3,7 @@ GPU captured as a CUDA graph over a device-resident dataset. See docs/compiled_p
 
 from lightning_sink.compiled.step_programs import (
     ProgramUnavailable,
+    RankSum,
     StepOutputs,
     StepPrograms,
     Window,
@@ -10,4 +11,12 @@ from lightning_sink.compiled.step_programs import (
 )
 from lightning_sink.compiled.support import Unavailable
 
-__all__ = ["ProgramUnavailable", "StepOutputs", "StepPrograms", "Unavailable", "Window", "build_step_programs"]
+__all__ = [
+    "ProgramUnavailable",
+    "RankSum",
+    "StepOutputs",
+    "StepPrograms",
+    "Unavailable",
+    "Window",
+    "build_step_programs",
+]
