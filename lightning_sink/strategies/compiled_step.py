@@ -54,7 +54,10 @@ COMPILE_BACKEND = "inductor"
 
 # Under DDP, how the update program sums the window across the processes: "eager" (the update compiled as two parts,
 # the reducer's one all-reduce of the flat bucket run eagerly between them) or "traced" (a functional all-reduce
-# inside the one update program). PLACEHOLDER
+# inside the one update program). "eager", because the two measured equal within their noise (benchmarks/compiled_ddp.py
+# and its README section) and the eager route is the safer one: its build communicates nothing, so a rank whose build
+# fails is caught by the ranks' agreement after the build (the traced build runs its all-reduce while compiling, and
+# the other rank would wait in it), and its collective is the reducer's own public all_reduce, as the eager pair's.
 DDP_SUM_ROUTE = "eager"
 
 # Hooks that run between a micro-batch's forward and the window's update: a compiled program would not call them.

@@ -112,7 +112,9 @@ class Lines(logging.Handler):
 def compiled_fit(optimizer: str, steps: int, data: TensorDataset, **kwargs: Any) -> dict:
     """The fit, with what it said at its start: the info lines and the warnings."""
     model = Net(optimizer)
-    strategy = SinkDDPStrategy(accumulation_steps=steps, sink_size=12, graph_mode="compile", process_group_backend="gloo")
+    strategy = SinkDDPStrategy(
+        accumulation_steps=steps, sink_size=12, graph_mode="compile", process_group_backend="gloo"
+    )
     # an epoch is one sink of 12 micro-batches here: 4 of them read the data pass once
     trainer = quiet_trainer(strategy=strategy, devices=WORLD, max_epochs=4, **kwargs)
     lines = Lines()
