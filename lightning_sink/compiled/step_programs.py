@@ -3,8 +3,9 @@
 - **accumulate** (every micro-batch but a window's last): forward, backward, the gradients added into the window's
   fp32 buffers.
 - **update** (a window's last micro-batch): forward and backward, the sum (across processes too, under DDP:
-  ``RankSum``), division by the window's micro-step count, unscaling and the overflow check, clipping (norm or value), the optimizer update (or, on overflow, none:
-  ``torch.where``, no host sync), the loss-scale update and the window reset.
+  ``RankSum``), division by the window's micro-step count, unscaling and the overflow check, clipping (norm or
+  value), the optimizer update (or, on overflow, none: ``torch.where``, no host sync), the loss-scale update and the
+  window reset.
 
 Route: ``torch.func.grad_and_value`` over ``torch.func.functional_call`` of the module's ``training_step`` (one graph
 for forward and backward), the optimizer's update written functionally (``optimizer_rules``), and
