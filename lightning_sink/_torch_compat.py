@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _functional_collectives as functional_collectives
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
@@ -45,6 +46,7 @@ __all__ = [
     "user_function_name",
     "storage_offset_in_file",
     "compiled_graph_count",
+    "traced_all_reduce_sum",
 ]
 
 StridedShard = _StridedShard  # FSDP2 + TP's row placement of a parameter sharded twice on one dim
@@ -223,3 +225,10 @@ def compiled_graph_count() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"].get("unique_graphs", 0))
+
+
+def traced_all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``tensor`` summed over ``group``'s ranks, out of place, as an operation ``torch.compile`` traces into its
+    graph (a functional collective: torch's public ``dist.all_reduce`` works in place on the process group and
+    breaks the graph). Meant for compiled programs: run eagerly, it waits for the sum at once."""
+    return functional_collectives.all_reduce(tensor, "sum", group)

@@ -213,3 +213,22 @@ def test_the_compiled_graph_count_moves_with_each_compilation_only():
     compiled(torch.ones(5))  # a new shape: compiled again
     assert compat.compiled_graph_count() == first + 1
     torch._dynamo.reset()
+
+
+def test_the_traced_all_reduce_is_one_graph_with_torch_compile(tmp_path: Path):
+    """The compiled update program's traced route: the functional all-reduce sums over the group inside one
+    ``fullgraph`` program (a 1-rank gloo group, in its own process)."""
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "from lightning_sink._torch_compat import compiled_graph_count, traced_all_reduce_sum\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'init'}', rank=0, world_size=1)\n"
+        "program = torch.compile(lambda x: traced_all_reduce_sum(x * 2, dist.group.WORLD) + 1, fullgraph=True,"
+        " backend='aot_eager')\n"
+        "assert torch.equal(program(torch.arange(3.0)), torch.tensor([1.0, 3.0, 5.0]))\n"
+        "assert compiled_graph_count() == 1\n"
+        "dist.destroy_process_group()\n"
+        "print('ok')\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

@@ -4,6 +4,7 @@ GPU captured as a CUDA graph over a device-resident dataset. See docs/compiled_p
 from lightning_sink.compiled.autocast_region import AutocastRegion
 from lightning_sink.compiled.step_programs import (
     ProgramUnavailable,
+    RankSum,
     StepOutputs,
     StepPrograms,
     Window,
@@ -14,6 +15,7 @@ from lightning_sink.compiled.support import Unavailable
 __all__ = [
     "AutocastRegion",
     "ProgramUnavailable",
+    "RankSum",
     "StepOutputs",
     "StepPrograms",
     "Unavailable",

@@ -2,9 +2,10 @@
 
 - **accumulate** (every micro-batch but a window's last): forward, backward, the gradients added into the window's
   fp32 buffers.
-- **update** (a window's last micro-batch): forward and backward, the sum, division by the window's micro-step
-  count, unscaling and the overflow check, clipping (norm or value), the optimizer update (or, on overflow, none:
-  ``torch.where``, no host sync), the loss-scale update and the window reset.
+- **update** (a window's last micro-batch): forward and backward, the sum (across processes too, under DDP:
+  ``RankSum``), division by the window's micro-step count, unscaling and the overflow check, clipping (norm or
+  value), the optimizer update (or, on overflow, none: ``torch.where``, no host sync), the loss-scale update and the
+  window reset.
 
 Route: ``torch.func.grad_and_value`` over ``torch.func.functional_call`` of the module's ``training_step`` (one graph
 for forward and backward; under mixed precision the forward inside the caller's ``AutocastRegion``, the backward
@@ -35,7 +36,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value
 
-from lightning_sink._torch_compat import note_optimizer_step
+from lightning_sink._torch_compat import note_optimizer_step, traced_all_reduce_sum
 from lightning_sink.compiled.autocast_region import AutocastRegion
 from lightning_sink.compiled.cuda_graphs import CapturedProgram
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
@@ -45,7 +46,7 @@ from lightning_sink.compiled.scale_rule import scaler_tensors, update_scale
 from lightning_sink.compiled.support import Unavailable, unsupported_reason
 from lightning_sink.loss_scale import DynamicLossScale, FixedLossScale, LossScaler
 
-__all__ = ["ProgramUnavailable", "StepOutputs", "StepPrograms", "Window", "build_step_programs"]
+__all__ = ["ProgramUnavailable", "RankSum", "StepOutputs", "StepPrograms", "Window", "build_step_programs"]
 
 _CLIP_ALGORITHMS = ("norm", "value")
 _PROGRAM_NUMBERS = itertools.count()
@@ -62,6 +63,29 @@ class StepOutputs:
     loss: Tensor  # the micro-batch's loss as training_step returned it (unscaled, detached)
     logs: dict[str, Tensor] = field(default_factory=dict)  # self.log values of this micro-batch, by name
     found_inf: Tensor | None = None  # update with loss scaling: the window overflowed and was skipped
+
+
+@dataclass(frozen=True)
+class RankSum:
+    """The window's sum across processes (DDP), in the update program: the ranks' fp32 sums as one flat bucket,
+    added up over ``ranks`` ranks, then divided by ``ranks`` times the micro-steps (the mean over every rank's
+    micro-batches, as DDP averages). Inf and NaN survive the sum, so every rank sees any rank's overflow and skips
+    with it. Two routes:
+
+    - ``group`` given: a functional all-reduce over that process group traced inside the update program;
+    - ``all_reduce`` given: the update program compiled as two parts (the last micro-batch and the flat sum; the
+      rest of the update) with this eager in-place sum of the flat bucket between them.
+    """
+
+    ranks: int
+    group: Any = None
+    all_reduce: Callable[[Tensor], None] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.group is None) == (self.all_reduce is None):
+            raise ValueError("RankSum takes exactly one of group= (traced) and all_reduce= (eager)")
+        if isinstance(self.ranks, bool) or not isinstance(self.ranks, int) or self.ranks < 2:
+            raise ValueError(f"RankSum(ranks={self.ranks!r}) is not valid: pass an int >= 2")
 
 
 @dataclass
@@ -114,6 +138,17 @@ def _clone(tree: Any) -> Any:
     return tree
 
 
+def _flatten(tensors: list[Tensor]) -> Tensor:
+    """One flat fp32 bucket of the window's sums (what one all-reduce adds up across the ranks)."""
+    return torch.cat([tensor.reshape(-1) for tensor in tensors])
+
+
+def _unflatten(flat: Tensor, like: list[Tensor]) -> list[Tensor]:
+    """The bucket's pieces, shaped as ``like``'s tensors."""
+    pieces = flat.split([tensor.numel() for tensor in like])
+    return [piece.view(tensor.shape) for piece, tensor in zip(pieces, like)]
+
+
 class StepPrograms:
     """The compiled accumulate and update programs of one module and optimizer (build with
     ``build_step_programs``)."""
@@ -128,9 +163,11 @@ class StepPrograms:
         data: tuple[DeviceDataset, SinkIndices] | None = None,
         several: tuple[int, int] | None = None,
         autocast: AutocastRegion | None = None,
+        rank_sum: RankSum | None = None,
     ) -> None:
         self.module, self.rule, self.scaler, self.clip = module, rule, scaler, clip
         self.autocast = autocast
+        self.rank_sum = rank_sum
         self.sink_indices = data[1] if data is not None else None
         self.logged = LoggedValues()
         self._step = _TrainingStep(module)
@@ -165,6 +202,9 @@ class StepPrograms:
 
         self._accumulate = compiled(self._accumulate_program)
         self._update = compiled(self._update_program)
+        # the eager route of the sum across processes: the update in two parts, the all-reduce between them
+        self._update_sum = compiled(self._update_sum_program)
+        self._update_apply = compiled(self._update_apply_program)
         # several micro-steps per call: (micro-steps per call, accumulation steps), the call ending on an update
         self.several = several
         self._several = compiled(self._several_program)
@@ -209,11 +249,34 @@ class StepPrograms:
     def _update_program(
         self, state: dict[str, Any], batch: Any
     ) -> tuple[Tensor, dict[str, Tensor], dict, Tensor | None]:
+        sums, loss, values, options = self._window_sums(state, batch)
+        if self.rank_sum is not None:  # (traced route: the eager one runs the two parts below instead)
+            sums = _unflatten(traced_all_reduce_sum(_flatten(sums), self.rank_sum.group), sums)
+        return loss, values, options, self._apply_update(state, sums)
+
+    def _update_sum_program(self, state: dict[str, Any], batch: Any) -> tuple[Tensor, dict[str, Tensor], dict, Tensor]:
+        """The eager route's first part: the last micro-batch and the window's sum, as one flat bucket."""
+        sums, loss, values, options = self._window_sums(state, batch)
+        return loss, values, options, _flatten(sums)
+
+    def _update_apply_program(self, state: dict[str, Any], flat: Tensor) -> Tensor | None:
+        """The eager route's second part, on the bucket summed over the ranks: the rest of the update."""
+        return self._apply_update(state, _unflatten(flat, state["window"]))
+
+    def _window_sums(self, state: dict[str, Any], batch: Any) -> tuple[list[Tensor], Tensor, dict[str, Tensor], dict]:
+        """The window's last micro-batch, added to its sum (in new tensors: the buffers are reset after the update)."""
         grads, loss, values, options = self._gradients(state, batch)
+        sums = [buffer + grad.to(buffer.dtype) for buffer, grad in zip(state["window"], grads)]
+        return sums, loss, values, options
+
+    def _apply_update(self, state: dict[str, Any], sums: list[Tensor]) -> Tensor | None:
+        """Divide, unscale, check for overflow, clip, update (or skip), update the scale, reset the window."""
         divisor = state["micro_steps"] + 1
+        if self.rank_sum is not None:
+            divisor = divisor * self.rank_sum.ranks
         scaler = state["scaler"]
         factor = 1.0 / divisor if scaler is None else 1.0 / (scaler["scale"] * divisor)
-        sums = [(buffer + grad.to(buffer.dtype)) * factor for buffer, grad in zip(state["window"], grads)]
+        sums = [total * factor for total in sums]
         overflow = None
         if scaler is not None:
             overflow = torch.stack([torch.isfinite(total).all() for total in sums]).logical_not().any()
@@ -228,7 +291,7 @@ class StepPrograms:
         for buffer in state["window"]:
             buffer.zero_()
         state["micro_steps"].zero_()
-        return loss, values, options, None if scaler is None else scaler["found_inf"].clone()
+        return None if scaler is None else scaler["found_inf"].clone()
 
     def _several_program(self, state: dict[str, Any], batches: list[Any]) -> list[tuple]:
         """``len(batches)`` micro-steps unrolled into one program: an update at each window's last micro-batch."""
@@ -283,7 +346,14 @@ class StepPrograms:
         if changed is not None:
             raise ProgramUnavailable(f"the update program no longer applies: {changed}")
         self.rule.refresh()
-        loss, logs, options, found_inf = self._call("update", batch)
+        if self._sums_eagerly():
+            assert self.rank_sum is not None and self.rank_sum.all_reduce is not None  # (what _sums_eagerly says)
+            with self._running():
+                loss, logs, options, flat = self._update_sum(self._state, batch)
+                self.rank_sum.all_reduce(flat)
+                found_inf = self._update_apply(self._state, flat)
+        else:
+            loss, logs, options, found_inf = self._call("update", batch)
         note_optimizer_step(self.rule.optimizer)
         self.logged.options.update(options)
         return StepOutputs(loss, logs, found_inf)
@@ -313,12 +383,22 @@ class StepPrograms:
             outputs.append(StepOutputs(result[0], result[1], result[3] if len(result) == 4 else None))
         return outputs
 
+    def _sums_eagerly(self) -> bool:
+        """Whether the update runs as two compiled parts with an eager all-reduce between them."""
+        return self.rank_sum is not None and self.rank_sum.all_reduce is not None
+
     def _programs(self) -> list[tuple[str, Callable[..., Any], Callable[[Any], Any]]]:
         """Name, compiled program and how to make its batch argument from one example batch."""
         programs: list[tuple[str, Callable[..., Any], Callable[[Any], Any]]] = [
             ("accumulate", self._accumulate, lambda example: example),
-            ("update", self._update, lambda example: example),
         ]
+        if self._sums_eagerly():
+            size = sum(param.numel() for param in self.params)
+            flat = torch.zeros(size, dtype=torch.float32, device=self.params[0].device)
+            programs.append(("update_sum", self._update_sum, lambda example: example))
+            programs.append(("update_apply", self._update_apply, lambda example: flat))
+        else:
+            programs.append(("update", self._update, lambda example: example))
         if self.several is not None:
             count = self.several[0]
             programs.append(("several", self._several, lambda example: [example] * count))
@@ -362,6 +442,7 @@ def build_step_programs(
     micro_steps_per_call: int = 1,
     accumulation_steps: int = 1,
     autocast: AutocastRegion | None = None,
+    rank_sum: RankSum | None = None,
 ) -> StepPrograms | Unavailable:
     """Compile ``module``'s ``training_step`` with ``optimizer`` into the accumulate and update programs.
 
@@ -383,6 +464,8 @@ def build_step_programs(
         accumulation_steps: the window length ``run_several`` assumes.
         autocast: mixed precision: each forward runs in this autocast region (the backward outside it, the
             window's sum in fp32); None: the module's own dtypes.
+        rank_sum: under DDP, how the update program sums the window across the processes (``RankSum``); every
+            rank builds its programs with the same one. None: one process.
 
     Returns: the programs, or ``Unavailable`` with the one-line reason (then run the eager step instead).
     """
@@ -416,6 +499,13 @@ def build_step_programs(
             f"{accumulation_steps}: a call runs whole windows"
         )
     several = (micro_steps_per_call, accumulation_steps) if micro_steps_per_call > 1 else None
+    if several is not None and rank_sum is not None and rank_sum.all_reduce is not None:
+        raise ValueError(
+            "micro_steps_per_call > 1 needs the sum across processes inside the program: pass"
+            " RankSum(group=...), not RankSum(all_reduce=...)"
+        )
+    if cuda_graph and rank_sum is not None:
+        raise ValueError("cuda_graph=True is for one process: the CUDA-graph programs do not sum across processes")
     if data is not None and data[1].capacity < micro_steps_per_call:
         raise ValueError(
             f"micro_steps_per_call={micro_steps_per_call} exceeds the sink indices' capacity={data[1].capacity}"
@@ -424,7 +514,7 @@ def build_step_programs(
         raise ValueError(f"cuda_graph=True needs the module on a CUDA device; its parameters are on {device}")
     if data is not None and example_batch is not None:
         raise ValueError("with data=(dataset, indices) the programs gather their own batches: pass example_batch=None")
-    programs = StepPrograms(module, rule, loss_scale, clip, backend, data, several, autocast)
+    programs = StepPrograms(module, rule, loss_scale, clip, backend, data, several, autocast, rank_sum)
     try:
         if data is not None:  # an example to compile with: the first row of the buffer (all zeros: sample 0)
             data[1].cursor.zero_()

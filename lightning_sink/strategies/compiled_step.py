@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -38,11 +39,18 @@ from torch import Tensor
 
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.accumulation import GradientAccumulator, SingleStepGradients, unique_trainable
-from lightning_sink.compiled import AutocastRegion, StepOutputs, StepPrograms, Unavailable, build_step_programs
+from lightning_sink.compiled import (
+    AutocastRegion,
+    RankSum,
+    StepOutputs,
+    StepPrograms,
+    Unavailable,
+    build_step_programs,
+)
 from lightning_sink.strategies.engine import StepEngine
 from lightning_sink.strategies.programs import SinkPrograms, SinkUpdates, choose_programs
 from lightning_sink.strategies.step_autocast import step_autocast
-from lightning_sink.window import NoGradients
+from lightning_sink.window import FlatAllReduce, NoGradients
 
 __all__ = ["COMPILE_BACKEND", "CompiledSteps", "CompiledAccumulate", "CompiledUpdate", "compiled_choice"]
 
@@ -50,6 +58,14 @@ __all__ = ["COMPILE_BACKEND", "CompiledSteps", "CompiledAccumulate", "CompiledUp
 # set "aot_eager" (the same graphs run by eager kernels, much faster to build) where compile time is not what they
 # check.
 COMPILE_BACKEND = "inductor"
+
+# Under DDP, how the update program sums the window across the processes: "eager" (the update compiled as two parts,
+# the reducer's one all-reduce of the flat bucket run eagerly between them) or "traced" (a functional all-reduce
+# inside the one update program). "eager", because the two measured equal within their noise (benchmarks/compiled_ddp.py
+# and its README section) and the eager route is the safer one: its build communicates nothing, so a rank whose build
+# fails is caught by the ranks' agreement after the build (the traced build runs its all-reduce while compiling, and
+# the other rank would wait in it), and its collective is the reducer's own public all_reduce, as the eager pair's.
+DDP_SUM_ROUTE = "eager"
 
 # Hooks that run between a micro-batch's forward and the window's update: a compiled program would not call them.
 _CALLBACK_HOOKS_BETWEEN = ("on_before_backward", "on_after_backward", "on_before_zero_grad", "on_before_optimizer_step")
@@ -140,11 +156,13 @@ class CompiledSteps:
         """Why this run cannot use compiled programs, whatever its module and optimizer."""
         engine = self.engine
         host, trainer = engine.host, engine.trainer
-        if host.world_size > 1:
+        if host.world_size > 1 and not isinstance(engine.reducer, FlatAllReduce):
             return (
-                "the compiled programs do not do the window's all-reduce across processes yet (DDP runs the eager"
-                " pair); train on one device for the whole-step programs"
+                f"{type(host).__name__} combines the ranks' gradients with {type(engine.reducer).__name__}, which"
+                " the compiled programs do not do (the model-parallel strategy stays eager)"
             )
+        if host.world_size > 1 and self.graph_mode == "cuda_graph":
+            return "the CUDA-graph programs are for one process: use graph_mode='compile' under DDP"
         store = engine.window.store
         if isinstance(store, NoGradients):
             return "the optimizer holds no trainable parameter"
@@ -191,7 +209,14 @@ class CompiledSteps:
             backend=COMPILE_BACKEND,
             cuda_graph=self.graph_mode == "cuda_graph",
             autocast=self.autocast,
+            rank_sum=self._rank_sum(),
         )
+        if engine.host.world_size > 1:
+            # every rank runs the same pair, or the ranks' all-reduces would not pair up
+            built_everywhere = trainer.strategy.reduce_boolean_decision(not isinstance(built, Unavailable), all=True)
+            if not built_everywhere and not isinstance(built, Unavailable):
+                built.rule.discard_created()
+                built = Unavailable("another process could not build its programs (its warning names the reason)")
         if isinstance(built, Unavailable):
             self._fall_back(built.reason)
             return None
@@ -206,12 +231,25 @@ class CompiledSteps:
         region = self.autocast
         where = "" if region is None else f"; the forward under autocast({region.device_type!r}, {region.dtype})"
         kind = "compiled and captured as CUDA graphs" if self.graph_mode == "cuda_graph" else "compiled"
+        across = ""
+        if built.rank_sum is not None:
+            across = f", the window summed across {built.rank_sum.ranks} processes by one all-reduce"
         rank_zero_info(
             f"{type(engine.host).__name__}(graph_mode={self.graph_mode!r}): the accumulate and update programs are"
-            f" {kind} whole (forward, backward, accumulation, {', '.join(parts)} update) in"
+            f" {kind} whole (forward, backward, accumulation, {', '.join(parts)} update{across}) in"
             f" {time.perf_counter() - start:.1f} s{where}"
         )
         return built
+
+    def _rank_sum(self) -> RankSum | None:
+        """Under DDP, the update's sum across the processes: the reducer's one flat all-reduce (``DDP_SUM_ROUTE``)."""
+        reducer = self.engine.reducer
+        if self.engine.host.world_size == 1 or not isinstance(reducer, FlatAllReduce):
+            return None
+        ranks = self.engine.window.ranks_in_sum
+        if DDP_SUM_ROUTE == "traced":
+            return RankSum(ranks, group=dist.group.WORLD)
+        return RankSum(ranks, all_reduce=reducer.sum_flat)
 
     def _fall_back(self, reason: str) -> None:
         self.reason = reason
@@ -302,6 +340,9 @@ class CompiledUpdate(_Compiled):
 
         def update() -> None:
             out = programs.update(batch)
+            if programs.rank_sum is not None:
+                assert isinstance(engine.reducer, FlatAllReduce)  # (the only reducer programs are built for)
+                engine.reducer.broadcast_module_buffers()  # as the eager pair does after its all-reduce
             result.append(self._outputs(programs, out))
             scaling = engine.scaling
             scaler = None if scaling is None else scaling.scaler

@@ -33,7 +33,17 @@ class FlatAllReduce:
 
     def reduce(self, store: GradientStore) -> None:
         if store.flat is not None:  # (a window without trainable parameters has nothing to sum)
-            dist.all_reduce(store.flat, op=dist.ReduceOp.SUM)
+            self.sum_flat(store.flat)
+        self.broadcast_module_buffers()
+
+    @staticmethod
+    def sum_flat(flat: Tensor) -> None:
+        """The window's one bucket: every rank's flat fp32 sum added up, in place (the compiled update program's
+        eager route calls this between its two parts)."""
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+
+    def broadcast_module_buffers(self) -> None:
+        """Rank 0's module buffers to every rank, once per window."""
         for buffer in self._module_buffers():
             dist.broadcast(buffer, src=0)
 

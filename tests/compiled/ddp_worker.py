@@ -1,0 +1,170 @@
+"""2-process ``SinkDDPStrategy(sink_size=K, graph_mode="compile")`` fits on gloo, each against a plain PyTorch DDP
+loop (``DistributedDataParallel``, ``no_sync`` inside a window, each loss / N) run on the same per-rank data in the
+same processes.
+
+Run as ``python -m tests.compiled.ddp_worker OUT_DIR SCENARIO`` (Lightning's own launcher re-runs it for rank 1);
+rank 0 writes ``OUT_DIR/SCENARIO.pt`` for the test. The programs are built with the ``aot_eager`` backend (the same
+graphs, eager kernels: fast to build).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import lightning_sink.strategies.compiled_step as compiled_step
+from lightning_sink import DynamicLossScale, LossScalePrecision, SinkDDPStrategy
+from tests.helpers import quiet_trainer
+
+WORLD, MICRO, PER_RANK = 2, 4, 48  # micro-batches per rank in the data pass
+SAMPLES = WORLD * MICRO * PER_RANK
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, betas=(0.8, 0.99)),
+}
+
+
+def dataset(poison_at: tuple[int, ...] = ()) -> TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(SAMPLES, 8, generator=generator), torch.randint(0, 4, (SAMPLES,), generator=generator)
+    for sample in poison_at:
+        x[sample, 0] = float("inf")  # the micro-batch holding it has a non-finite gradient
+    return TensorDataset(x, y)
+
+
+def make_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+class Net(pl.LightningModule):
+    """Overrides nothing between forward and update."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        self.net, self.optimizer_kind = make_net(), optimizer
+
+    def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return OPTIMIZERS[self.optimizer_kind](self.parameters())
+
+
+def plain_ddp(optimizer_kind: str, steps: int, updates: int, data: TensorDataset, clip: float | None) -> dict:
+    """The DDP loop a user writes: this rank's share of the data as ``DistributedSampler`` gives it, ``no_sync`` on
+    all but a window's last micro-batch (whose backward averages the window over the ranks), a window with a
+    non-finite gradient skipped, norm clipping of the averaged gradient."""
+    net = make_net()
+    model = DistributedDataParallel(net)
+    optimizer = OPTIMIZERS[optimizer_kind](model.parameters())
+    micro_batches = rank_micro_batches(dist.get_rank())
+    x, y = data.tensors
+    skipped, clipped = 0, 0
+    for update in range(updates):
+        optimizer.zero_grad()
+        for k, rows in enumerate(micro_batches[update * steps : (update + 1) * steps]):
+            with model.no_sync() if k < steps - 1 else contextlib.nullcontext():
+                (F.cross_entropy(model(x[rows]), y[rows]) / steps).backward()
+        if not all(torch.isfinite(p.grad).all() for p in net.parameters()):
+            skipped += 1
+            continue
+        if clip is not None:
+            clipped += int(torch.nn.utils.clip_grad_norm_(net.parameters(), clip) > clip)
+        optimizer.step()
+    return {"params": flat(net), "skipped": skipped, "clipped": clipped}
+
+
+def rank_micro_batches(rank: int) -> list[list[int]]:
+    """The rank's micro-batches (sample indices) of the first data pass, from the sampler Lightning puts on the
+    training loader: ``DistributedSampler``, shuffled with seed 0."""
+    indices = list(DistributedSampler(range(SAMPLES), num_replicas=WORLD, rank=rank, shuffle=True, seed=0))
+    return [indices[i : i + MICRO] for i in range(0, len(indices), MICRO)]
+
+
+def flat(module: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).double() for p in module.parameters()])
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def compiled_fit(optimizer: str, steps: int, data: TensorDataset, **kwargs: Any) -> dict:
+    """The fit, with what it said at its start: the info lines and the warnings."""
+    model = Net(optimizer)
+    strategy = SinkDDPStrategy(
+        accumulation_steps=steps, sink_size=12, graph_mode="compile", process_group_backend="gloo"
+    )
+    # an epoch is one sink of 12 micro-batches here: 4 of them read the data pass once
+    trainer = quiet_trainer(strategy=strategy, devices=WORLD, max_epochs=4, **kwargs)
+    lines = Lines()
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    rank_zero.addHandler(lines)
+    rank_zero.setLevel(logging.INFO)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model, DataLoader(data, batch_size=MICRO, shuffle=False))
+    finally:
+        rank_zero.removeHandler(lines)
+    params = flat(model.net)
+    gathered = [torch.empty_like(params) for _ in range(WORLD)]
+    dist.all_gather(gathered, params)
+    return {
+        "ranks": gathered,
+        "global_step": trainer.global_step,
+        "said": lines.lines + [str(warning.message) for warning in caught],
+    }
+
+
+def exactness(out_dir: Path) -> None:
+    """12 updates: SGD with momentum, windows of 1, norm clipping; AdamW, windows of 4."""
+    result = {}
+    for optimizer, steps, clip in (("sgd", 1, 0.3), ("adamw", 4, None)):
+        clipping = {} if clip is None else {"gradient_clip_val": clip, "gradient_clip_algorithm": "norm"}
+        fit = compiled_fit(optimizer, steps, dataset(), max_steps=12, **clipping)
+        fit["reference"] = plain_ddp(optimizer, steps, 12, dataset(), clip)
+        result[f"{optimizer}_{steps}"] = fit
+    if dist.get_rank() == 0:
+        torch.save(result, out_dir / "exactness.pt")
+
+
+def overflow(out_dir: Path) -> None:
+    """A non-finite gradient in window 1 on rank 1 only, under dynamic loss scaling: both ranks skip that window."""
+    data = dataset(poison_at=(rank_micro_batches(1)[5][2],))  # rank 1's micro-batch 5: window 1
+    plugin = LossScalePrecision("32-true", DynamicLossScale(init_scale=2.0**10))
+    fit = compiled_fit("adamw", 4, data, plugins=[plugin])
+    scaler = torch.stack([plugin.scaler.scale.reshape(()), plugin.scaler.skipped.float().reshape(())])
+    scalers = [torch.empty_like(scaler) for _ in range(WORLD)]
+    dist.all_gather(scalers, scaler)
+    fit["scalers"] = scalers
+    fit["reference"] = plain_ddp("adamw", 4, PER_RANK // 4, data, None)
+    if dist.get_rank() == 0:
+        torch.save(fit, out_dir / "overflow.pt")
+
+
+if __name__ == "__main__":
+    compiled_step.COMPILE_BACKEND = "aot_eager"
+    {"exactness": exactness, "overflow": overflow}[sys.argv[2]](Path(sys.argv[1]))
+    dist.barrier()  # tear gloo down before the interpreter exits; a live process group can abort it at exit
+    dist.destroy_process_group()

@@ -1,0 +1,103 @@
+"""``SinkDDPStrategy(sink_size=K, graph_mode="compile")`` on 2 gloo processes: the whole-step compiled programs, the
+window's sum across the processes inside the update, against a plain PyTorch DDP loop written in the worker
+(``tests/compiled/ddp_worker.py``), which runs both in the same two processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_sink.compiled import RankSum, StepPrograms, build_step_programs
+from lightning_sink.loss_scale import DynamicLossScale
+from tests.compiled.models import OPTIMIZERS, Classifier, make_batches
+from tests.distributed import run_launched
+
+COMPILED = "the accumulate and update programs are compiled whole"
+
+
+def launch(tmp_path, scenario: str) -> dict:
+    run_launched("tests.compiled.ddp_worker", tmp_path, scenario, timeout=300)
+    return torch.load(tmp_path / f"{scenario}.pt", weights_only=False)
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual - expected).norm() / expected.norm())
+
+
+def assert_compiled(said: list[str]) -> None:
+    """The fit reported its programs compiled, with the window's all-reduce, and fell back to nothing."""
+    reports = [line for line in said if COMPILED in line]
+    assert len(reports) == 1 and "summed across 2 processes by one all-reduce" in reports[0], said
+    assert not [line for line in said if "no whole-step programs" in line], said
+
+
+@pytest.mark.slow
+def test_compiled_ddp_fits_match_the_plain_ddp_loop(tmp_path):
+    """12 updates each: SGD with momentum in windows of 1 with norm clipping of the averaged gradient; AdamW in
+    windows of 4 (sinks of 12 micro-batches)."""
+    result = launch(tmp_path, "exactness")
+    for name, fit in result.items():
+        assert_compiled(fit["said"])
+        rank0, rank1 = fit["ranks"]
+        assert torch.equal(rank0, rank1), name
+        assert fit["global_step"] == 12, name
+        assert relative_error(rank0, fit["reference"]["params"]) <= 1e-5, name
+    assert result["sgd_1"]["reference"]["clipped"] > 0  # the clipping changed some updates
+
+
+@pytest.mark.slow
+def test_an_overflow_on_one_rank_skips_the_window_on_both(tmp_path):
+    fit = launch(tmp_path, "overflow")
+    assert_compiled(fit["said"])
+    rank0, rank1 = fit["ranks"]
+    assert torch.equal(rank0, rank1)
+    assert [scaler.tolist() for scaler in fit["scalers"]] == [[2.0**9, 1.0]] * 2  # scale halved, one skip, each rank
+    assert fit["reference"]["skipped"] == 1 and fit["global_step"] == 12  # (skipped windows count, as in Lightning)
+    assert relative_error(rank0, fit["reference"]["params"]) <= 1e-5
+
+
+def test_rank_sum_takes_one_route_and_several_ranks():
+    with pytest.raises(ValueError, match="exactly one of group"):
+        RankSum(2)
+    with pytest.raises(ValueError, match="ranks=1"):
+        RankSum(1, all_reduce=lambda flat: None)
+
+
+def test_the_two_part_update_sums_what_the_all_reduce_returns(monkeypatch):
+    """One process standing in for two ranks with the same data: an all-reduce that doubles the flat bucket. The
+    update divides by the ranks too, so the parameters are those of the one-process programs; an overflow put in the
+    bucket by the "other rank" skips the update and halves the scale."""
+    batches = make_batches(8)
+    plain, doubled = Classifier(), Classifier()
+    built = {}
+    poisoned = {"window": -1}
+    calls = []
+
+    def all_reduce(flat: torch.Tensor) -> None:
+        calls.append(flat.numel())
+        flat.mul_(2)
+        if len(calls) - 1 == poisoned["window"]:
+            flat[0] = float("inf")
+
+    for name, module, rank_sum in (("plain", plain, None), ("doubled", doubled, RankSum(2, all_reduce=all_reduce))):
+        optimizer = OPTIMIZERS["adamw"](module.parameters())
+        built[name] = build_step_programs(
+            module,
+            optimizer,
+            batches[0],
+            loss_scale=DynamicLossScale(init_scale=2.0**4),
+            backend="aot_eager",
+            rank_sum=rank_sum,
+        )
+        assert isinstance(built[name], StepPrograms)
+    for i, batch in enumerate(batches[:4]):  # windows of 2
+        for programs in built.values():
+            programs.accumulate(batch) if i % 2 == 0 else programs.update(batch)
+    assert calls == [sum(p.numel() for p in doubled.parameters())] * 2  # one flat bucket per update
+    for mine, reference in zip(doubled.parameters(), plain.parameters()):
+        assert torch.allclose(mine, reference, rtol=1e-6, atol=1e-7)
+    poisoned["window"] = 2
+    before = [p.detach().clone() for p in doubled.parameters()]
+    out = built["doubled"].update(batches[4])
+    assert bool(out.found_inf) and built["doubled"].scaler.scale.item() == 2.0**3
+    assert all(torch.equal(p, q) for p, q in zip(doubled.parameters(), before))
