@@ -226,6 +226,13 @@ def measure_staged(
         "staged_vs_loader_path": spread([lo / st for lo, st in zip(loader_us, staged_us)]),
         "staged_vs_hand_loop": spread([h / st for h, st in zip(hands["staged"], staged_us)]),
         "loader_path_vs_hand_loop": spread([h / lo for h, lo in zip(hands["loader"], loader_us)]),
+        # each path against the hand-loop runs timed right after its own sinks, then one against the other: on a
+        # loaded machine steadier than the sink-by-sink ratio, whose two sinks are a whole fit apart in time
+        "staged_vs_loader_path_through_hand_loop": round(
+            statistics.median([h / st for h, st in zip(hands["staged"], staged_us)])
+            / statistics.median([h / lo for h, lo in zip(hands["loader"], loader_us)]),
+            3,
+        ),
         "compile_seconds": {path: [round(value, 1) for value in values] for path, values in compile_seconds.items()},
         "load_average": [round(value, 2) for value in os.getloadavg()],
     }
