@@ -9,6 +9,11 @@ model-parallel strategy, hooks that run between forward and update, an autocast 
 ``build_step_programs``'s (the optimizer, the module's hook overrides and registered hooks, a ``training_step`` that
 is not one graph). The fit logs one line either way: the programs compiled, or why not and what to change.
 
+With the training data staged on the device (``staged_data.py``) the programs are built at the first sink's start
+instead (they need no example batch: they gather their own from the staged dataset), and ``choose`` tells the
+staged data per sink whether the programs it returns gather (``StagedData.gathering``); a program given a
+``StagedBatch`` runs without a batch argument.
+
 What stays where it was:
 
 - Parameters, buffers and the optimizer's state are the module's and the optimizer's own tensors, written in place;
