@@ -2,6 +2,7 @@
 against the eager hand-written loop and stock Lightning, per micro-step.
 
     python benchmarks/compiled_fit.py [--repeats 5] [--sink 200] [--optimizers sgd adamw] [--accumulation 1 4]
+    python benchmarks/compiled_fit.py --staged [--rounds 2] ...
 
 Tiny MLP 64-64-10, batch 32, one intra-op thread (``--threads``), CPU. SGD is ``lr=0.01, momentum=0.9``; AdamW
 ``lr=1e-3``. Per configuration (optimizer x accumulation):
@@ -18,6 +19,12 @@ Tiny MLP 64-64-10, batch 32, one intra-op thread (``--threads``), CPU. SGD is ``
 
 The Lightning fits read the same in-memory ``TensorDataset`` through a ``DataLoader`` (sink mode reads it by
 indexing; stock Lightning collates each batch). The last line is one JSON object.
+
+``--staged`` measures instead the data staged for the programs (``device_data_budget=None``: on the CPU each batch
+is gathered inside the compiled program from the sampler's indices, uploaded once per sink) against the loader path
+(``device_data_budget=0``: each batch read by Python indexing, then handed to the program), a shuffled loader,
+``--rounds`` alternating pairs of fits, each timed sink paired with a hand-loop run (``staged_vs_loader_path``:
+sink by sink, loader-path time over staged time).
 """
 
 from __future__ import annotations
@@ -139,18 +146,20 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
 
 
-def measure(optimizer: str, accumulation: int, sink: int, repeats: int, data: TensorDataset) -> dict[str, Any]:
-    batches = [(x, y) for x, y in zip(data.tensors[0].split(BATCH), data.tensors[1].split(BATCH))][:sink]
-    hand = HandLoop(optimizer, accumulation, batches)
-    hand.run()  # warm: allocator and caches
-    loader = DataLoader(data, batch_size=BATCH, shuffle=False)
+def compiled_fit(
+    optimizer: str, accumulation: int, sink: int, repeats: int, loader: DataLoader, hand: HandLoop, budget: int | None
+) -> tuple[Paired, float, str]:
+    """One sink + compile fit (``device_data_budget=budget``): its timings, the programs' build seconds and the
+    fit's line on them."""
     report = CompileReport()
     rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     rank_zero_logger.addHandler(report)
     rank_zero_logger.setLevel(logging.INFO)  # (Lightning's other lines are silenced in main)
     try:
         compiled = Paired("batch", sink, hand)
-        strategy = SinkStrategy(accumulation_steps=accumulation, sink_size=sink, graph_mode="compile")
+        strategy = SinkStrategy(
+            accumulation_steps=accumulation, sink_size=sink, graph_mode="compile", device_data_budget=budget
+        )
         trainer = quiet_trainer(strategy=strategy, max_epochs=1 + repeats, callbacks=[compiled])
         trainer.fit(Classifier(optimizer), loader)
     finally:
@@ -158,7 +167,15 @@ def measure(optimizer: str, accumulation: int, sink: int, repeats: int, data: Te
     lines = [line for line in report.lines if "compiled whole" in line]
     if len(lines) != 1:
         raise RuntimeError(f"the fit did not report its compiled programs (fallback?): {report.lines}")
-    compile_seconds = float(re.findall(r"in ([0-9.]+) s$", lines[0])[0])
+    return compiled, float(re.findall(r"in ([0-9.]+) s\b", lines[0])[0]), lines[0]
+
+
+def measure(optimizer: str, accumulation: int, sink: int, repeats: int, data: TensorDataset) -> dict[str, Any]:
+    batches = [(x, y) for x, y in zip(data.tensors[0].split(BATCH), data.tensors[1].split(BATCH))][:sink]
+    hand = HandLoop(optimizer, accumulation, batches)
+    hand.run()  # warm: allocator and caches
+    loader = DataLoader(data, batch_size=BATCH, shuffle=False)
+    compiled, compile_seconds, _ = compiled_fit(optimizer, accumulation, sink, repeats, loader, hand, 0)
     stock = Paired("epoch", sink, hand)
     stock_trainer = quiet_trainer(
         max_epochs=1 + repeats, limit_train_batches=sink, accumulate_grad_batches=accumulation, callbacks=[stock]
@@ -178,6 +195,49 @@ def measure(optimizer: str, accumulation: int, sink: int, repeats: int, data: Te
     }
 
 
+def measure_staged(
+    optimizer: str, accumulation: int, sink: int, repeats: int, rounds: int, data: TensorDataset
+) -> dict[str, Any]:
+    """Sink + compile with the data staged (the programs gather each batch; ``device_data_budget=None``) against
+    the same fit on the loader path (``device_data_budget=0``: each batch read by Python indexing), in alternating
+    fits, each timed sink paired with a hand-loop run; a shuffled loader."""
+    batches = [(x, y) for x, y in zip(data.tensors[0].split(BATCH), data.tensors[1].split(BATCH))][:sink]
+    hand = HandLoop(optimizer, accumulation, batches)
+    hand.run()
+    timings: dict[str, list[float]] = {"loader": [], "staged": []}
+    hands: dict[str, list[float]] = {"loader": [], "staged": []}
+    compile_seconds: dict[str, list[float]] = {"loader": [], "staged": []}
+    for _ in range(rounds):
+        for path, budget in (("loader", 0), ("staged", None)):
+            torch._dynamo.reset()
+            loader = DataLoader(data, batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(1))
+            fit, seconds, line = compiled_fit(optimizer, accumulation, sink, repeats, loader, hand, budget)
+            if ("gathered on the device" in line) != (path == "staged"):
+                raise RuntimeError(f"the {path} fit did not read its data as intended: {line}")
+            timings[path] += fit.lightning[1:]
+            hands[path] += fit.paired_hand[1:]
+            compile_seconds[path].append(seconds)
+    loader_us, staged_us = timings["loader"], timings["staged"]
+    return {
+        "loader_path_us_per_step": round(1e6 * statistics.median(loader_us), 1),
+        "staged_us_per_step": round(1e6 * statistics.median(staged_us), 1),
+        "hand_loop_us_per_step": round(1e6 * statistics.median(hands["loader"] + hands["staged"]), 1),
+        # sink i of round r of one path against the same sink of the other: the pairs nearest in time
+        "staged_vs_loader_path": spread([lo / st for lo, st in zip(loader_us, staged_us)]),
+        "staged_vs_hand_loop": spread([h / st for h, st in zip(hands["staged"], staged_us)]),
+        "loader_path_vs_hand_loop": spread([h / lo for h, lo in zip(hands["loader"], loader_us)]),
+        # each path against the hand-loop runs timed right after its own sinks, then one against the other: on a
+        # loaded machine steadier than the sink-by-sink ratio, whose two sinks are a whole fit apart in time
+        "staged_vs_loader_path_through_hand_loop": round(
+            statistics.median([h / st for h, st in zip(hands["staged"], staged_us)])
+            / statistics.median([h / lo for h, lo in zip(hands["loader"], loader_us)]),
+            3,
+        ),
+        "compile_seconds": {path: [round(value, 1) for value in values] for path, values in compile_seconds.items()},
+        "load_average": [round(value, 2) for value in os.getloadavg()],
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5, help="timed sinks (and stock epochs) per configuration")
@@ -185,6 +245,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
     parser.add_argument("--accumulation", nargs="+", type=int, default=[1, 4])
+    parser.add_argument(
+        "--staged",
+        action="store_true",
+        help="instead: the data staged for the programs (device_data_budget=None) against the loader path (=0)",
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="with --staged: alternating pairs of fits")
     args = parser.parse_args(argv)
     for name in ("repeats", "sink", "threads"):
         if getattr(args, name) < 1:
@@ -210,8 +276,12 @@ def main(argv: list[str] | None = None) -> None:
     }
     for optimizer in args.optimizers:
         for accumulation in args.accumulation:
-            figures = measure(optimizer, accumulation, args.sink, args.repeats, data)
-            name = f"tiny_mlp_{optimizer}_acc{accumulation}"
+            if args.staged:
+                figures = measure_staged(optimizer, accumulation, args.sink, args.repeats, args.rounds, data)
+                name = f"tiny_mlp_{optimizer}_acc{accumulation}_staged"
+            else:
+                figures = measure(optimizer, accumulation, args.sink, args.repeats, data)
+                name = f"tiny_mlp_{optimizer}_acc{accumulation}"
             result[name] = figures
             print(json.dumps({name: figures}), file=sys.stderr)
     print(json.dumps(result))

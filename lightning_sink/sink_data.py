@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -111,10 +111,16 @@ class MicroBatchStream:
     """
 
     def __init__(
-        self, loader: Any, position: DataPosition, depth: int = 2, copier: CudaBatchCopier | None = None
+        self,
+        loader: Any,
+        position: DataPosition,
+        depth: int = 2,
+        copier: CudaBatchCopier | None = None,
+        read_pass: Callable[[Any], Iterable[Any]] | None = None,
     ) -> None:
         """``depth=0`` reads in the training thread instead (no thread, no queue). A ``copier`` moves each batch to
-        the GPU in the reading thread (then ``next()`` returns batches already on the device)."""
+        the GPU in the reading thread (then ``next()`` returns batches already on the device). ``read_pass``: how a
+        pass over the loader is iterated with ``depth=0`` (default ``pass_batches``; staged data reads indices)."""
         self.loader, self.position, self.copier = loader, position, copier
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._stop = threading.Event()
@@ -126,7 +132,7 @@ class MicroBatchStream:
         # Only the training thread reads by indexing. Indexing a large batch runs OpenMP threads, and from a reading
         # thread those form a second team that competes with the training thread's for the cores (LeNet-5 on two
         # cores: 0.57x the hand-written loop, against 1.0x with the loader's own reads), so there it keeps those.
-        self._read_pass = pass_batches if depth == 0 else iter
+        self._read_pass = (read_pass or pass_batches) if depth == 0 else iter
         self._inline = self._items(first_pass, skip) if depth == 0 else None
         self._thread = None
         if depth > 0:

@@ -9,6 +9,11 @@ model-parallel strategy, hooks that run between forward and update, a precision 
 first, then ``build_step_programs``'s (the optimizer, the module's hook overrides and registered hooks, a ``training_step`` that
 is not one graph). The fit logs one line either way: the programs compiled, or why not and what to change.
 
+With the training data staged on the device (``staged_data.py``) the programs are built at the first sink's start
+instead (they need no example batch: they gather their own from the staged dataset), and ``choose`` tells the
+staged data per sink whether the programs it returns gather (``StagedData.gathering``); a program given a
+``StagedBatch`` runs without a batch argument.
+
 What stays where it was:
 
 - Parameters, buffers and the optimizer's state are the module's and the optimizer's own tensors, written in place;
@@ -49,6 +54,7 @@ from lightning_sink.compiled import (
 )
 from lightning_sink.strategies.engine import StepEngine
 from lightning_sink.strategies.programs import SinkPrograms, SinkUpdates, choose_programs
+from lightning_sink.strategies.staged_data import StagedBatch, StagedData
 from lightning_sink.strategies.step_autocast import step_autocast
 from lightning_sink.window import FlatAllReduce, NoGradients
 
@@ -81,9 +87,13 @@ class CompiledSteps:
     """One fit's compiled step programs, built at the first micro-batch of its first sink (they need an example
     batch), or the reason there are none."""
 
-    def __init__(self, engine: StepEngine, graph_mode: str) -> None:
+    def __init__(self, engine: StepEngine, graph_mode: str, staging: StagedData | Unavailable | None = None) -> None:
         self.engine = engine
         self.graph_mode = graph_mode
+        # the training data staged on the device (then the programs are built at the first sink's start and gather
+        # their own batches), or why it is not (said in the fit's line on the programs)
+        self.staging = staging if isinstance(staging, StagedData) else None
+        self._not_staged = staging.reason if isinstance(staging, Unavailable) else None
         self.programs: StepPrograms | None = None
         self.reason: str | None = None  # why there are no programs (then the eager pair runs)
         self._trainable: tuple[int, ...] = ()  # the parameters the programs were built over
@@ -92,18 +102,25 @@ class CompiledSteps:
     # ------------------------------------------------------------------ at each sink's start and end
     def choose(self, engine: StepEngine, updates: SinkUpdates) -> SinkPrograms:
         """The pair this sink runs (the sink loop's ``choose``)."""
+        if self.staging is not None:
+            self.staging.gathering = False  # until the compiled pair is returned
         if self.reason is None and self.programs is None:
             reason = self._run_reason()
             if reason is not None:
                 self._fall_back(reason)
         if self.reason is not None:
             return choose_programs(engine, updates)
-        if self.programs is not None:
+        if self.programs is None and self.staging is not None:
+            if self.build(None) is None:  # staged: built now, before the sink takes its batches
+                return choose_programs(engine, updates)
+        elif self.programs is not None:
             reason = self._changed_since_build()
             if reason is not None:
                 self._fall_back(reason)
                 return choose_programs(engine, updates)
             self._load_window()
+        if self.staging is not None:
+            self.staging.gathering = True
         return SinkPrograms(
             CompiledAccumulate(self, updates), CompiledUpdate(self, updates), end_sink=self._save_window
         )
@@ -190,8 +207,8 @@ class CompiledSteps:
         return None
 
     def build(self, batch: Any) -> StepPrograms | None:
-        """At the fit's first micro-batch: build the programs (compiling them now, on copies of the state), or fall
-        back with the reason."""
+        """At the fit's first micro-batch (with staged data, ``batch=None``: at its first sink's start): build the
+        programs (compiling them now, on copies of the state), or fall back with the reason."""
         engine = self.engine
         trainer = engine.trainer
         module = trainer.lightning_module
@@ -210,6 +227,7 @@ class CompiledSteps:
             cuda_graph=self.graph_mode == "cuda_graph",
             autocast=self.autocast,
             rank_sum=self._rank_sum(),
+            data=self.staging.data() if self.staging is not None else None,
         )
         if engine.host.world_size > 1:
             # every rank runs the same pair, or the ranks' all-reduces would not pair up
@@ -237,7 +255,7 @@ class CompiledSteps:
         rank_zero_info(
             f"{type(engine.host).__name__}(graph_mode={self.graph_mode!r}): the accumulate and update programs are"
             f" {kind} whole (forward, backward, accumulation, {', '.join(parts)} update{across}) in"
-            f" {time.perf_counter() - start:.1f} s{where}"
+            f" {time.perf_counter() - start:.1f} s{where}; {self._data_note()}"
         )
         return built
 
@@ -250,6 +268,16 @@ class CompiledSteps:
         if DDP_SUM_ROUTE == "traced":
             return RankSum(ranks, group=dist.group.WORLD)
         return RankSum(ranks, all_reduce=reducer.sum_flat)
+
+    def _data_note(self) -> str:
+        if self.staging is not None:
+            return (
+                f"each batch gathered on the device from the training set staged there"
+                f" ({self.staging.staged_bytes / 2**20:.1f} MiB)"
+            )
+        if self._not_staged is not None:
+            return f"batches read by the loader path (not staged on the device: {self._not_staged})"
+        return "batches read by the loader path"
 
     def _fall_back(self, reason: str) -> None:
         self.reason = reason
@@ -322,7 +350,7 @@ class CompiledAccumulate(_Compiled):
             assert self._eager is not None
             return self._eager.accumulate.run(batch, batch_idx)
         self._open(programs, batch_idx)
-        out = programs.accumulate(batch)
+        out = programs.accumulate(_own_batch(batch))
         self._engine.window.store.micro_steps += 1  # the backward passes of the window, counted on the host
         return self._outputs(programs, out)
 
@@ -339,7 +367,7 @@ class CompiledUpdate(_Compiled):
         result: list[Tensor] = []
 
         def update() -> None:
-            out = programs.update(batch)
+            out = programs.update(_own_batch(batch))
             if programs.rank_sum is not None:
                 assert isinstance(engine.reducer, FlatAllReduce)  # (the only reducer programs are built for)
                 engine.reducer.broadcast_module_buffers()  # as the eager pair does after its all-reduce
@@ -364,8 +392,16 @@ class CompiledUpdate(_Compiled):
         return result[0]
 
 
-def compiled_choice(engine: StepEngine, graph_mode: str) -> Callable[[StepEngine, SinkUpdates], SinkPrograms]:
-    """The sink loop's ``choose`` for ``graph_mode``: the compiled pair where it applies, else ``choose_programs``."""
+def _own_batch(batch: Any) -> Any:
+    """What a program takes: ``None`` for a staged micro-batch (it gathers that batch itself), else the batch."""
+    return None if isinstance(batch, StagedBatch) else batch
+
+
+def compiled_choice(
+    engine: StepEngine, graph_mode: str, staging: StagedData | Unavailable | None = None
+) -> Callable[[StepEngine, SinkUpdates], SinkPrograms]:
+    """The sink loop's ``choose`` for ``graph_mode``: the compiled pair where it applies, else ``choose_programs``.
+    ``staging``: the fit's staged training data (``staged_data.py``), or why there is none."""
     if graph_mode == "eager":
         return choose_programs
-    return CompiledSteps(engine, graph_mode).choose
+    return CompiledSteps(engine, graph_mode, staging).choose

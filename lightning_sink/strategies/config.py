@@ -45,6 +45,7 @@ class SinkConfig:
     graph_mode: str = "eager"
     checkpoint_random_state: bool = True
     checkpoint_digests: bool = True  # the .ckpt saves of SinkStrategy and SinkDDPStrategy (tensor_digests.py)
+    device_data_budget: int | None = None  # bytes of training data the compiled programs may stage on the device
 
     def __post_init__(self) -> None:
         steps, sink_size, depth = self.accumulation_steps, self.sink_size, self.prefetch_depth
@@ -78,6 +79,13 @@ class SinkConfig:
             raise TypeError(
                 f"checkpoint_random_state={self.checkpoint_random_state!r} is not valid: pass True (checkpoints save"
                 " and resumes restore the global random generators: torch's, CUDA's, Python's, NumPy's) or False."
+            )
+        budget = self.device_data_budget
+        if budget is not None and not (_is_int(budget) and budget >= 0):
+            raise ValueError(
+                f"device_data_budget={budget!r} is not valid: pass an int >= 0 (bytes of training data the compiled"
+                " programs may stage on the device; 0 stages none) or None (a quarter of a CUDA device's memory; no"
+                " limit on the CPU, where the data is in memory already)."
             )
         if not isinstance(self.checkpoint_digests, bool):
             raise TypeError(f"checkpoint_digests={self.checkpoint_digests!r} is not valid: pass True or False.")

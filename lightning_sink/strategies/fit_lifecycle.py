@@ -20,6 +20,7 @@ from torch.nn import Parameter
 
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.accumulation import GradientAccumulator, SingleStepGradients
+from lightning_sink.compiled import Unavailable
 from lightning_sink.data import DataPosition
 from lightning_sink.device_prefetch import CudaBatchCopier
 from lightning_sink.indexed_batches import IndexedLoaderReads
@@ -48,6 +49,7 @@ from lightning_sink.strategies.sink_logging import SinkLogBuffer
 from lightning_sink.strategies.sink_loop import SinkLoop
 from lightning_sink.strategies.sink_schedule import SinkSchedule
 from lightning_sink.strategies.sink_state_check import FitFacts, check_state_against_fit
+from lightning_sink.strategies.staged_data import StagedData, default_device_data_budget, plan_staging
 from lightning_sink.strategies.step_triggers import describe_sink_epoch, schedule_points
 from lightning_sink.strategies.tensor_digests import add_tensor_digests, check_tensor_digests
 from lightning_sink.training_passes import TrainingPasses
@@ -319,8 +321,13 @@ class SinkFit:
     def _install_loop_rules(self, trainer: pl.Trainer, engine: StepEngine) -> None:
         if self._sink_loader is not None:
             assert self.sink_size is not None
+            staging = self._staging(engine)
             stream = MicroBatchStream(
-                self._sink_loader.loader, self.data_position, self._prefetch_depth(), copier=self._device_copier()
+                self._sink_loader.loader,
+                self.data_position,
+                self._prefetch_depth(),
+                copier=self._device_copier(),
+                read_pass=staging.read_pass if isinstance(staging, StagedData) else None,
             )
             module = trainer.lightning_module
             watch = RecompileWatch(self.sink_size, self.graph_mode) if self.graph_mode != "eager" else None
@@ -340,7 +347,8 @@ class SinkFit:
                 # collectives would then no longer pair up: rank 0's clock decides, as Lightning's Timer does.
                 agree=self.host.broadcast if self.host.world_size > 1 else None,
                 recompile_watch=watch,
-                choose=compiled_choice(engine, self.graph_mode),
+                choose=compiled_choice(engine, self.graph_mode, staging),
+                batches=staging.batches if isinstance(staging, StagedData) else None,
             )
             self._sink_loader.sink_continues = loop.sink_continues
             scheduled = None
@@ -394,6 +402,24 @@ class SinkFit:
             return stock
         updates = max(epochs, 1) * per_sink // self.accumulation_steps
         return min(updates, trainer.max_steps) if trainer.max_steps != -1 else updates
+
+    def _staging(self, engine: StepEngine) -> StagedData | Unavailable:
+        """The training data staged on the device for the compiled programs (``staged_data.py``), or why not."""
+        assert self._sink_loader is not None and self.sink_size is not None
+        host = self.host
+        budget = self.sink_config.device_data_budget
+        return plan_staging(
+            self._sink_loader.loader,
+            graph_mode=self.graph_mode,
+            world_size=host.world_size,
+            prefetch_depth=self._prefetch_depth(),
+            direct_transfer=engine.hooks.direct_transfer,
+            converts_input=type(host.precision_plugin).convert_input is not Precision.convert_input,
+            budget=default_device_data_budget(host.root_device) if budget is None else budget,
+            position=self.data_position,
+            device=host.root_device,
+            sink_size=self.sink_size,
+        )
 
     def _prefetch_depth(self) -> int:
         """``prefetch_depth``, or by default (``default_prefetch_depth``) from the device and the loader."""

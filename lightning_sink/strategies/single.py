@@ -56,6 +56,11 @@ class SinkStrategy(SingleDeviceStrategy):
         checkpoint_digests: record the SHA-256 of every tensor in each ``.ckpt`` saved and, on resume, refuse a
             checkpoint whose tensors do not match, naming the file and the tensor (``tensor_digests.py``). Costs a
             read of every saved byte at save and at resume; ``False`` writes and checks none.
+        device_data_budget: with ``graph_mode="compile"``/``"cuda_graph"`` in sink mode, the bytes of an in-memory
+            ``TensorDataset`` the whole-step programs may stage on the device, to gather each micro-batch there from
+            the sampler's indices uploaded once per sink (``staged_data.py`` says which loaders qualify); a larger
+            dataset keeps the loader path. ``0`` stages nothing; ``None`` (default): a quarter of a CUDA device's
+            memory, no limit on the CPU (where the data is in memory already and nothing is copied).
     """
 
     strategy_name = "sink"
@@ -73,6 +78,7 @@ class SinkStrategy(SingleDeviceStrategy):
         precision_plugin: Precision | None = None,
         checkpoint_random_state: bool = True,
         checkpoint_digests: bool = True,
+        device_data_budget: int | None = None,
     ) -> None:
         config = SinkConfig(
             accumulation_steps,
@@ -82,6 +88,7 @@ class SinkStrategy(SingleDeviceStrategy):
             graph_mode,
             checkpoint_random_state=checkpoint_random_state,
             checkpoint_digests=checkpoint_digests,
+            device_data_budget=device_data_budget,
         )
         validate_device("device", device)
         super().__init__(

@@ -29,6 +29,7 @@ from lightning_sink.strategies.programs import SinkPrograms, SinkUpdates, choose
 from lightning_sink.strategies.recompile_watch import RecompileWatch
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
 from lightning_sink.strategies.sink_schedule import Segment, SinkSchedule
+from lightning_sink.strategies.staged_data import StagedBatch
 
 __all__ = ["SinkLoop"]
 
@@ -47,12 +48,17 @@ class SinkLoop:
         agree: Callable[[bool], bool] | None = None,
         recompile_watch: RecompileWatch | None = None,
         choose: Callable[[StepEngine, SinkUpdates], SinkPrograms] = choose_programs,
+        batches: Callable[[MicroBatchStream, float], Callable[[], Any]] | None = None,
     ) -> None:
         """``time_left``: seconds until ``max_time`` (``None``: no limit checked per step). ``agree``: under
         several processes, rank 0's decision that the time is up, given to every rank (the strategy's ``broadcast``,
-        once per micro-batch while a time limit is set, as Lightning's ``Timer`` broadcasts once per batch)."""
+        once per micro-batch while a time limit is set, as Lightning's ``Timer`` broadcasts once per batch).
+        ``batches``: per segment, given the stream and the segment's length, its next-micro-batch function (default:
+        the stream's ``next``; staged data: ``StagedData.batches``, whose ``StagedBatch`` items the programs gather
+        on the device themselves)."""
         self._engine = engine
         self._choose = choose  # the pair each sink runs (compiled programs: ``compiled_step.py``)
+        self._batches = batches
         self.stream = stream
         self._data_position = data_position
         self._log_buffer = log_buffer
@@ -159,18 +165,20 @@ class SinkLoop:
         plugin = engine.host.precision_plugin
         losses: list[Tensor] = []
         micro_index = 0
+        next_batch = stream.next if self._batches is None else self._batches(stream, length)
         while micro_index < length:
             if updates_allowed != -1 and updates.count >= updates_allowed:
                 break
-            batch = stream.next()
+            batch = next_batch()
             if batch is PASS_END:
                 if self._sink_size == -1 and micro_index:
                     self._pass_ended = True
                     break  # one data pass per sink
                 continue
-            if self._converts_input:
+            staged = isinstance(batch, StagedBatch)  # gathered on the device by the program itself
+            if self._converts_input and not staged:
                 batch = plugin.convert_input(batch)
-            if self._to_device:
+            if self._to_device and not staged:
                 batch = self._device_batch(batch)
             if buffer is not None:
                 buffer.begin_micro_step(batch)
