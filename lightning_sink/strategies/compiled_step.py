@@ -22,12 +22,20 @@ What stays where it was:
   a resume mid-window, or a window that runs on across sinks, continues exactly).
 - ``self.log`` inside ``training_step``: the values come out of the program and are handed to ``self.log`` (during
   a sink, the log buffer of ``sink_logging.py``) after each call, with the options they were logged with.
+
+With ``micro_steps_per_call=M`` (> 1) the programs also hold one compiled program of M micro-steps (whole windows,
+``StepPrograms.run_several``), and ``CompiledSeveral`` runs M micro-batches per call where that is exact: at a
+window's start, no ``interval="step"`` LR scheduler (its value may change between the call's updates, which read
+the hyperparameters once), the accumulation the program was built for. After the call every micro-batch's host
+effects are done in order, as the one-per-call pair does them (``SinkLoop`` asks the rest: segment, pass,
+``max_steps`` and ``max_time``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -44,7 +52,14 @@ from lightning_sink.strategies.engine import StepEngine
 from lightning_sink.strategies.programs import SinkPrograms, SinkUpdates, choose_programs
 from lightning_sink.window import NoGradients
 
-__all__ = ["COMPILE_BACKEND", "CompiledSteps", "CompiledAccumulate", "CompiledUpdate", "compiled_choice"]
+__all__ = [
+    "COMPILE_BACKEND",
+    "CompiledSteps",
+    "CompiledAccumulate",
+    "CompiledUpdate",
+    "CompiledSeveral",
+    "compiled_choice",
+]
 
 # torch.compile's backend for the programs. "inductor" generates fused kernels (the point of compiling); the tests
 # set "aot_eager" (the same graphs run by eager kernels, much faster to build) where compile time is not what they
@@ -65,9 +80,10 @@ class CompiledSteps:
     """One fit's compiled step programs, built at the first micro-batch of its first sink (they need an example
     batch), or the reason there are none."""
 
-    def __init__(self, engine: StepEngine, graph_mode: str) -> None:
+    def __init__(self, engine: StepEngine, graph_mode: str, micro_steps_per_call: int = 1) -> None:
         self.engine = engine
         self.graph_mode = graph_mode
+        self.micro_steps_per_call = micro_steps_per_call
         self.programs: StepPrograms | None = None
         self.reason: str | None = None  # why there are no programs (then the eager pair runs)
         self._trainable: tuple[int, ...] = ()  # the parameters the programs were built over
@@ -87,8 +103,12 @@ class CompiledSteps:
                 self._fall_back(reason)
                 return choose_programs(engine, updates)
             self._load_window()
+        several = CompiledSeveral(self, updates) if self.micro_steps_per_call > 1 else None
         return SinkPrograms(
-            CompiledAccumulate(self, updates), CompiledUpdate(self, updates), end_sink=self._save_window
+            CompiledAccumulate(self, updates),
+            CompiledUpdate(self, updates),
+            end_sink=self._save_window,
+            several=several,
         )
 
     def _changed_since_build(self) -> str | None:
@@ -185,6 +205,13 @@ class CompiledSteps:
         clip_val = trainer.gradient_clip_val or None
         algorithm = GradClipAlgorithmType(trainer.gradient_clip_algorithm or GradClipAlgorithmType.NORM).value
         start = time.perf_counter()
+        several = self.micro_steps_per_call
+        if several > 1 and several % engine.accumulation_steps:
+            rank_zero_warn(
+                f"micro_steps_per_call={several} is not a multiple of the fit's accumulation_steps="
+                f"{engine.accumulation_steps} (a call runs whole windows): one micro-batch per call instead."
+            )
+            several = 1
         built = build_step_programs(
             module,
             engine.optimizer(),
@@ -194,6 +221,8 @@ class CompiledSteps:
             gradient_clip_algorithm=algorithm,
             backend=COMPILE_BACKEND,
             cuda_graph=self.graph_mode == "cuda_graph",
+            micro_steps_per_call=several,
+            accumulation_steps=engine.accumulation_steps if several > 1 else 1,
         )
         if isinstance(built, Unavailable):
             self._fall_back(built.reason)
@@ -207,9 +236,10 @@ class CompiledSteps:
         if clip_val is not None:
             parts.append(f"{algorithm} clipping")
         kind = "compiled and captured as CUDA graphs" if self.graph_mode == "cuda_graph" else "compiled"
+        unrolled = f", and {several} micro-steps unrolled into one program" if several > 1 else ""
         rank_zero_info(
             f"{type(engine.host).__name__}(graph_mode={self.graph_mode!r}): the accumulate and update programs are"
-            f" {kind} whole (forward, backward, accumulation, {', '.join(parts)} update) in"
+            f" {kind} whole (forward, backward, accumulation, {', '.join(parts)} update){unrolled} in"
             f" {time.perf_counter() - start:.1f} s"
         )
         return built
@@ -324,8 +354,61 @@ class CompiledUpdate(_Compiled):
         return result[0]
 
 
-def compiled_choice(engine: StepEngine, graph_mode: str) -> Callable[[StepEngine, SinkUpdates], SinkPrograms]:
+class CompiledSeveral(_Compiled):
+    """``micro_steps_per_call`` micro-batches, whole windows, in one compiled call (``SeveralSteps``)."""
+
+    def __init__(self, steps: CompiledSteps, updates: SinkUpdates) -> None:
+        super().__init__(steps, updates)
+        self.count = steps.micro_steps_per_call
+
+    def ready(self) -> bool:
+        programs, engine = self._steps.programs, self._engine
+        return (
+            programs is not None
+            and programs.several is not None
+            and programs.several[1] == engine.accumulation_steps  # (a GradientAccumulationScheduler may change it)
+            and engine.window.micro_batches == 0
+            and not engine.step_scheduler_configs
+        )
+
+    def run(self, batches: list[Any], batch_idx: int) -> list[Callable[[], Tensor | None]]:
+        programs = self._steps.programs
+        assert programs is not None and programs.several is not None  # (ready() said so)
+        steps = programs.several[1]
+        programs.batch_index.fill_(batch_idx)  # the programs count it on per micro-step
+        outputs = programs.run_several(batches)
+        return [partial(self._finish, programs, out, (i + 1) % steps == 0) for i, out in enumerate(outputs)]
+
+    def _finish(self, programs: StepPrograms, out: StepOutputs, ends: bool) -> Tensor:
+        """One micro-batch's host effects after the call, as ``CompiledAccumulate`` / ``CompiledUpdate`` do them."""
+        engine = self._engine
+        window = engine.window
+        if window.micro_batches == 0:
+            engine.counters.zero_grad()
+        window.micro_batches += 1
+        if not ends:
+            window.store.micro_steps += 1
+            return self._outputs(programs, out)
+        window.micro_batches = 0
+        result: list[Tensor] = []
+
+        def update() -> None:
+            result.append(self._outputs(programs, out))
+            engine.last_update_skipped = False  # (read only by step schedulers, which this path never has)
+            scaling = engine.scaling
+            if scaling is not None:
+                engine.log_loss_scale(scaling, out.found_inf, out.scale, out.skipped)
+            window.store.micro_steps = 0
+            window.end()
+
+        self._updates.make(update)
+        return result[0]
+
+
+def compiled_choice(
+    engine: StepEngine, graph_mode: str, micro_steps_per_call: int = 1
+) -> Callable[[StepEngine, SinkUpdates], SinkPrograms]:
     """The sink loop's ``choose`` for ``graph_mode``: the compiled pair where it applies, else ``choose_programs``."""
     if graph_mode == "eager":
         return choose_programs
-    return CompiledSteps(engine, graph_mode).choose
+    return CompiledSteps(engine, graph_mode, micro_steps_per_call).choose

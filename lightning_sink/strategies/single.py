@@ -56,6 +56,13 @@ class SinkStrategy(SingleDeviceStrategy):
         checkpoint_digests: record the SHA-256 of every tensor in each ``.ckpt`` saved and, on resume, refuse a
             checkpoint whose tensors do not match, naming the file and the tensor (``tensor_digests.py``). Costs a
             read of every saved byte at save and at resume; ``False`` writes and checks none.
+        micro_steps_per_call: with ``graph_mode="compile"`` or ``"cuda_graph"`` in sink mode, the micro-batches
+            (whole windows: a multiple of ``accumulation_steps``) unrolled into one compiled call (default 1: one
+            call per micro-batch). Exact: every per-micro-batch effect (``self.log`` values, counters,
+            ``global_step``, the data position) is done after the call, in order; where a call could not be exact
+            (an ``interval="step"`` LR scheduler, ``max_time``, a window already open, fewer micro-batches left
+            before the segment's or the pass's end or ``max_steps``) those micro-batches run one per call. Compile
+            time grows with the value (``docs/sink_mode.md``, "Graph modes").
     """
 
     strategy_name = "sink"
@@ -73,6 +80,7 @@ class SinkStrategy(SingleDeviceStrategy):
         precision_plugin: Precision | None = None,
         checkpoint_random_state: bool = True,
         checkpoint_digests: bool = True,
+        micro_steps_per_call: int = 1,
     ) -> None:
         config = SinkConfig(
             accumulation_steps,
@@ -82,6 +90,7 @@ class SinkStrategy(SingleDeviceStrategy):
             graph_mode,
             checkpoint_random_state=checkpoint_random_state,
             checkpoint_digests=checkpoint_digests,
+            micro_steps_per_call=micro_steps_per_call,
         )
         validate_device("device", device)
         super().__init__(
@@ -98,6 +107,7 @@ class SinkStrategy(SingleDeviceStrategy):
     sink_size = fit_setting("sink_size")
     prefetch_depth = fit_setting("prefetch_depth")
     graph_mode = fit_setting("graph_mode")
+    micro_steps_per_call = fit_setting("micro_steps_per_call")
     sink_config = fit_setting("sink_config")
     micro_steps_in_window = fit_setting("micro_steps_in_window")
     # what tests and benchmarks look into

@@ -119,6 +119,7 @@ def test_printed_config_runs_again_unchanged(tmp_path):
             "precision_plugin": None,
             "checkpoint_random_state": True,
             "checkpoint_digests": True,
+            "micro_steps_per_call": 1,
         },
     }
     callbacks = [c["class_path"] for c in config["trainer"]["callbacks"]]
