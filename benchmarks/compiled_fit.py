@@ -2,6 +2,7 @@
 against the eager hand-written loop and stock Lightning, per micro-step.
 
     python benchmarks/compiled_fit.py [--repeats 5] [--sink 200] [--optimizers sgd adamw] [--accumulation 1 4]
+                                      [--calls 1 4]
 
 Tiny MLP 64-64-10, batch 32, one intra-op thread (``--threads``), CPU. SGD is ``lr=0.01, momentum=0.9``; AdamW
 ``lr=1e-3``. Per configuration (optimizer x accumulation):
@@ -9,6 +10,9 @@ Tiny MLP 64-64-10, batch 32, one intra-op thread (``--threads``), CPU. SGD is ``
 - **sink + compile**: one fit of ``1 + repeats`` sinks of ``--sink`` micro-batches (one sink per epoch); each sink
   is timed from its ``on_train_batch_start`` to its ``on_train_batch_end``; the first (which builds the programs)
   is not counted. ``compile_seconds`` is the programs' build as the fit reports it.
+- **sink + compile, M per call** (each ``--calls`` value M > 1, a multiple of the accumulation): the same fit with
+  ``micro_steps_per_call=M`` (M micro-batches unrolled into one compiled program); ``compile_seconds_mM`` includes
+  that program's compilation.
 - **stock Lightning**: ``Trainer(accumulate_grad_batches=N)``, one fit of ``1 + repeats`` epochs of ``--sink``
   batches; each epoch timed from its start to its end, the first not counted.
 - **hand loop**: the plain PyTorch loop (``loss / N``, ``backward``, ``step`` and ``zero_grad`` at each window's
@@ -139,7 +143,9 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
 
 
-def measure(optimizer: str, accumulation: int, sink: int, repeats: int, data: TensorDataset) -> dict[str, Any]:
+def measure(
+    optimizer: str, accumulation: int, sink: int, repeats: int, data: TensorDataset, calls: list[int]
+) -> dict[str, Any]:
     batches = [(x, y) for x, y in zip(data.tensors[0].split(BATCH), data.tensors[1].split(BATCH))][:sink]
     hand = HandLoop(optimizer, accumulation, batches)
     hand.run()  # warm: allocator and caches
@@ -148,17 +154,23 @@ def measure(optimizer: str, accumulation: int, sink: int, repeats: int, data: Te
     rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     rank_zero_logger.addHandler(report)
     rank_zero_logger.setLevel(logging.INFO)  # (Lightning's other lines are silenced in main)
+    runs: dict[int, tuple[Paired, float]] = {}
     try:
-        compiled = Paired("batch", sink, hand)
-        strategy = SinkStrategy(accumulation_steps=accumulation, sink_size=sink, graph_mode="compile")
-        trainer = quiet_trainer(strategy=strategy, max_epochs=1 + repeats, callbacks=[compiled])
-        trainer.fit(Classifier(optimizer), loader)
+        for per_call in calls:
+            report.lines.clear()
+            compiled = Paired("batch", sink, hand)
+            strategy = SinkStrategy(
+                accumulation_steps=accumulation, sink_size=sink, graph_mode="compile", micro_steps_per_call=per_call
+            )
+            trainer = quiet_trainer(strategy=strategy, max_epochs=1 + repeats, callbacks=[compiled])
+            trainer.fit(Classifier(optimizer), loader)
+            lines = [line for line in report.lines if "compiled whole" in line]
+            if len(lines) != 1:
+                raise RuntimeError(f"the fit did not report its compiled programs (fallback?): {report.lines}")
+            runs[per_call] = (compiled, float(re.findall(r"in ([0-9.]+) s$", lines[0])[0]))
     finally:
         rank_zero_logger.removeHandler(report)
-    lines = [line for line in report.lines if "compiled whole" in line]
-    if len(lines) != 1:
-        raise RuntimeError(f"the fit did not report its compiled programs (fallback?): {report.lines}")
-    compile_seconds = float(re.findall(r"in ([0-9.]+) s$", lines[0])[0])
+    compiled, compile_seconds = runs[1]
     stock = Paired("epoch", sink, hand)
     stock_trainer = quiet_trainer(
         max_epochs=1 + repeats, limit_train_batches=sink, accumulate_grad_batches=accumulation, callbacks=[stock]
@@ -166,6 +178,14 @@ def measure(optimizer: str, accumulation: int, sink: int, repeats: int, data: Te
     stock_trainer.fit(Classifier(optimizer), loader)
     sink_us, sink_hand = compiled.lightning[1:], compiled.paired_hand[1:]
     stock_us, stock_hand = stock.lightning[1:], stock.paired_hand[1:]
+    several: dict[str, Any] = {}
+    for per_call, (run, seconds) in runs.items():
+        if per_call == 1:
+            continue
+        us, paired = run.lightning[1:], run.paired_hand[1:]
+        several[f"sink_compile_m{per_call}_us_per_step"] = round(1e6 * statistics.median(us), 1)
+        several[f"sink_compile_m{per_call}_vs_hand_loop"] = spread([h / c for h, c in zip(paired, us)])
+        several[f"compile_seconds_m{per_call}"] = seconds
     return {
         "hand_loop_us_per_step": round(1e6 * statistics.median(sink_hand + stock_hand), 1),
         "sink_compile_us_per_step": round(1e6 * statistics.median(sink_us), 1),
@@ -175,6 +195,7 @@ def measure(optimizer: str, accumulation: int, sink: int, repeats: int, data: Te
         "stock_lightning_vs_hand_loop": spread([h / s for h, s in zip(stock_hand, stock_us)]),
         "compile_seconds": compile_seconds,
         "first_sink_seconds": round(compiled.lightning[0] * sink, 1),
+        **several,
     }
 
 
@@ -185,12 +206,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
     parser.add_argument("--accumulation", nargs="+", type=int, default=[1, 4])
+    parser.add_argument(
+        "--calls", nargs="+", type=int, default=[1, 4], help="micro_steps_per_call values (1 is always measured)"
+    )
     args = parser.parse_args(argv)
     for name in ("repeats", "sink", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1; got {getattr(args, name)}")
     if any(n < 1 or args.sink % n for n in args.accumulation):
         parser.error(f"--accumulation values must be >= 1 and divide --sink={args.sink}; got {args.accumulation}")
+    if any(m < 1 or (m > 1 and m % n) for m in args.calls for n in args.accumulation) or any(
+        args.sink % m for m in args.calls
+    ):
+        parser.error(f"--calls values must be multiples of every --accumulation and divide --sink; got {args.calls}")
+    calls = sorted(set(args.calls) | {1})
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -210,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     for optimizer in args.optimizers:
         for accumulation in args.accumulation:
-            figures = measure(optimizer, accumulation, args.sink, args.repeats, data)
+            figures = measure(optimizer, accumulation, args.sink, args.repeats, data, calls)
             name = f"tiny_mlp_{optimizer}_acc{accumulation}"
             result[name] = figures
             print(json.dumps({name: figures}), file=sys.stderr)
