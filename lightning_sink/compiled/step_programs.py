@@ -234,7 +234,7 @@ class StepPrograms:
         scaler = state["scaler"]
         for position, batch in enumerate(batches):
             if (position + 1) % accumulation == 0:
-                result = self._update_program(state, batch)
+                result: tuple[Any, ...] = self._update_program(state, batch)
                 if scaler is not None:
                     result = (*result, scaler["scale"].clone(), scaler["skipped"].clone())
                 outputs.append(result)

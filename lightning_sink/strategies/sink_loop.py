@@ -210,7 +210,7 @@ class SinkLoop:
         stacked = torch.stack(losses)
         return {"loss": stacked[-1], "mean_loss": stacked.mean(), "losses": stacked}
 
-    def _fits_in_call(self, several: SeveralSteps, left_in_segment: int, updates_allowed: int) -> bool:
+    def _fits_in_call(self, several: SeveralSteps, left_in_segment: float, updates_allowed: int) -> bool:
         """Whether the next ``several.count`` micro-batches may run in one call: the segment (whose end is a point
         of the schedule: validation, a checkpoint, the sink's end), the data pass (whose end is read from the stream
         only after its last batch was trained) and ``max_steps`` all leave room for them, and the programs say the
