@@ -20,6 +20,10 @@ Tiny MLP 64-64-10, batch 32, one intra-op thread (``--threads``), CPU. SGD is ``
   each timed sink or epoch (inside its end hook, outside its timing), so each Lightning figure has a hand-loop figure
   measured next to it in the same process, alternating; ratios are per pair (median, min, max over repeats).
 
+On a shared machine wall time includes the time the training thread waited for a core; the ``cpu_*`` figures are
+the training thread's own CPU time (``time.thread_time``) over the same spans, paired the same way: less sensitive
+to the load (not to its cache effects).
+
 The Lightning fits read the same in-memory ``TensorDataset`` through a ``DataLoader`` (sink mode reads it by
 indexing; stock Lightning collates each batch). The last line is one JSON object.
 """
@@ -85,12 +89,13 @@ class HandLoop:
 
     def run(self) -> float:
         model, optimizer, n = self.model, self.optimizer, self.accumulation
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         for i, (x, y) in enumerate(self.batches):
             (F.cross_entropy(model(x), y) / n).backward()
             if (i + 1) % n == 0:
                 optimizer.step()
                 optimizer.zero_grad()
+        self.cpu_seconds = (time.thread_time() - cpu_start) / len(self.batches)
         return (time.perf_counter() - start) / len(self.batches)
 
 
@@ -102,14 +107,18 @@ class Paired(pl.Callback):
         self.per, self.micro_steps, self.hand = per, micro_steps, hand
         self.lightning: list[float] = []
         self.paired_hand: list[float] = []
-        self._start = 0.0
+        self.lightning_cpu: list[float] = []  # the training thread's CPU time (time.thread_time), per micro-step
+        self.paired_hand_cpu: list[float] = []
+        self._start = self._cpu_start = 0.0
 
     def _begin(self) -> None:
-        self._start = time.perf_counter()
+        self._start, self._cpu_start = time.perf_counter(), time.thread_time()
 
     def _end(self) -> None:
         self.lightning.append((time.perf_counter() - self._start) / self.micro_steps)
+        self.lightning_cpu.append((time.thread_time() - self._cpu_start) / self.micro_steps)
         self.paired_hand.append(self.hand.run())
+        self.paired_hand_cpu.append(self.hand.cpu_seconds)
 
     def on_train_batch_start(self, *args: Any) -> None:
         if self.per == "batch":
@@ -186,8 +195,14 @@ def measure(
         several[f"sink_compile_m{per_call}_us_per_step"] = round(1e6 * statistics.median(us), 1)
         several[f"sink_compile_m{per_call}_vs_hand_loop"] = spread([h / c for h, c in zip(paired, us)])
         several[f"compile_seconds_m{per_call}"] = seconds
+    for per_call, (run, _) in runs.items():
+        name = "sink_compile" if per_call == 1 else f"sink_compile_m{per_call}"
+        cpu, paired = run.lightning_cpu[1:], run.paired_hand_cpu[1:]
+        several[f"cpu_{name}_us_per_step"] = round(1e6 * statistics.median(cpu), 1)
+        several[f"cpu_{name}_vs_hand_loop"] = spread([h / c for h, c in zip(paired, cpu)])
     return {
         "hand_loop_us_per_step": round(1e6 * statistics.median(sink_hand + stock_hand), 1),
+        "cpu_hand_loop_us_per_step": round(1e6 * statistics.median(compiled.paired_hand_cpu[1:]), 1),
         "sink_compile_us_per_step": round(1e6 * statistics.median(sink_us), 1),
         "stock_lightning_us_per_step": round(1e6 * statistics.median(stock_us), 1),
         "sink_compile_vs_hand_loop": spread([h / c for h, c in zip(sink_hand, sink_us)]),
