@@ -75,11 +75,14 @@ LIGHTNING_CONFIGS = {  # name: (what accumulates: Lightning, the sink strategy, 
     "sink": ("sink", False),
     "sink_sinking": ("sinking", False),
     "sink_sinking_prefetch": ("sinking_prefetch", False),  # prefetch_depth=2: a thread reads the loader ahead
+    "sink_sinking_compile": ("sinking_compile", False),  # graph_mode="compile": the whole-step programs
+    "sink_sinking_compile_m4": ("sinking_compile_m4", False),  # and micro_steps_per_call=4
     "stock_lightning_defaults": ("stock", True),
     "sink_defaults": ("sink", True),
     "sink_sinking_defaults": ("sinking", True),
 }
 CONFIGS = ("hand_written", *LIGHTNING_CONFIGS)
+DEFAULT_CONFIGS = tuple(name for name in CONFIGS if "compile" not in name)  # (compiling takes a minute or more)
 RATIOS = {  # name: (configuration, baseline)
     "sink_vs_stock_lightning": ("sink", "stock_lightning"),
     "sink_defaults_vs_stock_lightning_defaults": ("sink_defaults", "stock_lightning_defaults"),
@@ -89,6 +92,8 @@ RATIOS = {  # name: (configuration, baseline)
     "sink_sinking_defaults_vs_stock_lightning_defaults": ("sink_sinking_defaults", "stock_lightning_defaults"),
     "stock_lightning_vs_hand_written": ("stock_lightning", "hand_written"),
     "sink_vs_hand_written": ("sink", "hand_written"),
+    "sink_sinking_compile_vs_hand_written": ("sink_sinking_compile", "hand_written"),
+    "sink_sinking_compile_m4_vs_hand_written": ("sink_sinking_compile_m4", "hand_written"),
 }
 
 
@@ -146,6 +151,9 @@ def lightning(
         sinking = {"sink_size": sink_size} if kind.startswith("sinking") else {}
         if kind == "sinking_prefetch":
             sinking["prefetch_depth"] = 2
+        if kind.startswith("sinking_compile"):
+            sinking["graph_mode"] = "compile"
+            sinking["micro_steps_per_call"] = 4 if kind.endswith("_m4") else 1
         strategy, accumulate = SinkStrategy(accumulation_steps=ACCUMULATION, **sinking), 1
     timer = timer or StepTimer(warmup_steps=warmup // ACCUMULATION)
     settings = {
@@ -387,7 +395,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS), help="the models timed")
     parser.add_argument(
-        "--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS), help="the configurations timed (default: all)"
+        "--configs",
+        nargs="+",
+        choices=CONFIGS,
+        default=list(DEFAULT_CONFIGS),
+        help="the configurations timed (default: all but the sink_sinking_compile ones)",
     )
     parser.add_argument("--model", choices=MODELS, default="tiny_mlp", help="--profile: the model")
     parser.add_argument("--top", type=int, default=30, help="--profile: functions listed")

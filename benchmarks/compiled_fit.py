@@ -2,7 +2,7 @@
 against the eager hand-written loop and stock Lightning, per micro-step.
 
     python benchmarks/compiled_fit.py [--repeats 5] [--sink 200] [--optimizers sgd adamw] [--accumulation 1 4]
-    python benchmarks/compiled_fit.py --staged [--rounds 2] ...
+                                      [--calls 1 4]
 
 Tiny MLP 64-64-10, batch 32, one intra-op thread (``--threads``), CPU. SGD is ``lr=0.01, momentum=0.9``; AdamW
 ``lr=1e-3``. Per configuration (optimizer x accumulation):
@@ -10,12 +10,19 @@ Tiny MLP 64-64-10, batch 32, one intra-op thread (``--threads``), CPU. SGD is ``
 - **sink + compile**: one fit of ``1 + repeats`` sinks of ``--sink`` micro-batches (one sink per epoch); each sink
   is timed from its ``on_train_batch_start`` to its ``on_train_batch_end``; the first (which builds the programs)
   is not counted. ``compile_seconds`` is the programs' build as the fit reports it.
+- **sink + compile, M per call** (each ``--calls`` value M > 1, a multiple of the accumulation): the same fit with
+  ``micro_steps_per_call=M`` (M micro-batches unrolled into one compiled program); ``compile_seconds_mM`` includes
+  that program's compilation.
 - **stock Lightning**: ``Trainer(accumulate_grad_batches=N)``, one fit of ``1 + repeats`` epochs of ``--sink``
   batches; each epoch timed from its start to its end, the first not counted.
 - **hand loop**: the plain PyTorch loop (``loss / N``, ``backward``, ``step`` and ``zero_grad`` at each window's
   end) over the same batches, pre-built in memory. A hand-loop run of ``--sink`` micro-batches is timed right after
   each timed sink or epoch (inside its end hook, outside its timing), so each Lightning figure has a hand-loop figure
   measured next to it in the same process, alternating; ratios are per pair (median, min, max over repeats).
+
+On a shared machine wall time includes the time the training thread waited for a core; the ``cpu_*`` figures are
+the training thread's own CPU time (``time.thread_time``) over the same spans, paired the same way: less sensitive
+to the load (not to its cache effects).
 
 The Lightning fits read the same in-memory ``TensorDataset`` through a ``DataLoader`` (sink mode reads it by
 indexing; stock Lightning collates each batch). The last line is one JSON object.
@@ -25,6 +32,7 @@ is gathered inside the compiled program from the sampler's indices, uploaded onc
 (``device_data_budget=0``: each batch read by Python indexing, then handed to the program), a shuffled loader,
 ``--rounds`` alternating pairs of fits, each timed sink paired with a hand-loop run (``staged_vs_loader_path``:
 sink by sink, loader-path time over staged time).
+
 """
 
 from __future__ import annotations
@@ -88,12 +96,13 @@ class HandLoop:
 
     def run(self) -> float:
         model, optimizer, n = self.model, self.optimizer, self.accumulation
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.thread_time()
         for i, (x, y) in enumerate(self.batches):
             (F.cross_entropy(model(x), y) / n).backward()
             if (i + 1) % n == 0:
                 optimizer.step()
                 optimizer.zero_grad()
+        self.cpu_seconds = (time.thread_time() - cpu_start) / len(self.batches)
         return (time.perf_counter() - start) / len(self.batches)
 
 
@@ -105,14 +114,18 @@ class Paired(pl.Callback):
         self.per, self.micro_steps, self.hand = per, micro_steps, hand
         self.lightning: list[float] = []
         self.paired_hand: list[float] = []
-        self._start = 0.0
+        self.lightning_cpu: list[float] = []  # the training thread's CPU time (time.thread_time), per micro-step
+        self.paired_hand_cpu: list[float] = []
+        self._start = self._cpu_start = 0.0
 
     def _begin(self) -> None:
-        self._start = time.perf_counter()
+        self._start, self._cpu_start = time.perf_counter(), time.thread_time()
 
     def _end(self) -> None:
         self.lightning.append((time.perf_counter() - self._start) / self.micro_steps)
+        self.lightning_cpu.append((time.thread_time() - self._cpu_start) / self.micro_steps)
         self.paired_hand.append(self.hand.run())
+        self.paired_hand_cpu.append(self.hand.cpu_seconds)
 
     def on_train_batch_start(self, *args: Any) -> None:
         if self.per == "batch":
@@ -147,9 +160,16 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def compiled_fit(
-    optimizer: str, accumulation: int, sink: int, repeats: int, loader: DataLoader, hand: HandLoop, budget: int | None
+    optimizer: str,
+    accumulation: int,
+    sink: int,
+    repeats: int,
+    loader: DataLoader,
+    hand: HandLoop,
+    budget: int | None,
+    per_call: int = 1,
 ) -> tuple[Paired, float, str]:
-    """One sink + compile fit (``device_data_budget=budget``): its timings, the programs' build seconds and the
+    """One sink + compile fit (``device_data_budget=budget``, ``micro_steps_per_call=per_call``): its timings, the programs' build seconds and the
     fit's line on them."""
     report = CompileReport()
     rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
@@ -158,7 +178,11 @@ def compiled_fit(
     try:
         compiled = Paired("batch", sink, hand)
         strategy = SinkStrategy(
-            accumulation_steps=accumulation, sink_size=sink, graph_mode="compile", device_data_budget=budget
+            accumulation_steps=accumulation,
+            sink_size=sink,
+            graph_mode="compile",
+            device_data_budget=budget,
+            micro_steps_per_call=per_call,
         )
         trainer = quiet_trainer(strategy=strategy, max_epochs=1 + repeats, callbacks=[compiled])
         trainer.fit(Classifier(optimizer), loader)
@@ -170,12 +194,18 @@ def compiled_fit(
     return compiled, float(re.findall(r"in ([0-9.]+) s\b", lines[0])[0]), lines[0]
 
 
-def measure(optimizer: str, accumulation: int, sink: int, repeats: int, data: TensorDataset) -> dict[str, Any]:
+def measure(
+    optimizer: str, accumulation: int, sink: int, repeats: int, data: TensorDataset, calls: list[int]
+) -> dict[str, Any]:
     batches = [(x, y) for x, y in zip(data.tensors[0].split(BATCH), data.tensors[1].split(BATCH))][:sink]
     hand = HandLoop(optimizer, accumulation, batches)
     hand.run()  # warm: allocator and caches
     loader = DataLoader(data, batch_size=BATCH, shuffle=False)
-    compiled, compile_seconds, _ = compiled_fit(optimizer, accumulation, sink, repeats, loader, hand, 0)
+    runs: dict[int, tuple[Paired, float]] = {}
+    for per_call in calls:  # the loader path (device_data_budget=0), as the tables of this benchmark describe
+        compiled, seconds, _ = compiled_fit(optimizer, accumulation, sink, repeats, loader, hand, 0, per_call)
+        runs[per_call] = (compiled, seconds)
+    compiled, compile_seconds = runs[1]
     stock = Paired("epoch", sink, hand)
     stock_trainer = quiet_trainer(
         max_epochs=1 + repeats, limit_train_batches=sink, accumulate_grad_batches=accumulation, callbacks=[stock]
@@ -183,8 +213,22 @@ def measure(optimizer: str, accumulation: int, sink: int, repeats: int, data: Te
     stock_trainer.fit(Classifier(optimizer), loader)
     sink_us, sink_hand = compiled.lightning[1:], compiled.paired_hand[1:]
     stock_us, stock_hand = stock.lightning[1:], stock.paired_hand[1:]
+    several: dict[str, Any] = {}
+    for per_call, (run, seconds) in runs.items():
+        if per_call == 1:
+            continue
+        us, paired = run.lightning[1:], run.paired_hand[1:]
+        several[f"sink_compile_m{per_call}_us_per_step"] = round(1e6 * statistics.median(us), 1)
+        several[f"sink_compile_m{per_call}_vs_hand_loop"] = spread([h / c for h, c in zip(paired, us)])
+        several[f"compile_seconds_m{per_call}"] = seconds
+    for per_call, (run, _) in runs.items():
+        name = "sink_compile" if per_call == 1 else f"sink_compile_m{per_call}"
+        cpu, paired = run.lightning_cpu[1:], run.paired_hand_cpu[1:]
+        several[f"cpu_{name}_us_per_step"] = round(1e6 * statistics.median(cpu), 1)
+        several[f"cpu_{name}_vs_hand_loop"] = spread([h / c for h, c in zip(paired, cpu)])
     return {
         "hand_loop_us_per_step": round(1e6 * statistics.median(sink_hand + stock_hand), 1),
+        "cpu_hand_loop_us_per_step": round(1e6 * statistics.median(compiled.paired_hand_cpu[1:]), 1),
         "sink_compile_us_per_step": round(1e6 * statistics.median(sink_us), 1),
         "stock_lightning_us_per_step": round(1e6 * statistics.median(stock_us), 1),
         "sink_compile_vs_hand_loop": spread([h / c for h, c in zip(sink_hand, sink_us)]),
@@ -192,6 +236,7 @@ def measure(optimizer: str, accumulation: int, sink: int, repeats: int, data: Te
         "stock_lightning_vs_hand_loop": spread([h / s for h, s in zip(stock_hand, stock_us)]),
         "compile_seconds": compile_seconds,
         "first_sink_seconds": round(compiled.lightning[0] * sink, 1),
+        **several,
     }
 
 
@@ -246,6 +291,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
     parser.add_argument("--accumulation", nargs="+", type=int, default=[1, 4])
     parser.add_argument(
+        "--calls", nargs="+", type=int, default=[1, 4], help="micro_steps_per_call values (1 is always measured)"
+    )
+    parser.add_argument(
         "--staged",
         action="store_true",
         help="instead: the data staged for the programs (device_data_budget=None) against the loader path (=0)",
@@ -257,6 +305,11 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--{name} must be >= 1; got {getattr(args, name)}")
     if any(n < 1 or args.sink % n for n in args.accumulation):
         parser.error(f"--accumulation values must be >= 1 and divide --sink={args.sink}; got {args.accumulation}")
+    if any(m < 1 or (m > 1 and m % n) for m in args.calls for n in args.accumulation) or any(
+        args.sink % m for m in args.calls
+    ):
+        parser.error(f"--calls values must be multiples of every --accumulation and divide --sink; got {args.calls}")
+    calls = sorted(set(args.calls) | {1})
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -280,7 +333,7 @@ def main(argv: list[str] | None = None) -> None:
                 figures = measure_staged(optimizer, accumulation, args.sink, args.repeats, args.rounds, data)
                 name = f"tiny_mlp_{optimizer}_acc{accumulation}_staged"
             else:
-                figures = measure(optimizer, accumulation, args.sink, args.repeats, data)
+                figures = measure(optimizer, accumulation, args.sink, args.repeats, data, calls)
                 name = f"tiny_mlp_{optimizer}_acc{accumulation}"
             result[name] = figures
             print(json.dumps({name: figures}), file=sys.stderr)

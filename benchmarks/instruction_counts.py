@@ -6,7 +6,8 @@ a shared machine is not.
 
 The configurations are ``common_path.py``'s (a hand-written accumulation loop, stock Lightning with
 ``accumulate_grad_batches=4``, ``SinkStrategy(accumulation_steps=4)`` without and with sinking; quiet Trainers, one
-thread, CPU). Each run is a process of its own under ``valgrind --tool=callgrind --instr-atstart=no``: nothing is
+thread, CPU; on request, ``--configs sink_sinking_compile sink_sinking_compile_m4``: sinking with
+``graph_mode="compile"``, one and four micro-batches per compiled call). Each run is a process of its own under ``valgrind --tool=callgrind --instr-atstart=no``: nothing is
 counted until the first timed micro-batch starts, and counting stops when the run returns (client requests from a
 small C library built here with the system's C compiler and valgrind's ``callgrind.h``). Each configuration runs
 twice, with S1 and S2 timed micro-batches; instructions per micro-batch are (I(S2) - I(S1)) / (S2 - S1), so what
@@ -40,13 +41,15 @@ from typing import Any
 
 BENCHMARKS = Path(__file__).resolve().parent
 ROOT = BENCHMARKS.parent
-CONFIGS = ("hand_written", "stock_lightning", "sink", "sink_sinking")
+CONFIGS = ("hand_written", "stock_lightning", "sink", "sink_sinking", "sink_sinking_compile", "sink_sinking_compile_m4")
 MODELS = ("tiny_mlp", "lenet5")
 RATIOS = {  # name: (configuration, baseline)
     "sink_vs_stock_lightning": ("sink", "stock_lightning"),
     "sink_vs_hand_written": ("sink", "hand_written"),
     "stock_lightning_vs_hand_written": ("stock_lightning", "hand_written"),
     "sink_sinking_vs_hand_written": ("sink_sinking", "hand_written"),
+    "sink_sinking_compile_vs_hand_written": ("sink_sinking_compile", "hand_written"),
+    "sink_sinking_compile_m4_vs_hand_written": ("sink_sinking_compile_m4", "hand_written"),
 }
 _CONTROL_SOURCE = """
 #include <valgrind/callgrind.h>
@@ -159,7 +162,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS[:4]))  # compile: on request
     parser.add_argument(
         "--steps", nargs=2, type=int, default=[16, 48], metavar=("S1", "S2"), help="timed micro-batches"
     )

@@ -63,6 +63,10 @@ class StepOutputs:
     loss: Tensor  # the micro-batch's loss as training_step returned it (unscaled, detached)
     logs: dict[str, Tensor] = field(default_factory=dict)  # self.log values of this micro-batch, by name
     found_inf: Tensor | None = None  # update with loss scaling: the window overflowed and was skipped
+    # an update of several in one call (``run_several``) with loss scaling: the scale and the skipped-window count
+    # right after it (the scaler's own tensors hold the call's last values by the time the caller reads them)
+    scale: Tensor | None = None
+    skipped: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -298,9 +302,13 @@ class StepPrograms:
         assert self.several is not None  # built with micro_steps_per_call
         accumulation = self.several[1]
         outputs: list[tuple[Any, ...]] = []
+        scaler = state["scaler"]
         for position, batch in enumerate(batches):
             if (position + 1) % accumulation == 0:
-                outputs.append(self._update_program(state, batch))
+                result: tuple[Any, ...] = self._update_program(state, batch)
+                if scaler is not None:
+                    result = (*result, scaler["scale"].clone(), scaler["skipped"].clone())
+                outputs.append(result)
             else:
                 outputs.append(self._accumulate_program(state, batch))
         return outputs
@@ -380,7 +388,8 @@ class StepPrograms:
         outputs = []
         for result in results:
             self.logged.options.update(result[2])
-            outputs.append(StepOutputs(result[0], result[1], result[3] if len(result) == 4 else None))
+            found_inf, scale, skipped = (tuple(result[3:]) + (None, None, None))[:3]
+            outputs.append(StepOutputs(result[0], result[1], found_inf, scale, skipped))
         return outputs
 
     def _sums_eagerly(self) -> bool:

@@ -27,12 +27,20 @@ What stays where it was:
   a resume mid-window, or a window that runs on across sinks, continues exactly).
 - ``self.log`` inside ``training_step``: the values come out of the program and are handed to ``self.log`` (during
   a sink, the log buffer of ``sink_logging.py``) after each call, with the options they were logged with.
+
+With ``micro_steps_per_call=M`` (> 1) the programs also hold one compiled program of M micro-steps (whole windows,
+``StepPrograms.run_several``), and ``CompiledSeveral`` runs M micro-batches per call where that is exact: at a
+window's start, no ``interval="step"`` LR scheduler (its value may change between the call's updates, which read
+the hyperparameters once), the accumulation the program was built for. After the call every micro-batch's host
+effects are done in order, as the one-per-call pair does them (``SinkLoop`` asks the rest: segment, pass,
+``max_steps`` and ``max_time``).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -58,7 +66,14 @@ from lightning_sink.strategies.staged_data import StagedBatch, StagedData
 from lightning_sink.strategies.step_autocast import step_autocast
 from lightning_sink.window import FlatAllReduce, NoGradients
 
-__all__ = ["COMPILE_BACKEND", "CompiledSteps", "CompiledAccumulate", "CompiledUpdate", "compiled_choice"]
+__all__ = [
+    "COMPILE_BACKEND",
+    "CompiledSteps",
+    "CompiledAccumulate",
+    "CompiledUpdate",
+    "CompiledSeveral",
+    "compiled_choice",
+]
 
 # torch.compile's backend for the programs. "inductor" generates fused kernels (the point of compiling); the tests
 # set "aot_eager" (the same graphs run by eager kernels, much faster to build) where compile time is not what they
@@ -87,13 +102,20 @@ class CompiledSteps:
     """One fit's compiled step programs, built at the first micro-batch of its first sink (they need an example
     batch), or the reason there are none."""
 
-    def __init__(self, engine: StepEngine, graph_mode: str, staging: StagedData | Unavailable | None = None) -> None:
+    def __init__(
+        self,
+        engine: StepEngine,
+        graph_mode: str,
+        staging: StagedData | Unavailable | None = None,
+        micro_steps_per_call: int = 1,
+    ) -> None:
         self.engine = engine
         self.graph_mode = graph_mode
         # the training data staged on the device (then the programs are built at the first sink's start and gather
         # their own batches), or why it is not (said in the fit's line on the programs)
         self.staging = staging if isinstance(staging, StagedData) else None
         self._not_staged = staging.reason if isinstance(staging, Unavailable) else None
+        self.micro_steps_per_call = micro_steps_per_call
         self.programs: StepPrograms | None = None
         self.reason: str | None = None  # why there are no programs (then the eager pair runs)
         self._trainable: tuple[int, ...] = ()  # the parameters the programs were built over
@@ -121,8 +143,12 @@ class CompiledSteps:
             self._load_window()
         if self.staging is not None:
             self.staging.gathering = True
+        several = CompiledSeveral(self, updates) if self.micro_steps_per_call > 1 else None
         return SinkPrograms(
-            CompiledAccumulate(self, updates), CompiledUpdate(self, updates), end_sink=self._save_window
+            CompiledAccumulate(self, updates),
+            CompiledUpdate(self, updates),
+            end_sink=self._save_window,
+            several=several,
         )
 
     def _changed_since_build(self) -> str | None:
@@ -216,6 +242,20 @@ class CompiledSteps:
         clip_val = trainer.gradient_clip_val or None
         algorithm = GradClipAlgorithmType(trainer.gradient_clip_algorithm or GradClipAlgorithmType.NORM).value
         start = time.perf_counter()
+        several = self.micro_steps_per_call
+        if several > 1 and several % engine.accumulation_steps:
+            rank_zero_warn(
+                f"micro_steps_per_call={several} is not a multiple of the fit's accumulation_steps="
+                f"{engine.accumulation_steps} (a call runs whole windows): one micro-batch per call instead."
+            )
+            several = 1
+        data = self.staging.data() if self.staging is not None else None
+        if several > 1 and data is not None and data[1].capacity < several:
+            rank_zero_warn(
+                f"micro_steps_per_call={several} is more than the {data[1].capacity} micro-batches a sink stages"
+                " (sink_size, or the data pass): one micro-batch per call instead."
+            )
+            several = 1
         built = build_step_programs(
             module,
             engine.optimizer(),
@@ -227,7 +267,9 @@ class CompiledSteps:
             cuda_graph=self.graph_mode == "cuda_graph",
             autocast=self.autocast,
             rank_sum=self._rank_sum(),
-            data=self.staging.data() if self.staging is not None else None,
+            data=data,
+            micro_steps_per_call=several,
+            accumulation_steps=engine.accumulation_steps if several > 1 else 1,
         )
         if engine.host.world_size > 1:
             # every rank runs the same pair, or the ranks' all-reduces would not pair up
@@ -252,9 +294,10 @@ class CompiledSteps:
         across = ""
         if built.rank_sum is not None:
             across = f", the window summed across {built.rank_sum.ranks} processes by one all-reduce"
+        unrolled = f", and {several} micro-steps unrolled into one program" if several > 1 else ""
         rank_zero_info(
             f"{type(engine.host).__name__}(graph_mode={self.graph_mode!r}): the accumulate and update programs are"
-            f" {kind} whole (forward, backward, accumulation, {', '.join(parts)} update{across}) in"
+            f" {kind} whole (forward, backward, accumulation, {', '.join(parts)} update{across}){unrolled} in"
             f" {time.perf_counter() - start:.1f} s{where}; {self._data_note()}"
         )
         return built
@@ -397,11 +440,66 @@ def _own_batch(batch: Any) -> Any:
     return None if isinstance(batch, StagedBatch) else batch
 
 
+class CompiledSeveral(_Compiled):
+    """``micro_steps_per_call`` micro-batches, whole windows, in one compiled call (``SeveralSteps``)."""
+
+    def __init__(self, steps: CompiledSteps, updates: SinkUpdates) -> None:
+        super().__init__(steps, updates)
+        self.count = steps.micro_steps_per_call
+
+    def ready(self) -> bool:
+        programs, engine = self._steps.programs, self._engine
+        return (
+            programs is not None
+            and programs.several is not None
+            and programs.several[1] == engine.accumulation_steps  # (a GradientAccumulationScheduler may change it)
+            and engine.window.micro_batches == 0
+            and not engine.step_scheduler_configs
+        )
+
+    def run(self, batches: list[Any], batch_idx: int) -> list[Callable[[], Tensor | None]]:
+        programs = self._steps.programs
+        assert programs is not None and programs.several is not None  # (ready() said so)
+        steps = programs.several[1]
+        programs.batch_index.fill_(batch_idx)  # the programs count it on per micro-step
+        outputs = programs.run_several([_own_batch(batch) for batch in batches])
+        return [partial(self._finish, programs, out, (i + 1) % steps == 0) for i, out in enumerate(outputs)]
+
+    def _finish(self, programs: StepPrograms, out: StepOutputs, ends: bool) -> Tensor:
+        """One micro-batch's host effects after the call, as ``CompiledAccumulate`` / ``CompiledUpdate`` do them."""
+        engine = self._engine
+        window = engine.window
+        if window.micro_batches == 0:
+            engine.counters.zero_grad()
+        window.micro_batches += 1
+        if not ends:
+            window.store.micro_steps += 1
+            return self._outputs(programs, out)
+        window.micro_batches = 0
+        result: list[Tensor] = []
+
+        def update() -> None:
+            result.append(self._outputs(programs, out))
+            engine.last_update_skipped = False  # (read only by step schedulers, which this path never has)
+            scaling = engine.scaling
+            if scaling is not None:
+                engine.log_loss_scale(scaling, out.found_inf, out.scale, out.skipped)
+            window.store.micro_steps = 0
+            window.end()
+
+        self._updates.make(update)
+        return result[0]
+
+
 def compiled_choice(
-    engine: StepEngine, graph_mode: str, staging: StagedData | Unavailable | None = None
+    engine: StepEngine,
+    graph_mode: str,
+    staging: StagedData | Unavailable | None = None,
+    micro_steps_per_call: int = 1,
 ) -> Callable[[StepEngine, SinkUpdates], SinkPrograms]:
     """The sink loop's ``choose`` for ``graph_mode``: the compiled pair where it applies, else ``choose_programs``.
-    ``staging``: the fit's staged training data (``staged_data.py``), or why there is none."""
+    ``staging``: the fit's staged training data (``staged_data.py``), or why there is none; ``micro_steps_per_call``:
+    micro-batches per compiled call where that is exact (``CompiledSeveral``)."""
     if graph_mode == "eager":
         return choose_programs
-    return CompiledSteps(engine, graph_mode, staging).choose
+    return CompiledSteps(engine, graph_mode, staging, micro_steps_per_call).choose

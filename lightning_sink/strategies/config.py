@@ -46,6 +46,7 @@ class SinkConfig:
     checkpoint_random_state: bool = True
     checkpoint_digests: bool = True  # the .ckpt saves of SinkStrategy and SinkDDPStrategy (tensor_digests.py)
     device_data_budget: int | None = None  # bytes of training data the compiled programs may stage on the device
+    micro_steps_per_call: int = 1  # graph sinking: micro-batches per compiled call (compiled_step.py)
 
     def __post_init__(self) -> None:
         steps, sink_size, depth = self.accumulation_steps, self.sink_size, self.prefetch_depth
@@ -89,6 +90,29 @@ class SinkConfig:
             )
         if not isinstance(self.checkpoint_digests, bool):
             raise TypeError(f"checkpoint_digests={self.checkpoint_digests!r} is not valid: pass True or False.")
+        self._check_micro_steps_per_call()
+
+    def _check_micro_steps_per_call(self) -> None:
+        calls = self.micro_steps_per_call
+        if not (_is_int(calls) and calls >= 1):
+            raise ValueError(
+                f"micro_steps_per_call={calls!r} is not valid: pass an int >= 1 (micro-batches per compiled call; 1,"
+                " the default, runs one per call)."
+            )
+        if calls == 1:
+            return
+        if self.graph_mode == "eager" or self.sink_size is None:
+            raise ValueError(
+                f"micro_steps_per_call={calls} needs the compiled step programs of sink mode, but graph_mode="
+                f"{self.graph_mode!r} and sink_size={self.sink_size!r}: set graph_mode='compile' (or 'cuda_graph')"
+                " and sink_size=K (or -1), or leave micro_steps_per_call=1."
+            )
+        steps = self.accumulation_steps
+        if steps is not None and calls % steps:
+            raise ValueError(
+                f"micro_steps_per_call={calls} is not valid with accumulation_steps={steps}: a call runs whole"
+                f" windows, so pass a multiple of {steps} (or 1)."
+            )
 
 
 def validate_device(name: str, device: object) -> None:

@@ -364,16 +364,24 @@ class StepEngine:
                 optimizer, trainer.gradient_clip_val, GradClipAlgorithmType(algorithm)
             )
 
-    def log_loss_scale(self, scaling: LossScalePrecision, found_inf: Tensor | None) -> None:
-        """Device tensors into Lightning's logger; they are read back only when the logger writes."""
+    def log_loss_scale(
+        self,
+        scaling: LossScalePrecision,
+        found_inf: Tensor | None,
+        scale: Tensor | None = None,
+        skipped: Tensor | None = None,
+    ) -> None:
+        """Device tensors into Lightning's logger; they are read back only when the logger writes. ``scale`` and
+        ``skipped``: the scaler's values right after this update, where its own tensors have moved on since (several
+        updates in one compiled call); ``None``: the scaler's own."""
         if scaling.scaler is None or found_inf is None or not self.trainer.loggers:
             return  # each self.log call costs Lightning's bookkeeping; nothing would read these without a logger
         module = self.host.lightning_module
         assert module is not None
         for name, value in (
-            ("loss_scale", scaling.scaler.scale),
+            ("loss_scale", scaling.scaler.scale if scale is None else scale),
             ("overflow", found_inf),
-            ("skipped_updates", scaling.scaler.skipped),
+            ("skipped_updates", scaling.scaler.skipped if skipped is None else skipped),
         ):
             # float: Lightning warns when it converts an integer tensor for the logger itself
             module.log(name, value.to(torch.float32, copy=True), on_step=True, on_epoch=False, batch_size=1)

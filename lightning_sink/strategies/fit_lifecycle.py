@@ -83,6 +83,7 @@ class SinkFit:
             config.prefetch_depth,
             config.graph_mode,
         )
+        self.micro_steps_per_call = config.micro_steps_per_call
         self._requested_accumulation_steps = config.accumulation_steps
         self.accumulation_steps = config.accumulation_steps or 1
         self.partial_window = config.partial_window
@@ -347,7 +348,7 @@ class SinkFit:
                 # collectives would then no longer pair up: rank 0's clock decides, as Lightning's Timer does.
                 agree=self.host.broadcast if self.host.world_size > 1 else None,
                 recompile_watch=watch,
-                choose=compiled_choice(engine, self.graph_mode, staging),
+                choose=compiled_choice(engine, self.graph_mode, staging, self.micro_steps_per_call),
                 batches=staging.batches if isinstance(staging, StagedData) else None,
             )
             self._sink_loader.sink_continues = loop.sink_continues

@@ -39,6 +39,7 @@ from lightning_sink.window.state import Window
 
 __all__ = [
     "StepProgram",
+    "SeveralSteps",
     "SinkPrograms",
     "SinkUpdates",
     "HookedAccumulate",
@@ -57,6 +58,22 @@ class StepProgram(Protocol):
 
     def run(self, batch: Any, batch_idx: int) -> Tensor | None:
         """Train one micro-batch (on the device already); its detached loss, ``None`` for a ``None`` step."""
+        ...
+
+
+class SeveralSteps(Protocol):
+    """``count`` micro-batches (whole windows) trained in one call, where that is exact (``ready``)."""
+
+    count: int
+
+    def ready(self) -> bool:
+        """Whether the next ``count`` micro-batches may run in one call (asked at each candidate micro-batch)."""
+        ...
+
+    def run(self, batches: list[Any], batch_idx: int) -> list[Callable[[], Tensor | None]]:
+        """Train ``batches`` (the first one's index in its sink is ``batch_idx``) in one call; then, per micro-batch
+        in order, a function doing its host-side effects (counting, ``self.log``, an update's bookkeeping) and
+        returning its detached loss."""
         ...
 
 
@@ -245,6 +262,7 @@ class SinkPrograms:
     accumulate: StepProgram
     update: StepProgram
     end_sink: Callable[[], None] | None = None  # called at the sink's end (compiled programs save the window there)
+    several: SeveralSteps | None = None  # several micro-batches per call (compiled programs, micro_steps_per_call)
 
 
 def choose_programs(engine: StepEngine, updates: SinkUpdates) -> SinkPrograms:

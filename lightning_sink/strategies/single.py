@@ -61,6 +61,13 @@ class SinkStrategy(SingleDeviceStrategy):
             the sampler's indices uploaded once per sink (``staged_data.py`` says which loaders qualify); a larger
             dataset keeps the loader path. ``0`` stages nothing; ``None`` (default): a quarter of a CUDA device's
             memory, no limit on the CPU (where the data is in memory already and nothing is copied).
+        micro_steps_per_call: with ``graph_mode="compile"`` or ``"cuda_graph"`` in sink mode, the micro-batches
+            (whole windows: a multiple of ``accumulation_steps``) unrolled into one compiled call (default 1: one
+            call per micro-batch). Exact: every per-micro-batch effect (``self.log`` values, counters,
+            ``global_step``, the data position) is done after the call, in order; where a call could not be exact
+            (an ``interval="step"`` LR scheduler, ``max_time``, a window already open, fewer micro-batches left
+            before the segment's or the pass's end or ``max_steps``) those micro-batches run one per call. Compile
+            time grows with the value (``docs/sink_mode.md``, "Graph modes").
     """
 
     strategy_name = "sink"
@@ -79,6 +86,7 @@ class SinkStrategy(SingleDeviceStrategy):
         checkpoint_random_state: bool = True,
         checkpoint_digests: bool = True,
         device_data_budget: int | None = None,
+        micro_steps_per_call: int = 1,
     ) -> None:
         config = SinkConfig(
             accumulation_steps,
@@ -89,6 +97,7 @@ class SinkStrategy(SingleDeviceStrategy):
             checkpoint_random_state=checkpoint_random_state,
             checkpoint_digests=checkpoint_digests,
             device_data_budget=device_data_budget,
+            micro_steps_per_call=micro_steps_per_call,
         )
         validate_device("device", device)
         super().__init__(
@@ -105,6 +114,7 @@ class SinkStrategy(SingleDeviceStrategy):
     sink_size = fit_setting("sink_size")
     prefetch_depth = fit_setting("prefetch_depth")
     graph_mode = fit_setting("graph_mode")
+    micro_steps_per_call = fit_setting("micro_steps_per_call")
     sink_config = fit_setting("sink_config")
     micro_steps_in_window = fit_setting("micro_steps_in_window")
     # what tests and benchmarks look into

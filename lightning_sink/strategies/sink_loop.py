@@ -25,7 +25,7 @@ from lightning_sink import _lightning_compat as compat
 from lightning_sink.data import DataPosition
 from lightning_sink.sink_data import PASS_END, MicroBatchStream
 from lightning_sink.strategies.engine import StepEngine
-from lightning_sink.strategies.programs import SinkPrograms, SinkUpdates, choose_programs
+from lightning_sink.strategies.programs import SeveralSteps, SinkPrograms, SinkUpdates, choose_programs
 from lightning_sink.strategies.recompile_watch import RecompileWatch
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
 from lightning_sink.strategies.sink_schedule import Segment, SinkSchedule
@@ -162,24 +162,34 @@ class SinkLoop:
         self.programs = programs = self._choose(engine, updates)
         window.loss_divisor = programs.update.loss_divisor
         accumulate, update, steps = programs.accumulate.run, programs.update.run, engine.accumulation_steps
-        plugin = engine.host.precision_plugin
         losses: list[Tensor] = []
         micro_index = 0
         next_batch = stream.next if self._batches is None else self._batches(stream, length)
+        several = programs.several if not timed else None  # (max_time: the clock is read after each micro-batch)
         while micro_index < length:
             if updates_allowed != -1 and updates.count >= updates_allowed:
                 break
+            if several is not None and self._fits_in_call(several, length - micro_index, updates_allowed):
+                for batch, finish in self._run_several(several, next_batch):
+                    if buffer is not None:
+                        buffer.begin_micro_step(batch)
+                    ends = window.micro_batches + 1 >= steps
+                    loss = finish()
+                    if loss is not None:
+                        losses.append(loss)
+                    position.advance()
+                    micro_index += 1
+                    self._ended_on_update = ends
+                    if ends and buffer is not None:
+                        buffer.end_update()
+                continue
             batch = next_batch()
             if batch is PASS_END:
                 if self._sink_size == -1 and micro_index:
                     self._pass_ended = True
                     break  # one data pass per sink
                 continue
-            staged = isinstance(batch, StagedBatch)  # gathered on the device by the program itself
-            if self._converts_input and not staged:
-                batch = plugin.convert_input(batch)
-            if self._to_device and not staged:
-                batch = self._device_batch(batch)
+            batch = self._prepared(batch)
             if buffer is not None:
                 buffer.begin_micro_step(batch)
             ends = window.micro_batches + 1 >= steps
@@ -206,6 +216,48 @@ class SinkLoop:
             return None  # every micro-batch returned None: Lightning skips the batch, as for a None step
         stacked = torch.stack(losses)
         return {"loss": stacked[-1], "mean_loss": stacked.mean(), "losses": stacked}
+
+    def _fits_in_call(self, several: SeveralSteps, left_in_segment: float, updates_allowed: int) -> bool:
+        """Whether the next ``several.count`` micro-batches may run in one call: the segment (whose end is a point
+        of the schedule: validation, a checkpoint, the sink's end), the data pass (whose end is read from the stream
+        only after its last batch was trained) and ``max_steps`` all leave room for them, and the programs say the
+        call is exact."""
+        count = several.count
+        if left_in_segment < count:
+            return False
+        if updates_allowed != -1 and updates_allowed - self.updates.count < count // self._engine.accumulation_steps:
+            return False
+        pass_length = self._schedule.pass_length
+        if pass_length is None or pass_length - self._data_position.trained_in_pass < count:
+            return False
+        return several.ready()
+
+    def _run_several(
+        self, several: SeveralSteps, next_batch: Callable[[], Any]
+    ) -> list[tuple[Any, Callable[[], Tensor | None]]]:
+        """Read ``several.count`` micro-batches and train them in one call; each with its host-side effects."""
+        batches = []
+        for _ in range(several.count):
+            batch = next_batch()
+            if batch is PASS_END:
+                raise RuntimeError(
+                    f"The training loader ended its data pass after {self._data_position.trained_in_pass} batches,"
+                    f" before its len() of {self._schedule.pass_length}: make len() match the batches it yields, or"
+                    " use micro_steps_per_call=1."
+                )
+            batches.append(self._prepared(batch))
+        return list(zip(batches, several.run(batches, self._data_position.trained_in_sink)))
+
+    def _prepared(self, batch: Any) -> Any:
+        """The batch as the step gets it: converted by the precision plugin and on the device (a staged batch is
+        gathered on the device by the program itself)."""
+        if isinstance(batch, StagedBatch):
+            return batch
+        if self._converts_input:
+            batch = self._engine.host.precision_plugin.convert_input(batch)
+        if self._to_device:
+            batch = self._device_batch(batch)
+        return batch
 
     def _out_of_time(self, deadline: float) -> bool:
         out = time.monotonic() >= deadline

@@ -120,6 +120,7 @@ def test_printed_config_runs_again_unchanged(tmp_path):
             "checkpoint_random_state": True,
             "checkpoint_digests": True,
             "device_data_budget": None,
+            "micro_steps_per_call": 1,
         },
     }
     callbacks = [c["class_path"] for c in config["trainer"]["callbacks"]]

@@ -1,0 +1,210 @@
+"""``SinkStrategy(graph_mode="compile", micro_steps_per_call=M)``: M micro-batches (whole windows) per compiled call,
+against the same fit with one micro-batch per call (bit for bit: parameters, ``global_step``, every logged point)
+and against a plain PyTorch loop written in ``test_lightning_fit.py``; the cases that run one per call instead; a
+resume inside a sink; the argument's checks.
+
+The programs are built with the ``aot_eager`` backend (the same graphs, eager kernels), as in
+``test_lightning_fit.py``: there an unrolled program computes exactly what the one-per-call programs compute."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_sink import SinkStrategy
+from lightning_sink.compiled.step_programs import StepPrograms
+from lightning_sink.loss_scale import DynamicLossScale
+from lightning_sink.precision import LossScalePrecision
+from tests.compiled.test_lightning_fit import (
+    Net,
+    RecordingLogger,
+    SaveAtEpochEnd,
+    dataset,
+    fit,
+    flat,
+    plain_loop,
+    quick_backend,  # noqa: F401  (the fixture: aot_eager, a fresh TorchDynamo per test)
+    relative_error,
+)
+
+
+@pytest.fixture
+def several_calls(monkeypatch) -> list[int]:
+    """How many micro-batches each ``run_several`` call of the fit trained."""
+    calls: list[int] = []
+    original = StepPrograms.run_several
+
+    def counted(self: StepPrograms, batches: Any = None) -> Any:
+        outputs = original(self, batches)
+        calls.append(len(outputs))
+        return outputs
+
+    monkeypatch.setattr(StepPrograms, "run_several", counted)
+    return calls
+
+
+def trainer_for(steps: int, sink_size: int, epochs: int, calls: int, **kwargs: Any) -> pl.Trainer:
+    plugins = kwargs.pop("plugins", None)
+    settings: dict[str, Any] = dict(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        max_epochs=epochs,
+    )
+    settings.update(kwargs)
+    strategy = SinkStrategy(
+        accumulation_steps=steps, sink_size=sink_size, graph_mode="compile", micro_steps_per_call=calls
+    )
+    return pl.Trainer(strategy=strategy, plugins=plugins, **settings)
+
+
+def logged_fit(steps: int, sink_size: int, epochs: int, calls: int, caplog: Any, **kwargs: Any) -> dict[str, Any]:
+    optimizer, batch_norm = kwargs.pop("optimizer", "adamw"), kwargs.pop("batch_norm", False)
+    poisoned = kwargs.pop("poison_at", ())
+    model = Net(optimizer, batch_norm)
+    logger = RecordingLogger()
+    trainer = trainer_for(steps, sink_size, epochs, calls, logger=logger, log_every_n_steps=1, **kwargs)
+    fit(trainer, model, dataset(poisoned), caplog)
+    metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+    return {"model": model, "trainer": trainer, "points": logger.points, "metrics": metrics}
+
+
+# (optimizer, accumulation, sink size, epochs, micro-steps per call, clipping, BatchNorm): sinks that are not a
+# multiple of a call (their rest runs one per call), windows open across sinks, passes of 10 micro-batches
+CASES = [
+    ("sgd", 1, 7, 4, 3, {}, True),
+    ("adamw", 2, 10, 3, 4, {"gradient_clip_val": 0.5}, False),
+    ("adam", 3, 7, 5, 3, {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "value"}, False),
+]
+
+
+@pytest.mark.parametrize("optimizer, steps, sink_size, epochs, calls, clip, batch_norm", CASES)
+def test_several_micro_batches_per_call_equal_one_per_call(
+    optimizer, steps, sink_size, epochs, calls, clip, batch_norm, caplog, several_calls
+):
+    one = logged_fit(steps, sink_size, epochs, 1, caplog, optimizer=optimizer, batch_norm=batch_norm, **clip)
+    assert several_calls == []
+    reference = copy.deepcopy(Net(optimizer, batch_norm).net)
+    several = logged_fit(steps, sink_size, epochs, calls, caplog, optimizer=optimizer, batch_norm=batch_norm, **clip)
+    assert len(several_calls) >= 3 and set(several_calls) == {calls}  # the unrolled program ran
+    assert torch.equal(flat(several["model"].net), flat(one["model"].net))
+    assert several["trainer"].global_step == one["trainer"].global_step
+    assert several["points"] == one["points"] and len(several["points"]) >= 6
+    assert several["metrics"] == one["metrics"]
+    clip_setting = None if not clip else (clip.get("gradient_clip_algorithm", "norm"), clip["gradient_clip_val"])
+    expected = plain_loop(reference, optimizer, sink_size * epochs, steps, dataset(), clip_setting)
+    assert several["trainer"].global_step == expected["updates"]
+    assert relative_error(flat(several["model"].net), flat(reference)) <= 1e-5
+
+
+def test_dynamic_loss_scaling_logs_each_updates_scale(caplog, several_calls):
+    """Overflowing windows inside calls: the skipped updates, the scale and the per-update ``loss_scale`` /
+    ``overflow`` / ``skipped_updates`` points as one call per micro-batch logs them."""
+    runs = {}
+    for calls in (1, 4):
+        scale = LossScalePrecision("32-true", DynamicLossScale(init_scale=2.0**8, scale_window=2))
+        runs[calls] = logged_fit(2, 10, 3, calls, caplog, poison_at=(5, 22), plugins=[scale])
+        runs[calls]["scaler"] = scale.scaler
+    assert set(several_calls) == {4}
+    one, several = runs[1], runs[4]
+    assert torch.equal(flat(several["model"].net), flat(one["model"].net))
+    assert several["points"] == one["points"]
+    scales = [point["loss_scale"] for _, point in several["points"] if "loss_scale" in point]
+    overflows = [point["overflow"] for _, point in several["points"] if "overflow" in point]
+    assert len(set(scales)) >= 3 and 1.0 in overflows and 0.0 in overflows  # the values move within calls
+    assert several["scaler"].scale.item() == one["scaler"].scale.item()
+
+
+@pytest.mark.parametrize("setting", ["step_scheduler", "max_time"])
+def test_one_micro_batch_per_call_where_a_call_would_not_be_exact(setting, caplog, several_calls):
+    """A step scheduler's learning rate may change between the updates of a call; ``max_time`` is checked after
+    each micro-batch: both run one micro-batch per call, with the one-per-call result."""
+    model = Net("adamw", step_lr=0.9 if setting == "step_scheduler" else None)
+    reference = copy.deepcopy(model.net)
+    extra = {"max_time": {"days": 1}} if setting == "max_time" else {}
+    trainer = trainer_for(2, 10, 3, 4, **extra)
+    fit(trainer, model, dataset(), caplog)
+    assert several_calls == []
+    expected = plain_loop(reference, "adamw", 30, 2, dataset(), step_lr=0.9 if setting == "step_scheduler" else None)
+    assert trainer.global_step == expected["updates"] == 15
+    assert relative_error(flat(model.net), flat(reference)) <= 1e-5
+
+
+def test_max_steps_inside_a_sink_stops_at_the_same_micro_batch(caplog, several_calls):
+    runs = {calls: logged_fit(2, 10, 5, calls, caplog, max_steps=7) for calls in (1, 4)}
+    assert several_calls and set(several_calls) == {4}
+    assert runs[4]["trainer"].global_step == runs[1]["trainer"].global_step == 7
+    assert torch.equal(flat(runs[4]["model"].net), flat(runs[1]["model"].net))
+    assert runs[4]["points"] == runs[1]["points"]
+
+
+def test_validation_inside_a_sink_sees_the_same_model(caplog, several_calls):
+    """Validation every 3 micro-batches splits each sink of 10 into segments: no call crosses a validation."""
+
+    class Validated(Net):
+        def __init__(self) -> None:
+            super().__init__("sgd")
+            self.seen: list[float] = []
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.seen.append(float(flat(self.net).sum()))
+
+    from torch.utils.data import DataLoader
+
+    runs = {}
+    for calls in (1, 2):
+        model = Validated()
+        trainer = trainer_for(1, 10, 2, calls, val_check_interval=3, limit_val_batches=1)
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            trainer.fit(model, DataLoader(dataset(), batch_size=4), DataLoader(dataset(), batch_size=4))
+        runs[calls] = model
+    assert several_calls and set(several_calls) == {2}
+    assert runs[2].seen == runs[1].seen and len(runs[1].seen) >= 4
+    assert torch.equal(flat(runs[2].net), flat(runs[1].net))
+
+
+@pytest.mark.slow
+def test_resume_inside_a_sink_and_a_window_is_bit_for_bit(tmp_path, caplog, several_calls):
+    path = tmp_path / "inside.ckpt"
+    uninterrupted = Net("adamw", batch_norm=True)
+    fit(trainer_for(2, 7, 5, 4, callbacks=[SaveAtEpochEnd(path, 1)]), uninterrupted, dataset(), caplog)
+    resumed = Net("sgd", batch_norm=True)  # other weights and optimizer: all come from the checkpoint
+    resumed.optimizer_kind = "adamw"
+    torch.nn.init.normal_(resumed.net[0].weight)
+    trainer = trainer_for(2, 7, 5, 4)
+    fit(trainer, resumed, dataset(), caplog, ckpt_path=path)  # after 14 micro-batches, in the second pass
+    one = Net("adamw", batch_norm=True)
+    fit(trainer_for(2, 7, 5, 1), one, dataset(), caplog)
+    assert trainer.global_step == 17
+    assert torch.equal(flat(resumed.net), flat(uninterrupted.net))
+    assert torch.equal(flat(resumed.net), flat(one.net))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"micro_steps_per_call": 0}, r"micro_steps_per_call=0 is not valid: pass an int >= 1"),
+        ({"micro_steps_per_call": True}, r"micro_steps_per_call=True is not valid: pass an int >= 1"),
+        ({"micro_steps_per_call": 2.0}, r"micro_steps_per_call=2.0 is not valid: pass an int >= 1"),
+        ({"micro_steps_per_call": 4}, r"micro_steps_per_call=4 needs the compiled step programs of sink mode"),
+        (
+            {"micro_steps_per_call": 4, "graph_mode": "compile"},
+            r"graph_mode='compile' and sink_size=None: set graph_mode='compile'",
+        ),
+        (
+            {"micro_steps_per_call": 6, "graph_mode": "compile", "sink_size": 8, "accumulation_steps": 4},
+            r"micro_steps_per_call=6 is not valid with accumulation_steps=4: .* pass a multiple of 4",
+        ),
+    ],
+)
+def test_micro_steps_per_call_is_checked_at_construction(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SinkStrategy(**kwargs)
