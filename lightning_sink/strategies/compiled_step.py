@@ -4,10 +4,11 @@ step (``lightning_sink.compiled``), behind the ``StepProgram`` seam of ``program
 ``CompiledSteps`` is one fit's choice. At each sink's start ``choose`` hands the sink loop either the compiled pair
 (``CompiledAccumulate`` / ``CompiledUpdate``) or, when the programs do not apply, the pair ``choose_programs`` picks
 (today's path: with ``"compile"`` the forward-compiled ``training_step``). Whether they apply is decided once, at the
-first micro-batch of the fit's first sink, before anything of the run changed: the run's own reasons (DDP, the
-model-parallel strategy, hooks that run between forward and update, a precision context other than autocast)
-first, then ``build_step_programs``'s (the optimizer, the module's hook overrides and registered hooks, a ``training_step`` that
-is not one graph). The fit logs one line either way: the programs compiled, or why not and what to change.
+first micro-batch of the fit's first sink, before anything of the run changed: the run's own reasons (the
+model-parallel strategy, "cuda_graph" under DDP, hooks that run between forward and update, a precision context other
+than autocast) first, then ``build_step_programs``'s (the optimizer, the module's hook overrides and registered
+hooks, a ``training_step`` that is not one graph). The fit logs one line either way: the programs compiled, or why
+not and what to change.
 
 With the training data staged on the device (``staged_data.py``) the programs are built at the first sink's start
 instead (they need no example batch: they gather their own from the staged dataset), and ``choose`` tells the
