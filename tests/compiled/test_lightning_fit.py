@@ -23,7 +23,7 @@ from lightning_sink import SinkStrategy
 from lightning_sink._torch_compat import compiled_graph_count
 from lightning_sink.loss_scale import DynamicLossScale
 from lightning_sink.precision import LossScalePrecision
-from tests.helpers import RecordingLogger
+from tests.helpers import RecordingLogger, quiet_trainer
 
 SAMPLES, MICRO = 40, 4  # 10 micro-batches per data pass, read in order (no shuffling)
 
@@ -157,18 +157,8 @@ def fit(trainer: pl.Trainer, model: pl.LightningModule, data: TensorDataset, cap
 
 def trainer_for(graph_mode: str, steps: int, sink_size: int, epochs: int, **kwargs: Any) -> pl.Trainer:
     plugins = kwargs.pop("plugins", None)
-    defaults: dict[str, Any] = dict(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        max_epochs=epochs,
-    )
-    defaults.update(kwargs)
     strategy = SinkStrategy(accumulation_steps=steps, sink_size=sink_size, graph_mode=graph_mode)
-    return pl.Trainer(strategy=strategy, plugins=plugins, **defaults)
+    return quiet_trainer(strategy=strategy, plugins=plugins, **{"max_epochs": epochs, **kwargs})
 
 
 # (optimizer, accumulation, sink size, epochs, clipping, step LR, BatchNorm); sinks whose size is not a multiple of

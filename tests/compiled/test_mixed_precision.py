@@ -23,7 +23,6 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from torch import nn
 from torch.utils.data import TensorDataset
 
-import lightning_sink.strategies.compiled_step as compiled_step
 from lightning_sink.compiled import AutocastRegion, Unavailable, build_step_programs
 from lightning_sink.loss_scale import DynamicLossScale, FixedLossScale
 from lightning_sink.precision import LossScalePrecision
@@ -37,20 +36,13 @@ from tests.compiled.test_lightning_fit import (
     dataset,
     fit,
     flat,
+    quick_backend,  # noqa: F401  (the fixture: aot_eager, a fresh TorchDynamo per test)
     relative_error,
     trainer_for,
 )
 
 TOLERANCE = 1e-6
 SINK, EPOCHS = 7, 4  # 28 micro-batches
-
-
-@pytest.fixture(autouse=True)
-def quick_backend(monkeypatch):
-    monkeypatch.setattr(compiled_step, "COMPILE_BACKEND", "aot_eager")
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def plain_autocast_loop(

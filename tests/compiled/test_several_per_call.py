@@ -30,6 +30,7 @@ from tests.compiled.test_lightning_fit import (
     quick_backend,  # noqa: F401  (the fixture: aot_eager, a fresh TorchDynamo per test)
     relative_error,
 )
+from tests.helpers import quiet_trainer
 
 
 @pytest.fixture
@@ -49,20 +50,10 @@ def several_calls(monkeypatch) -> list[int]:
 
 def trainer_for(steps: int, sink_size: int, epochs: int, calls: int, **kwargs: Any) -> pl.Trainer:
     plugins = kwargs.pop("plugins", None)
-    settings: dict[str, Any] = dict(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        max_epochs=epochs,
-    )
-    settings.update(kwargs)
     strategy = SinkStrategy(
         accumulation_steps=steps, sink_size=sink_size, graph_mode="compile", micro_steps_per_call=calls
     )
-    return pl.Trainer(strategy=strategy, plugins=plugins, **settings)
+    return quiet_trainer(strategy=strategy, plugins=plugins, **{"max_epochs": epochs, **kwargs})
 
 
 def logged_fit(steps: int, sink_size: int, epochs: int, calls: int, caplog: Any, **kwargs: Any) -> dict[str, Any]:

@@ -16,25 +16,18 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.loggers import Logger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 import lightning_sink.strategies.compiled_step as compiled_step
 from lightning_sink import SinkStrategy
 from lightning_sink.compiled.device_dataset import SinkIndices
+from tests.compiled.test_lightning_fit import quick_backend  # noqa: F401  (the fixture: aot_eager, a fresh TorchDynamo per test)
+from tests.helpers import RecordingLogger, quiet_trainer
 
 MICRO = 4
 STAGED = "each batch gathered on the device from the training set staged there"
 NOT_STAGED = "batches read by the loader path (not staged on the device:"
-
-
-@pytest.fixture(autouse=True)
-def quick_backend(monkeypatch):
-    monkeypatch.setattr(compiled_step, "COMPILE_BACKEND", "aot_eager")
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 @pytest.fixture
@@ -85,43 +78,13 @@ class Net(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-class RecordingLogger(Logger):
-    def __init__(self) -> None:
-        super().__init__()
-        self.points: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "recording"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.points.append((step, dict(metrics)))
-
-
 def trainer_for(
     steps: int, sink_size: int, epochs: int, budget: int | None, graph_mode: str = "compile", **kwargs: Any
 ) -> pl.Trainer:
     strategy = SinkStrategy(
         accumulation_steps=steps, sink_size=sink_size, graph_mode=graph_mode, device_data_budget=budget
     )
-    defaults: dict[str, Any] = dict(
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        max_epochs=epochs,
-    )
-    defaults.update(kwargs)
-    return pl.Trainer(strategy=strategy, **defaults)
+    return quiet_trainer(strategy=strategy, **{"max_epochs": epochs, **kwargs})
 
 
 def run(trainer: pl.Trainer, loader: DataLoader, caplog: Any, seed: int = 7, **kwargs: Any) -> tuple[Net, str]:
