@@ -53,6 +53,8 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from compiled_fit import Classifier, CompileReport, make_optimizer, spread
+
 import lightning_sink.strategies.compiled_step as compiled_step
 from lightning_sink import SinkDDPStrategy
 from lightning_sink.compiled import RankSum, StepPrograms, build_step_programs
@@ -67,25 +69,6 @@ FITS = {
     "compile_eager_sum": ("compile", "eager"),
     "compile_traced_sum": ("compile", "traced"),
 }
-
-
-def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.01, momentum=0.9)
-    return torch.optim.AdamW(params, lr=1e-3)
-
-
-class Classifier(pl.LightningModule):
-    def __init__(self, optimizer: str) -> None:
-        super().__init__()
-        self.net, self.optimizer_name = make_model("tiny_mlp"), optimizer
-
-    def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(self.net(x), y)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return make_optimizer(self.optimizer_name, self.parameters())
 
 
 class DDPHandLoop:
@@ -131,21 +114,6 @@ class Paired(pl.Callback):
         self.paired_hand.append(self.hand.run())
 
 
-class CompileReport(logging.Handler):
-    """The fit's one line saying the programs were compiled, and in how many seconds (rank 0 says it)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-def spread(values: list[float]) -> dict[str, float]:
-    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
-
-
 def fit(name: str, optimizer: str, accumulation: int, sink: int, repeats: int, data: TensorDataset, hand: DDPHandLoop):
     graph_mode, route = FITS[name]
     if route is not None:
@@ -168,7 +136,7 @@ def fit(name: str, optimizer: str, accumulation: int, sink: int, repeats: int, d
         lines = [line for line in report.lines if "compiled whole" in line]
         if len(lines) != 1:
             raise RuntimeError(f"the fit did not report its compiled programs (fallback?): {report.lines}")
-        compile_seconds = float(re.findall(r"in ([0-9.]+) s$", lines[0])[0])
+        compile_seconds = float(re.findall(r"in ([0-9.]+) s\b", lines[0])[0])
     return paired, compile_seconds
 
 
