@@ -40,6 +40,31 @@ def test_private_names_still_exist_and_behave():
     assert list(iterator) == [("read", [0, 1]), ("read", [2, 3]), ("read", [4])]  # the sampler's indices, as drawn
 
 
+def test_batch_reading_skips_only_the_profiling_scope_and_keeps_it_under_a_profiler():
+    """Without a profiler the reading iterator skips the loader's ``record_function`` scope and nothing else: the
+    loader's own ``__next__`` still does exactly the scope, the sampler read, the yield count and (for iterable
+    datasets, not read this way) a length check. Under a profiler the scope is recorded as the loader records it."""
+    source = inspect.getsource(torch.utils.data.dataloader._BaseDataLoaderIter.__next__)
+    body = [line.strip() for line in source.splitlines()[1:] if line.strip() and not line.strip().startswith("#")]
+    assert body[0].startswith("with torch.autograd.profiler.record_function(self._profile_name)")
+    assert "data = self._next_data()" in body and "self._num_yielded += 1" in body and "return data" in body
+    assert any("_DatasetKind.Iterable" in line for line in body)
+
+    def read(loader: torch.utils.data.DataLoader) -> tuple[list, int]:
+        iterator = compat.batch_reading_iterator(loader, lambda indices: list(indices))
+        return list(iterator), iterator._num_yielded  # type: ignore[attr-defined]
+
+    loader = torch.utils.data.DataLoader(torch.arange(7), batch_size=3, shuffle=True)
+    torch.manual_seed(3)
+    quiet = read(loader)
+    torch.manual_seed(3)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profiler:
+        profiled = read(loader)
+    assert quiet == profiled and quiet[1] == 3 and sorted(i for batch in quiet[0] for i in batch) == list(range(7))
+    scopes = [event.name for event in profiler.events() if event.name.startswith("enumerate(DataLoader)")]
+    assert len(scopes) == 4  # one per batch and one for the call that finds the pass ended, as the loader records
+
+
 def test_a_loaders_batch_reads_are_replaced_and_restored():
     loader = torch.utils.data.DataLoader(torch.arange(5), batch_size=2)
     assert compat.read_batches_with(loader, lambda _: lambda indices: ("read", indices))

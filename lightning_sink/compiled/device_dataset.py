@@ -33,7 +33,7 @@ class SinkIndices:
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
         self.loaded = 0
 
-    def load(self, batches: Sequence[Sequence[int]]) -> None:
+    def load(self, batches: Tensor | Sequence[Sequence[int]]) -> None:
         """Upload one sink's indices (one copy, asynchronous on CUDA) and rewind the cursor."""
         if not 1 <= len(batches) <= self.capacity:
             raise ValueError(f"a sink of {len(batches)} micro-batches does not fit capacity={self.capacity}")

@@ -137,9 +137,9 @@ class StagedData:
     # ------------------------------------------------------------------ the stream's reads
     def read_pass(self, loader: Any) -> Iterator[Any]:
         """One pass over the loader (the stream's reader): the loader's own iterator, each batch as its indices."""
-        return compat.batch_reading_iterator(loader, _as_staged_batch)
+        return compat.batch_reading_iterator(loader, _sampled_indices)
 
-    def read(self, batch: StagedBatch) -> list[Tensor]:
+    def read(self, batch: StagedBatch | _SampledIndices) -> list[Tensor]:
         """The batch the loader path reads for those indices, on the host."""
         return self._read(cast(Any, batch.indices))  # (a tensor of indices indexes as their list does)
 
@@ -178,7 +178,7 @@ class StagedData:
         return next_batch
 
     def _host(self, item: Any) -> Any:
-        return self.read(item) if isinstance(item, StagedBatch) else item
+        return self.read(item) if isinstance(item, (StagedBatch, _SampledIndices)) else item
 
     def _take(self, stream: MicroBatchStream, wanted: float) -> None:
         """Take the next micro-batches of the segment up to the data pass's end and upload their indices in one
@@ -187,22 +187,33 @@ class StagedData:
         count = int(min(wanted, left_in_pass, self._capacity))
         if count <= 0:
             return  # the pass's end: the stream's next item is PASS_END
-        gathered: list[StagedBatch] = []
+        items: list[Any] = []
         for _ in range(count):
-            item = stream.next()
-            if isinstance(item, StagedBatch) and len(item.indices) == self.batch_size:
-                gathered.append(item)
-            else:
-                item = self._host(item)
-            self._pending.append(item)
-            if item is PASS_END:
+            items.append(stream.next())
+            if items[-1] is PASS_END:
                 break  # (a loader that ended its pass early: the stream's position already moved on)
-        self._upload(gathered)
+        full = [i for i, item in enumerate(items) if isinstance(item, _SampledIndices) and item.size == self.batch_size]
+        if full:
+            # the segment's indices as one tensor (one conversion, not one per micro-batch), uploaded in one copy;
+            # each micro-batch keeps its row
+            rows = torch.as_tensor([items[i].indices for i in full], dtype=torch.int64)
+            self.data()[1].load(rows)
+            for i, row in zip(full, rows.unbind(0)):
+                items[i] = StagedBatch(row)
+        self._pending.extend(item if isinstance(item, StagedBatch) else self._host(item) for item in items)
 
     def _upload(self, gathered: list[StagedBatch]) -> None:
         if gathered:  # one copy; the device-side cursor back at the first
-            self.data()[1].load(torch.stack([item.indices for item in gathered]))  # type: ignore[arg-type]
+            self.data()[1].load(torch.stack([item.indices for item in gathered]))
 
 
-def _as_staged_batch(indices: Any) -> StagedBatch:
-    return StagedBatch(torch.as_tensor(indices, dtype=torch.int64))
+@dataclass(frozen=True)
+class _SampledIndices:
+    """A micro-batch as the stream reads it: the sampler's indices as drawn (made a ``StagedBatch`` once taken)."""
+
+    indices: Any
+    size: int
+
+
+def _sampled_indices(indices: Any) -> _SampledIndices:
+    return _SampledIndices(indices, len(indices))
