@@ -2,10 +2,10 @@
 against the eager hand-written loop and stock Lightning, per micro-step.
 
     python benchmarks/compiled_fit.py [--repeats 5] [--sink 200] [--optimizers sgd adamw] [--accumulation 1 4]
-                                      [--calls 1 4]
+                                      [--calls 1 4] [--data loader|staged] [--model tiny_mlp|lenet5]
 
-Tiny MLP 64-64-10, batch 32, one intra-op thread (``--threads``), CPU. SGD is ``lr=0.01, momentum=0.9``; AdamW
-``lr=1e-3``. Per configuration (optimizer x accumulation):
+Tiny MLP 64-64-10 (``--model lenet5``: LeNet-5 on 1x32x32), batch 32, one intra-op thread (``--threads``), CPU.
+SGD is ``lr=0.01, momentum=0.9``; AdamW ``lr=1e-3``. Per configuration (optimizer x accumulation):
 
 - **sink + compile**: one fit of ``1 + repeats`` sinks of ``--sink`` micro-batches (one sink per epoch); each sink
   is timed from its ``on_train_batch_start`` to its ``on_train_batch_end``; the first (which builds the programs)
@@ -26,6 +26,10 @@ to the load (not to its cache effects).
 
 The Lightning fits read the same in-memory ``TensorDataset`` through a ``DataLoader`` (sink mode reads it by
 indexing; stock Lightning collates each batch). The last line is one JSON object.
+
+``--data staged`` runs the fits with the data staged for the programs (``device_data_budget=None``, the default
+of ``SinkStrategy``) instead of the loader path (``device_data_budget=0``, this option's default, as the earlier
+tables were measured).
 
 ``--staged`` measures instead the data staged for the programs (``device_data_budget=None``: on the CPU each batch
 is gathered inside the compiled program from the sampler's indices, uploaded once per sink) against the loader path
@@ -73,9 +77,9 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
 
 
 class Classifier(pl.LightningModule):
-    def __init__(self, optimizer: str) -> None:
+    def __init__(self, optimizer: str, model: str = "tiny_mlp") -> None:
         super().__init__()
-        self.net, self.optimizer_name = make_model("tiny_mlp"), optimizer
+        self.net, self.optimizer_name = make_model(model), optimizer
 
     def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
         x, y = batch
@@ -89,8 +93,8 @@ class HandLoop:
     """The plain loop over pre-built batches; ``run()`` trains ``len(batches)`` micro-batches and returns the
     seconds per micro-step."""
 
-    def __init__(self, optimizer: str, accumulation: int, batches: list) -> None:
-        self.model = make_model("tiny_mlp")
+    def __init__(self, optimizer: str, accumulation: int, batches: list, model: str = "tiny_mlp") -> None:
+        self.model = make_model(model)
         self.optimizer = make_optimizer(optimizer, self.model.parameters())
         self.accumulation, self.batches = accumulation, batches
 
@@ -168,6 +172,7 @@ def compiled_fit(
     hand: HandLoop,
     budget: int | None,
     per_call: int = 1,
+    model: str = "tiny_mlp",
 ) -> tuple[Paired, float, str]:
     """One sink + compile fit (``device_data_budget=budget``, ``micro_steps_per_call=per_call``): its timings, the programs' build seconds and the
     fit's line on them."""
@@ -185,7 +190,7 @@ def compiled_fit(
             micro_steps_per_call=per_call,
         )
         trainer = quiet_trainer(strategy=strategy, max_epochs=1 + repeats, callbacks=[compiled])
-        trainer.fit(Classifier(optimizer), loader)
+        trainer.fit(Classifier(optimizer, model), loader)
     finally:
         rank_zero_logger.removeHandler(report)
     lines = [line for line in report.lines if "compiled whole" in line]
@@ -202,14 +207,17 @@ def measure(
     data: TensorDataset,
     calls: list[int],
     budget: int | None = 0,
+    model: str = "tiny_mlp",
 ) -> dict[str, Any]:
     batches = [(x, y) for x, y in zip(data.tensors[0].split(BATCH), data.tensors[1].split(BATCH))][:sink]
-    hand = HandLoop(optimizer, accumulation, batches)
+    hand = HandLoop(optimizer, accumulation, batches, model)
     hand.run()  # warm: allocator and caches
     loader = DataLoader(data, batch_size=BATCH, shuffle=False)
     runs: dict[int, tuple[Paired, float]] = {}
     for per_call in calls:  # the loader path (budget 0) or the staged dataset (budget None), as --data says
-        compiled, seconds, line = compiled_fit(optimizer, accumulation, sink, repeats, loader, hand, budget, per_call)
+        compiled, seconds, line = compiled_fit(
+            optimizer, accumulation, sink, repeats, loader, hand, budget, per_call, model
+        )
         if ("gathered on the device" in line) != (budget is None):
             raise RuntimeError(f"the fit did not read its data as --data asked: {line}")
         runs[per_call] = (compiled, seconds)
@@ -218,7 +226,7 @@ def measure(
     stock_trainer = quiet_trainer(
         max_epochs=1 + repeats, limit_train_batches=sink, accumulate_grad_batches=accumulation, callbacks=[stock]
     )
-    stock_trainer.fit(Classifier(optimizer), loader)
+    stock_trainer.fit(Classifier(optimizer, model), loader)
     sink_us, sink_hand = compiled.lightning[1:], compiled.paired_hand[1:]
     stock_us, stock_hand = stock.lightning[1:], stock.paired_hand[1:]
     several: dict[str, Any] = {}
@@ -296,6 +304,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed sinks (and stock epochs) per configuration")
     parser.add_argument("--sink", type=int, default=200, help="micro-batches per sink (and per stock epoch)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--model", choices=("tiny_mlp", "lenet5"), default="tiny_mlp", help="without --staged")
     parser.add_argument("--optimizers", nargs="+", choices=OPTIMIZERS, default=list(OPTIMIZERS))
     parser.add_argument("--accumulation", nargs="+", type=int, default=[1, 4])
     parser.add_argument(
@@ -323,20 +332,23 @@ def main(argv: list[str] | None = None) -> None:
         args.sink % m for m in args.calls
     ):
         parser.error(f"--calls values must be multiples of every --accumulation and divide --sink; got {args.calls}")
+    if args.staged and args.model != "tiny_mlp":
+        parser.error(f"--staged measures the tiny MLP only; got --model {args.model}")
     calls = sorted(set(args.calls) | {1})
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     generator = torch.Generator().manual_seed(0)
     samples = BATCH * args.sink
+    shape = (64,) if args.model == "tiny_mlp" else (1, 32, 32)
     data = TensorDataset(
-        torch.randn(samples, 64, generator=generator), torch.randint(0, 10, (samples,), generator=generator)
+        torch.randn(samples, *shape, generator=generator), torch.randint(0, 10, (samples,), generator=generator)
     )
     result: dict[str, Any] = {
         "benchmark": "compiled_fit",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, CPU,"
         f" {args.threads} thread(s)",
-        "model": "tiny_mlp 64-64-10",
+        "model": "tiny_mlp 64-64-10" if args.model == "tiny_mlp" else "LeNet-5 1x32x32",
         "batch": BATCH,
         "sink_size": args.sink,
         "repeats": args.repeats,
@@ -348,8 +360,8 @@ def main(argv: list[str] | None = None) -> None:
                 name = f"tiny_mlp_{optimizer}_acc{accumulation}_staged"
             else:
                 budget = None if args.data == "staged" else 0
-                figures = measure(optimizer, accumulation, args.sink, args.repeats, data, calls, budget)
-                name = f"tiny_mlp_{optimizer}_acc{accumulation}" + ("_staged_data" if budget is None else "")
+                figures = measure(optimizer, accumulation, args.sink, args.repeats, data, calls, budget, args.model)
+                name = f"{args.model}_{optimizer}_acc{accumulation}" + ("_staged_data" if budget is None else "")
             result[name] = figures
             print(json.dumps({name: figures}), file=sys.stderr)
     print(json.dumps(result))
