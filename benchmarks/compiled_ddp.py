@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compiled_fit import Classifier, CompileReport, make_optimizer, spread
 
-import lightning_sink.strategies.compiled_step as compiled_step
+import lightning_sink.strategies.compiled_choice as compiled_choice
 from lightning_sink import SinkDDPStrategy
 from lightning_sink.compiled import RankSum, StepPrograms, build_step_programs
 from lightning_sink.window import FlatAllReduce
@@ -117,7 +117,7 @@ class Paired(pl.Callback):
 def fit(name: str, optimizer: str, accumulation: int, sink: int, repeats: int, data: TensorDataset, hand: DDPHandLoop):
     graph_mode, route = FITS[name]
     if route is not None:
-        compiled_step.DDP_SUM_ROUTE = route
+        compiled_choice.DDP_SUM_ROUTE = route
     paired = Paired(sink, hand)
     report = CompileReport()
     rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")

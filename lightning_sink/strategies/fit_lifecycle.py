@@ -33,7 +33,7 @@ from lightning_sink.sink_data import (
     default_prefetch_depth,
 )
 from lightning_sink.strategies import checkpoint_state
-from lightning_sink.strategies.compiled_step import compiled_choice
+from lightning_sink.strategies.compiled_choice import compiled_choice
 from lightning_sink.strategies.config import SinkConfig
 from lightning_sink.strategies.engine import EngineHost, EngineParts, StepEngine
 from lightning_sink.strategies.fit_checks import (

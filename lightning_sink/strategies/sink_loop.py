@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -57,7 +57,7 @@ class SinkLoop:
         the stream's ``next``; staged data: ``StagedData.batches``, whose ``StagedBatch`` items the programs gather
         on the device themselves)."""
         self._engine = engine
-        self._choose = choose  # the pair each sink runs (compiled programs: ``compiled_step.py``)
+        self._choose = choose  # the pair each sink runs (compiled programs: ``compiled_choice.py``)
         self._batches = batches
         self.stream = stream
         self._data_position = data_position
@@ -166,43 +166,39 @@ class SinkLoop:
         micro_index = 0
         next_batch = stream.next if self._batches is None else self._batches(stream, length)
         several = programs.several if not timed else None  # (max_time: the clock is read after each micro-batch)
+        # each turn: the micro-batches read (several trained in one call, each with a function doing its host
+        # effects; or one, trained by the pair below), then every one's effects in order, written once for both
+        trained: Sequence[tuple[Any, Callable[[], Tensor | None] | None]]
         while micro_index < length:
             if updates_allowed != -1 and updates.count >= updates_allowed:
                 break
             if several is not None and self._fits_in_call(several, length - micro_index, updates_allowed):
-                for batch, finish in self._run_several(several, next_batch):
-                    if buffer is not None:
-                        buffer.begin_micro_step(batch)
-                    ends = window.micro_batches + 1 >= steps
+                trained = self._run_several(several, next_batch)
+            else:
+                batch = next_batch()
+                if batch is PASS_END:
+                    if self._sink_size == -1 and micro_index:
+                        self._pass_ended = True
+                        break  # one data pass per sink
+                    continue
+                trained = ((self._prepared(batch), None),)
+            for batch, finish in trained:
+                if buffer is not None:
+                    buffer.begin_micro_step(batch)
+                ends = window.micro_batches + 1 >= steps
+                if finish is not None:
                     loss = finish()
-                    if loss is not None:
-                        losses.append(loss)
-                    position.advance()
-                    micro_index += 1
-                    self._ended_on_update = ends
-                    if ends and buffer is not None:
-                        buffer.end_update()
-                continue
-            batch = next_batch()
-            if batch is PASS_END:
-                if self._sink_size == -1 and micro_index:
-                    self._pass_ended = True
-                    break  # one data pass per sink
-                continue
-            batch = self._prepared(batch)
-            if buffer is not None:
-                buffer.begin_micro_step(batch)
-            ends = window.micro_batches + 1 >= steps
-            index = position.trained_in_sink  # the micro-batch's index in its sink (training_step's batch_idx)
-            loss = update(batch, index) if ends else accumulate(batch, index)
-            if loss is not None:
-                losses.append(loss)
-            position.advance()
-            micro_index += 1
-            self._ended_on_update = ends
-            if ends and buffer is not None:
-                buffer.end_update()  # the loggers get this update's values at its step (sink_logging.py)
-            if timed and self._out_of_time(deadline):
+                else:
+                    index = position.trained_in_sink  # the micro-batch's index in its sink (training_step's batch_idx)
+                    loss = update(batch, index) if ends else accumulate(batch, index)
+                if loss is not None:
+                    losses.append(loss)
+                position.advance()
+                micro_index += 1
+                self._ended_on_update = ends
+                if ends and buffer is not None:
+                    buffer.end_update()  # the loggers get this update's values at its step (sink_logging.py)
+            if timed and self._out_of_time(deadline):  # (timed: one micro-batch per turn, several is None)
                 break  # max_time: Lightning stops after this batch, as it would after this micro-batch
         if micro_index == length:
             self.validation_due = segment.validates

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import lightning_sink.strategies.compiled_step as compiled_step
+import lightning_sink.strategies.compiled_choice as compiled_choice
 from lightning_sink import DynamicLossScale, LossScalePrecision, SinkDDPStrategy
 from tests.helpers import quiet_trainer
 
@@ -164,7 +164,7 @@ def overflow(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    compiled_step.COMPILE_BACKEND = "aot_eager"
+    compiled_choice.COMPILE_BACKEND = "aot_eager"
     {"exactness": exactness, "overflow": overflow}[sys.argv[2]](Path(sys.argv[1]))
     dist.barrier()  # tear gloo down before the interpreter exits; a live process group can abort it at exit
     dist.destroy_process_group()

@@ -15,14 +15,14 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-import lightning_sink.strategies.compiled_step as compiled_step
+import lightning_sink.strategies.compiled_choice as compiled_choice
 import lightning_sink.strategies.fit_lifecycle as fit_lifecycle
 from tests.compiled.test_lightning_fit import Net, dataset, flat, loader, relative_error, trainer_for
 
 
 @pytest.fixture(autouse=True)
 def quick_backends(monkeypatch):
-    monkeypatch.setattr(compiled_step, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(compiled_choice, "COMPILE_BACKEND", "aot_eager")
     monkeypatch.setattr(
         fit_lifecycle,
         "step_function",

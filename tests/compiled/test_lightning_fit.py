@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_sink.strategies.compiled_step as compiled_step
+import lightning_sink.strategies.compiled_choice as compiled_choice
 from lightning_sink import SinkStrategy
 from lightning_sink._torch_compat import compiled_graph_count
 from lightning_sink.loss_scale import DynamicLossScale
@@ -32,7 +32,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA 
 
 @pytest.fixture(autouse=True)
 def quick_backend(monkeypatch):
-    monkeypatch.setattr(compiled_step, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(compiled_choice, "COMPILE_BACKEND", "aot_eager")
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -288,7 +288,7 @@ def test_resume_after_a_max_steps_stop_inside_a_sink_is_bit_for_bit(tmp_path, ca
 def test_on_cuda_the_whole_step_programs_match_the_plain_loop(graph_mode, caplog, monkeypatch):
     """Inductor, as users get it; with "cuda_graph" both programs replayed as CUDA graphs, the sink's losses and
     logged values copied out of the graphs' outputs before the next replay."""
-    monkeypatch.setattr(compiled_step, "COMPILE_BACKEND", "inductor")
+    monkeypatch.setattr(compiled_choice, "COMPILE_BACKEND", "inductor")
     model = Net("adamw", batch_norm=True, step_lr=0.9)
     reference = copy.deepcopy(model.net).cuda()
     losses = SinkLosses()

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import lightning_sink.strategies.compiled_step as compiled_step
+import lightning_sink.strategies.compiled_choice as compiled_choice
 from lightning_sink.compiled.logged_values import LoggedValues
 from tests.compiled.test_lightning_fit import Net, RecordingLogger, dataset, fit, trainer_for
 
@@ -93,7 +93,7 @@ class EveryLogForm(Net):
 
 
 def test_every_log_form_reaches_lightning_as_in_the_eager_fit(caplog, monkeypatch):
-    monkeypatch.setattr(compiled_step, "COMPILE_BACKEND", "aot_eager")
+    monkeypatch.setattr(compiled_choice, "COMPILE_BACKEND", "aot_eager")
     results = {}
     for graph_mode in ("eager", "compile"):
         torch._dynamo.reset()

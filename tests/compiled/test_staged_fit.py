@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
-import lightning_sink.strategies.compiled_step as compiled_step
+import lightning_sink.strategies.compiled_choice as compiled_choice
 from lightning_sink import SinkStrategy
 from lightning_sink.compiled.device_dataset import SinkIndices
 from tests.compiled.test_lightning_fit import quick_backend  # noqa: F401  (the fixture: aot_eager, a fresh TorchDynamo per test)
@@ -221,7 +221,7 @@ def test_programs_refused_at_their_build_leave_staged_batches_to_the_loader_path
 def test_on_cuda_a_staged_fit_trains_what_the_loader_fit_trains(graph_mode, caplog, uploads, monkeypatch):
     """On the GPU (Inductor, and CUDA graphs replaying over the staged tensors): staged against the loader path,
     equal within float tolerance (the gather and the host copy give the same batches; kernels may differ)."""
-    monkeypatch.setattr(compiled_step, "COMPILE_BACKEND", "inductor")
+    monkeypatch.setattr(compiled_choice, "COMPILE_BACKEND", "inductor")
     data = dataset(48)  # whole batches: the captured programs take one shape
     models = {}
     for budget in (0, None):

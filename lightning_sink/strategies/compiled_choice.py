@@ -1,5 +1,6 @@
-"""``graph_mode="compile"`` / ``"cuda_graph"`` in sink mode: each step program one compiled function over the whole
-step (``lightning_sink.compiled``), behind the ``StepProgram`` seam of ``programs.py``.
+"""``graph_mode="compile"`` / ``"cuda_graph"`` in sink mode: one fit's choice of step programs, each program one
+compiled function over the whole step (``lightning_sink.compiled``), behind the ``StepProgram`` seam of
+``programs.py``; the per-call programs the sink loop runs are ``compiled_pair.py``'s.
 
 ``CompiledSteps`` is one fit's choice. At each sink's start ``choose`` hands the sink loop either the compiled pair
 (``CompiledAccumulate`` / ``CompiledUpdate``) or, when the programs do not apply, the pair ``choose_programs`` picks
@@ -12,36 +13,21 @@ not and what to change.
 
 With the training data staged on the device (``staged_data.py``) the programs are built at the first sink's start
 instead (they need no example batch: they gather their own from the staged dataset), and ``choose`` tells the
-staged data per sink whether the programs it returns gather (``StagedData.gathering``); a program given a
-``StagedBatch`` runs without a batch argument.
+staged data per sink whether the programs it returns gather (``StagedData.gathering``).
 
-What stays where it was:
+The open window across sinks: the programs keep its fp32 sum in their own buffers during a sink; at each sink's end
+the sum is written into the window's store (which the checkpoint saves), and read back from it at the next sink's
+start (so a resume mid-window, or a window that runs on across sinks, continues exactly).
 
-- Parameters, buffers and the optimizer's state are the module's and the optimizer's own tensors, written in place;
-  learning rates (and the other scheduled hyperparameters) enter as tensors refreshed before each update, so an
-  ``interval="step"`` scheduler stepped by ``SinkUpdates`` changes values, never the compiled program.
-- Lightning's counters, ``global_step``, the LR schedulers, the loss-scale bookkeeping (``last_update_skipped``, the
-  logged ``loss_scale``/``overflow``/``skipped_updates``) move exactly as on the direct eager path (``SinkUpdates``).
-- The open window: the programs keep its fp32 sum in their own buffers during a sink; the engine's ``Window``
-  counts its micro-batches and backward passes on the host as the eager path does, and at each sink's end the sum is
-  written into the window's store (which the checkpoint saves), and read back from it at the next sink's start (so
-  a resume mid-window, or a window that runs on across sinks, continues exactly).
-- ``self.log`` inside ``training_step``: the values come out of the program and are handed to ``self.log`` (during
-  a sink, the log buffer of ``sink_logging.py``) after each call, with the options they were logged with.
-
-With ``micro_steps_per_call=M`` (> 1) the programs also hold one compiled program of M micro-steps (whole windows,
-``StepPrograms.run_several``), and ``CompiledSeveral`` runs M micro-batches per call where that is exact: at a
-window's start, no ``interval="step"`` LR scheduler (its value may change between the call's updates, which read
-the hyperparameters once), the accumulation the program was built for. After the call every micro-batch's host
-effects are done in order, as the one-per-call pair does them (``SinkLoop`` asks the rest: segment, pass,
-``max_steps`` and ``max_time``).
+With ``micro_steps_per_call=M`` (> 1) the programs are built with one compiled program of M micro-steps as well
+(whole windows, ``StepPrograms.run_several``) where M is a multiple of the accumulation (and, staged, no more than a
+sink stages), and ``choose`` adds ``CompiledSeveral`` to the pair.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -53,26 +39,18 @@ from torch import Tensor
 
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.accumulation import GradientAccumulator, SingleStepGradients, unique_trainable
-from lightning_sink.compiled import (
-    AutocastRegion,
-    RankSum,
-    StepOutputs,
-    StepPrograms,
-    Unavailable,
-    build_step_programs,
-)
+from lightning_sink.compiled import AutocastRegion, RankSum, StepPrograms, Unavailable, build_step_programs
+from lightning_sink.strategies.compiled_pair import CompiledAccumulate, CompiledSeveral, CompiledUpdate
 from lightning_sink.strategies.engine import StepEngine
 from lightning_sink.strategies.programs import SinkPrograms, SinkUpdates, choose_programs
-from lightning_sink.strategies.staged_data import StagedBatch, StagedData
+from lightning_sink.strategies.staged_data import StagedData
 from lightning_sink.strategies.step_autocast import step_autocast
 from lightning_sink.window import FlatAllReduce, NoGradients
 
 __all__ = [
     "COMPILE_BACKEND",
+    "DDP_SUM_ROUTE",
     "CompiledSteps",
-    "CompiledAccumulate",
-    "CompiledUpdate",
-    "CompiledSeveral",
     "compiled_choice",
 ]
 
@@ -346,150 +324,6 @@ def _hooks_between(trainer: Any) -> list[str]:
             if is_overridden(name, callback, pl.Callback)
         ]
     return found
-
-
-class _Compiled:
-    """What both compiled programs share: the window's host counts, the batch index, the log values, and the eager
-    pair to hand over to when the programs turn out not to apply at the fit's first micro-batch."""
-
-    loss_divisor = 1  # the programs add undivided gradients; the update divides by the window's micro-steps
-
-    def __init__(self, steps: CompiledSteps, updates: SinkUpdates) -> None:
-        self._steps, self._updates = steps, updates
-        self._engine = steps.engine
-        self._eager: SinkPrograms | None = None
-
-    def _programs(self, batch: Any) -> StepPrograms | None:
-        steps = self._steps
-        if steps.programs is None and steps.reason is None:
-            steps.build(batch)
-        if steps.programs is None and self._eager is None:
-            self._eager = choose_programs(self._engine, self._updates)
-        return steps.programs
-
-    def _open(self, programs: StepPrograms, batch_idx: int) -> None:
-        """Count the micro-batch into its window, as the direct pair does."""
-        engine = self._engine
-        window = engine.window
-        if window.micro_batches == 0:
-            engine.counters.zero_grad()  # Lightning's zero-grad progress, as its loop counts it at a window start
-        window.micro_batches += 1
-        programs.batch_index.fill_(batch_idx)
-
-    def _outputs(self, programs: StepPrograms, out: StepOutputs) -> Tensor:
-        """The micro-batch's loss, its logged values handed to ``self.log``."""
-        copy = self._steps.graph_mode == "cuda_graph"  # a replay overwrites the graph's outputs
-        if out.logs:
-            module = self._engine.trainer.lightning_module
-            options = programs.logged.options
-            for name, value in out.logs.items():
-                module.log(name, value.clone() if copy else value, **options.get(name, {}))
-        return out.loss.clone() if copy else out.loss
-
-
-class CompiledAccumulate(_Compiled):
-    def run(self, batch: Any, batch_idx: int) -> Tensor | None:
-        programs = self._programs(batch)
-        if programs is None:
-            assert self._eager is not None
-            return self._eager.accumulate.run(batch, batch_idx)
-        self._open(programs, batch_idx)
-        out = programs.accumulate(_own_batch(batch))
-        self._engine.window.store.micro_steps += 1  # the backward passes of the window, counted on the host
-        return self._outputs(programs, out)
-
-
-class CompiledUpdate(_Compiled):
-    def run(self, batch: Any, batch_idx: int) -> Tensor | None:
-        programs = self._programs(batch)
-        if programs is None:
-            assert self._eager is not None
-            return self._eager.update.run(batch, batch_idx)
-        engine = self._engine
-        self._open(programs, batch_idx)
-        engine.window.micro_batches = 0
-        result: list[Tensor] = []
-
-        def update() -> None:
-            out = programs.update(_own_batch(batch))
-            if programs.rank_sum is not None:
-                assert isinstance(engine.reducer, FlatAllReduce)  # (the only reducer programs are built for)
-                engine.reducer.broadcast_module_buffers()  # as the eager pair does after its all-reduce
-            result.append(self._outputs(programs, out))
-            scaling = engine.scaling
-            scaler = None if scaling is None else scaling.scaler
-            # the schedulers hold after a skipped update: the one host read of the window's flag, as on the eager
-            # path, and only where a step scheduler needs it
-            engine.last_update_skipped = (
-                bool(engine.step_scheduler_configs)
-                and scaler is not None
-                and scaler.skips_overflow
-                and out.found_inf is not None
-                and bool(out.found_inf.item())
-            )
-            if scaling is not None:
-                engine.log_loss_scale(scaling, out.found_inf)
-            engine.window.store.micro_steps = 0
-            engine.window.end()
-
-        self._updates.make(update)
-        return result[0]
-
-
-def _own_batch(batch: Any) -> Any:
-    """What a program takes: ``None`` for a staged micro-batch (it gathers that batch itself), else the batch."""
-    return None if isinstance(batch, StagedBatch) else batch
-
-
-class CompiledSeveral(_Compiled):
-    """``micro_steps_per_call`` micro-batches, whole windows, in one compiled call (``SeveralSteps``)."""
-
-    def __init__(self, steps: CompiledSteps, updates: SinkUpdates) -> None:
-        super().__init__(steps, updates)
-        self.count = steps.micro_steps_per_call
-
-    def ready(self) -> bool:
-        programs, engine = self._steps.programs, self._engine
-        return (
-            programs is not None
-            and programs.several is not None
-            and programs.several[1] == engine.accumulation_steps  # (a GradientAccumulationScheduler may change it)
-            and engine.window.micro_batches == 0
-            and not engine.step_scheduler_configs
-        )
-
-    def run(self, batches: list[Any], batch_idx: int) -> list[Callable[[], Tensor | None]]:
-        programs = self._steps.programs
-        assert programs is not None and programs.several is not None  # (ready() said so)
-        steps = programs.several[1]
-        programs.batch_index.fill_(batch_idx)  # the programs count it on per micro-step
-        outputs = programs.run_several([_own_batch(batch) for batch in batches])
-        return [partial(self._finish, programs, out, (i + 1) % steps == 0) for i, out in enumerate(outputs)]
-
-    def _finish(self, programs: StepPrograms, out: StepOutputs, ends: bool) -> Tensor:
-        """One micro-batch's host effects after the call, as ``CompiledAccumulate`` / ``CompiledUpdate`` do them."""
-        engine = self._engine
-        window = engine.window
-        if window.micro_batches == 0:
-            engine.counters.zero_grad()
-        window.micro_batches += 1
-        if not ends:
-            window.store.micro_steps += 1
-            return self._outputs(programs, out)
-        window.micro_batches = 0
-        result: list[Tensor] = []
-
-        def update() -> None:
-            result.append(self._outputs(programs, out))
-            engine.last_update_skipped = False  # (read only by step schedulers, which this path never has)
-            scaling = engine.scaling
-            if scaling is not None:
-                engine.log_loss_scale(scaling, out.found_inf, out.scale, out.skipped)
-            window.store.micro_steps = 0
-            window.end()
-
-        self._updates.make(update)
-        return result[0]
 
 
 def compiled_choice(

@@ -1,0 +1,196 @@
+"""The compiled step programs as the sink loop calls them: ``CompiledAccumulate`` / ``CompiledUpdate`` (one
+micro-batch per call, ``StepProgram``) and ``CompiledSeveral`` (whole windows per call, ``SeveralSteps``), each a
+call of ``lightning_sink.compiled``'s ``StepPrograms``, which one fit's choice (``compiled_choice.py``) built.
+
+What stays where it was:
+
+- Parameters, buffers and the optimizer's state are the module's and the optimizer's own tensors, written in place;
+  learning rates (and the other scheduled hyperparameters) enter as tensors refreshed before each update, so an
+  ``interval="step"`` scheduler stepped by ``SinkUpdates`` changes values, never the compiled program.
+- Lightning's counters, ``global_step``, the LR schedulers, the loss-scale bookkeeping (``last_update_skipped``, the
+  logged ``loss_scale``/``overflow``/``skipped_updates``) move exactly as on the direct eager path (``SinkUpdates``).
+- The open window: the engine's ``Window`` counts its micro-batches and backward passes on the host as the eager
+  path does (its fp32 sum is in the programs' buffers during a sink).
+- ``self.log`` inside ``training_step``: the values come out of the program and are handed to ``self.log`` (during
+  a sink, the log buffer of ``sink_logging.py``) after each call, with the options they were logged with.
+
+A program given a ``StagedBatch`` (``staged_data.py``) runs without a batch argument: it gathers that batch itself.
+
+``CompiledSeveral`` runs M micro-batches per call (``micro_steps_per_call``) where that is exact: at a window's start,
+no ``interval="step"`` LR scheduler (its value may change between the call's updates, which read the hyperparameters
+once), the accumulation the program was built for. After the call every micro-batch's host effects are done in
+order, as the one-per-call pair does them (``SinkLoop`` asks the rest: segment, pass, ``max_steps`` and
+``max_time``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Protocol
+
+from torch import Tensor
+
+from lightning_sink.compiled import StepOutputs, StepPrograms
+from lightning_sink.strategies.engine import StepEngine
+from lightning_sink.strategies.programs import SinkPrograms, SinkUpdates, choose_programs
+from lightning_sink.strategies.staged_data import StagedBatch
+from lightning_sink.window import FlatAllReduce
+
+__all__ = ["FitPrograms", "CompiledAccumulate", "CompiledUpdate", "CompiledSeveral"]
+
+
+class FitPrograms(Protocol):
+    """The fit's programs as the compiled pair reads them (``compiled_choice.CompiledSteps``): built at the first
+    micro-batch (``build``), or the reason there are none."""
+
+    engine: StepEngine
+    graph_mode: str
+    micro_steps_per_call: int
+    programs: StepPrograms | None
+    reason: str | None
+
+    def build(self, batch: Any) -> StepPrograms | None:
+        """Build the programs over ``batch`` (or fall back, setting ``reason``); the programs, or ``None``."""
+        ...
+
+
+class _Compiled:
+    """What the compiled programs share: the window's host counts, the batch index, the log values, a window's end
+    after its update, and the eager pair to hand over to when the programs turn out not to apply at the fit's first
+    micro-batch."""
+
+    loss_divisor = 1  # the programs add undivided gradients; the update divides by the window's micro-steps
+
+    def __init__(self, steps: FitPrograms, updates: SinkUpdates) -> None:
+        self._steps, self._updates = steps, updates
+        self._engine = steps.engine
+        self._eager: SinkPrograms | None = None
+
+    def _programs(self, batch: Any) -> StepPrograms | None:
+        steps = self._steps
+        if steps.programs is None and steps.reason is None:
+            steps.build(batch)
+        if steps.programs is None and self._eager is None:
+            self._eager = choose_programs(self._engine, self._updates)
+        return steps.programs
+
+    def _count_micro_batch(self) -> None:
+        """Count the micro-batch into its window, as the direct pair does."""
+        engine = self._engine
+        window = engine.window
+        if window.micro_batches == 0:
+            engine.counters.zero_grad()  # Lightning's zero-grad progress, as its loop counts it at a window start
+        window.micro_batches += 1
+
+    def _outputs(self, programs: StepPrograms, out: StepOutputs) -> Tensor:
+        """The micro-batch's loss, its logged values handed to ``self.log``."""
+        copy = self._steps.graph_mode == "cuda_graph"  # a replay overwrites the graph's outputs
+        if out.logs:
+            module = self._engine.trainer.lightning_module
+            options = programs.logged.options
+            for name, value in out.logs.items():
+                module.log(name, value.clone() if copy else value, **options.get(name, {}))
+        return out.loss.clone() if copy else out.loss
+
+    def _end_window(self, programs: StepPrograms, out: StepOutputs) -> Tensor:
+        """A window's last micro-batch after its update ran (inside ``SinkUpdates.make``): its outputs, the update's
+        loss-scale bookkeeping and the window's reset; its loss."""
+        engine = self._engine
+        loss = self._outputs(programs, out)
+        scaling = engine.scaling
+        scaler = None if scaling is None else scaling.scaler
+        # the schedulers hold after a skipped update: the one host read of the window's flag, as on the eager path,
+        # and only where a step scheduler needs it (never with several micro-batches per call: ready() refuses them)
+        engine.last_update_skipped = (
+            bool(engine.step_scheduler_configs)
+            and scaler is not None
+            and scaler.skips_overflow
+            and out.found_inf is not None
+            and bool(out.found_inf.item())
+        )
+        if scaling is not None:
+            # (the scale and the skipped count come out of a call of several; a call of one leaves them None)
+            engine.log_loss_scale(scaling, out.found_inf, out.scale, out.skipped)
+        engine.window.store.micro_steps = 0
+        engine.window.end()
+        return loss
+
+
+class CompiledAccumulate(_Compiled):
+    def run(self, batch: Any, batch_idx: int) -> Tensor | None:
+        programs = self._programs(batch)
+        if programs is None:
+            assert self._eager is not None
+            return self._eager.accumulate.run(batch, batch_idx)
+        self._count_micro_batch()
+        programs.batch_index.fill_(batch_idx)
+        out = programs.accumulate(_own_batch(batch))
+        self._engine.window.store.micro_steps += 1  # the backward passes of the window, counted on the host
+        return self._outputs(programs, out)
+
+
+class CompiledUpdate(_Compiled):
+    def run(self, batch: Any, batch_idx: int) -> Tensor | None:
+        programs = self._programs(batch)
+        if programs is None:
+            assert self._eager is not None
+            return self._eager.update.run(batch, batch_idx)
+        engine = self._engine
+        self._count_micro_batch()
+        programs.batch_index.fill_(batch_idx)
+        engine.window.micro_batches = 0
+        result: list[Tensor] = []
+
+        def update() -> None:
+            out = programs.update(_own_batch(batch))
+            if programs.rank_sum is not None:
+                assert isinstance(engine.reducer, FlatAllReduce)  # (the only reducer programs are built for)
+                engine.reducer.broadcast_module_buffers()  # as the eager pair does after its all-reduce
+            result.append(self._end_window(programs, out))
+
+        self._updates.make(update)
+        return result[0]
+
+
+def _own_batch(batch: Any) -> Any:
+    """What a program takes: ``None`` for a staged micro-batch (it gathers that batch itself), else the batch."""
+    return None if isinstance(batch, StagedBatch) else batch
+
+
+class CompiledSeveral(_Compiled):
+    """``micro_steps_per_call`` micro-batches, whole windows, in one compiled call (``SeveralSteps``)."""
+
+    def __init__(self, steps: FitPrograms, updates: SinkUpdates) -> None:
+        super().__init__(steps, updates)
+        self.count = steps.micro_steps_per_call
+
+    def ready(self) -> bool:
+        programs, engine = self._steps.programs, self._engine
+        return (
+            programs is not None
+            and programs.several is not None
+            and programs.several[1] == engine.accumulation_steps  # (a GradientAccumulationScheduler may change it)
+            and engine.window.micro_batches == 0
+            and not engine.step_scheduler_configs
+        )
+
+    def run(self, batches: list[Any], batch_idx: int) -> list[Callable[[], Tensor | None]]:
+        programs = self._steps.programs
+        assert programs is not None and programs.several is not None  # (ready() said so)
+        steps = programs.several[1]
+        programs.batch_index.fill_(batch_idx)  # the programs count it on per micro-step
+        outputs = programs.run_several([_own_batch(batch) for batch in batches])
+        return [partial(self._finish, programs, out, (i + 1) % steps == 0) for i, out in enumerate(outputs)]
+
+    def _finish(self, programs: StepPrograms, out: StepOutputs, ends: bool) -> Tensor:
+        """One micro-batch's host effects after the call, as ``CompiledAccumulate`` / ``CompiledUpdate`` do them."""
+        window = self._engine.window
+        self._count_micro_batch()
+        if not ends:
+            window.store.micro_steps += 1
+            return self._outputs(programs, out)
+        window.micro_batches = 0
+        result: list[Tensor] = []
+        self._updates.make(lambda: result.append(self._end_window(programs, out)))
+        return result[0]
