@@ -75,6 +75,15 @@ class _Compiled:
             self._eager = choose_programs(self._engine, self._updates)
         return steps.programs
 
+    def _start(self, batch: Any, batch_idx: int) -> StepPrograms | None:
+        """One micro-batch's call about to run: the programs, the micro-batch counted into its window and
+        ``training_step``'s ``batch_idx`` set; ``None`` where the eager pair runs it instead."""
+        programs = self._programs(batch)
+        if programs is not None:
+            self._count_micro_batch()
+            programs.batch_index.fill_(batch_idx)
+        return programs
+
     def _count_micro_batch(self) -> None:
         """Count the micro-batch into its window, as the direct pair does."""
         engine = self._engine
@@ -119,12 +128,10 @@ class _Compiled:
 
 class CompiledAccumulate(_Compiled):
     def run(self, batch: Any, batch_idx: int) -> Tensor | None:
-        programs = self._programs(batch)
+        programs = self._start(batch, batch_idx)
         if programs is None:
             assert self._eager is not None
             return self._eager.accumulate.run(batch, batch_idx)
-        self._count_micro_batch()
-        programs.batch_index.fill_(batch_idx)
         out = programs.accumulate(_own_batch(batch))
         self._engine.window.store.micro_steps += 1  # the backward passes of the window, counted on the host
         return self._outputs(programs, out)
@@ -132,13 +139,11 @@ class CompiledAccumulate(_Compiled):
 
 class CompiledUpdate(_Compiled):
     def run(self, batch: Any, batch_idx: int) -> Tensor | None:
-        programs = self._programs(batch)
+        programs = self._start(batch, batch_idx)
         if programs is None:
             assert self._eager is not None
             return self._eager.update.run(batch, batch_idx)
         engine = self._engine
-        self._count_micro_batch()
-        programs.batch_index.fill_(batch_idx)
         engine.window.micro_batches = 0
         result: list[Tensor] = []
 

@@ -137,7 +137,7 @@ class StagedData:
     # ------------------------------------------------------------------ the stream's reads
     def read_pass(self, loader: Any) -> Iterator[Any]:
         """One pass over the loader (the stream's reader): the loader's own iterator, each batch as its indices."""
-        return compat.batch_reading_iterator(loader, _sampled_indices)
+        return compat.batch_reading_iterator(loader, _SampledIndices)
 
     def read(self, batch: StagedBatch | _SampledIndices) -> list[Tensor]:
         """The batch the loader path reads for those indices, on the host."""
@@ -192,7 +192,11 @@ class StagedData:
             items.append(stream.next())
             if items[-1] is PASS_END:
                 break  # (a loader that ended its pass early: the stream's position already moved on)
-        full = [i for i, item in enumerate(items) if isinstance(item, _SampledIndices) and item.size == self.batch_size]
+        full = [
+            i
+            for i, item in enumerate(items)
+            if isinstance(item, _SampledIndices) and len(item.indices) == self.batch_size
+        ]
         if full:
             # the segment's indices as one tensor (one conversion, not one per micro-batch), uploaded in one copy;
             # each micro-batch keeps its row
@@ -212,8 +216,3 @@ class _SampledIndices:
     """A micro-batch as the stream reads it: the sampler's indices as drawn (made a ``StagedBatch`` once taken)."""
 
     indices: Any
-    size: int
-
-
-def _sampled_indices(indices: Any) -> _SampledIndices:
-    return _SampledIndices(indices, len(indices))
