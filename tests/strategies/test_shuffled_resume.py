@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 from lightning_sink import SinkStrategy
 from tests.helpers import TinyClassifier, make_dataset, quiet_trainer
 
-# a declared test dependency; a machine without it (a lent GPU machine's image) skips this module instead of
-# failing its collection
+# a declared test dependency (the test extra); an environment without it, such as a GPU machine's preinstalled
+# image, skips this module instead of failing its collection
 StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
 DATASET = make_dataset(num_samples=40)  # 10 batches of 4 per pass
