@@ -10,13 +10,10 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 from lightning_sink import SinkStrategy
 from tests.helpers import TinyClassifier, make_dataset, quiet_trainer
-
-# a declared test dependency (the test extra); an environment without it, such as a GPU machine's preinstalled
-# image, skips this module instead of failing its collection
-StatefulDataLoader = pytest.importorskip("torchdata.stateful_dataloader").StatefulDataLoader
 
 DATASET = make_dataset(num_samples=40)  # 10 batches of 4 per pass
 STEPS = 3  # windows of 3 micro-batches: window boundaries fall mid-epoch, epoch ends fall mid-window ("carry")
