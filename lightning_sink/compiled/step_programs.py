@@ -46,7 +46,15 @@ from lightning_sink.compiled.scale_rule import scaler_tensors, update_scale
 from lightning_sink.compiled.support import Unavailable, unsupported_reason
 from lightning_sink.loss_scale import DynamicLossScale, FixedLossScale, LossScaler
 
-__all__ = ["ProgramUnavailable", "RankSum", "StepOutputs", "StepPrograms", "Window", "build_step_programs"]
+__all__ = [
+    "ProgramUnavailable",
+    "RankSum",
+    "StepOutputs",
+    "StepPrograms",
+    "Window",
+    "build_step_programs",
+    "inductor_options",
+]
 
 _CLIP_ALGORITHMS = ("norm", "value")
 _PROGRAM_NUMBERS = itertools.count()
@@ -121,6 +129,23 @@ class _TrainingStep(nn.Module):
         step = cast(Any, self.module).training_step  # a LightningModule's, typed as Module
         output = step(batch, batch_idx) if self._takes_batch_idx else step(batch)
         return output["loss"] if isinstance(output, dict) else output
+
+
+def inductor_options(device: torch.device) -> dict[str, Any] | None:
+    """Inductor's settings for programs on ``device`` (None: its defaults).
+
+    On a CPU: ``layout_optimization`` off, so the programs keep the layouts the module's tensors have, as eager does.
+    Inductor otherwise lays every convolution's tensors out channels-last on a CPU; for the small convolutions of a
+    net trained on a CPU oneDNN's kernels in the tensors' own layout are faster, and the conversions between the two
+    layouts cost again (LeNet-5's pooling backward became a scatter into a channels-last copy), which made the
+    compiled step slower than eager's. A module converted to channels-last by its user stays channels-last.
+    ``cpp_wrapper``: the generated kernels and ATen's (the convolutions, the matrix products) called from generated
+    C++ instead of Python, so a program's call costs one Python call rather than one per kernel. Elsewhere (CUDA)
+    Inductor's defaults, with which the GPU figures of benchmarks/README.md were measured.
+    """
+    if device.type == "cpu":
+        return {"layout_optimization": False, "cpp_wrapper": True}
+    return None
 
 
 def _own_code(method: Any) -> Callable[..., Any]:
@@ -201,8 +226,10 @@ class StepPrograms:
         }
         self._dataset = tuple(data[0].tensors) if data is not None else ()  # read only: never copied
 
+        options = inductor_options(device) if backend == "inductor" else None
+
         def compiled(program: Callable[..., Any]) -> Callable[..., Any]:
-            return torch.compile(_own_code(program), fullgraph=True, backend=backend, dynamic=False)
+            return torch.compile(_own_code(program), fullgraph=True, backend=backend, dynamic=False, options=options)
 
         self._accumulate = compiled(self._accumulate_program)
         self._update = compiled(self._update_program)

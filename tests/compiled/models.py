@@ -39,6 +39,36 @@ class Classifier(nn.Module):
         return loss
 
 
+class ConvClassifier(Classifier):
+    """The same module with a small convolution net with max-pooling on 1x14x14 images (``make_image_batches``):
+    the kind of net whose layouts Inductor would change on a CPU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 4, 3),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(4, 8, 3),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(32, 4),
+        )
+
+
+def make_image_batches(count: int, batch_size: int = 6, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(batch_size, 1, 14, 14, generator=generator),
+            torch.randint(0, 4, (batch_size,), generator=generator),
+        )
+        for _ in range(count)
+    ]
+
+
 def make_batches(count: int, batch_size: int = 6, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(seed)
     return [

@@ -19,8 +19,10 @@ from lightning_sink.loss_scale import DynamicLossScale
 from tests.compiled.models import (
     OPTIMIZERS,
     Classifier,
+    ConvClassifier,
     eager_loop,
     make_batches,
+    make_image_batches,
     max_relative_difference,
     run_programs,
     windows_of,
@@ -174,6 +176,20 @@ def test_the_inductor_backend_matches_the_plain_loop():
     run_programs(programs, windows)
     eager_loop(reference, reference_opt, windows, clip=("norm", 0.5))
     assert max_relative_difference(model, reference) < 1e-5
+
+
+@pytest.mark.slow
+def test_inductor_programs_of_a_convolution_net_match_the_plain_loop():
+    # on a CPU the programs are built with Inductor's layout optimization off and its C++ wrapper on
+    # (inductor_options): convolutions, max-pooling and their backward through that route, AdamW, windows of 4
+    windows = windows_of(make_image_batches(4 * 30), 4)
+    model, reference = ConvClassifier(), ConvClassifier()
+    opt, reference_opt = OPTIMIZERS["adamw"](model.parameters()), OPTIMIZERS["adamw"](reference.parameters())
+    programs = build(model, opt, windows[0][0], backend="inductor")
+    logged = run_programs(programs, windows)
+    expected = eager_loop(reference, reference_opt, windows)
+    assert max_relative_difference(model, reference) < 1e-5
+    assert [row["double_loss"] for row in logged] == pytest.approx([row["double_loss"] for row in expected], rel=1e-5)
 
 
 def test_several_micro_steps_per_call_match_the_plain_loop():
