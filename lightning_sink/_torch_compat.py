@@ -32,6 +32,7 @@ __all__ = [
     "MetadataCheckedReader",
     "WeightsOnlyLoadPlanner",
     "compute_local_shape_and_global_offset",
+    "inductor_option_names",
     "init_fake_process_group",
     "flatten_state_dict",
     "set_element",
@@ -242,3 +243,11 @@ def traced_all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> tor
     graph (a functional collective: torch's public ``dist.all_reduce`` works in place on the process group and
     breaks the graph). Meant for compiled programs: run eagerly, it waits for the sum at once."""
     return functional_collectives.all_reduce(tensor, "sum", group)
+
+
+def inductor_option_names() -> frozenset[str]:
+    """The settings ``torch.compile(options=...)`` accepts for Inductor here: names of Inductor's configuration
+    (``torch._inductor.config``), which a torch release may rename or drop; torch.compile refuses an unknown one."""
+    import torch._inductor
+
+    return frozenset(torch._inductor.list_options())

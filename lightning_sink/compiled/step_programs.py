@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value
 
-from lightning_sink._torch_compat import note_optimizer_step, traced_all_reduce_sum
+from lightning_sink._torch_compat import inductor_option_names, note_optimizer_step, traced_all_reduce_sum
 from lightning_sink.compiled.autocast_region import AutocastRegion
 from lightning_sink.compiled.cuda_graphs import CapturedProgram
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
@@ -57,6 +57,7 @@ __all__ = [
 ]
 
 _CLIP_ALGORITHMS = ("norm", "value")
+_CPU_INDUCTOR_OPTIONS = {"layout_optimization": False, "cpp_wrapper": True}  # why: ``inductor_options``
 _PROGRAM_NUMBERS = itertools.count()
 
 
@@ -143,9 +144,10 @@ def inductor_options(device: torch.device) -> dict[str, Any] | None:
     C++ instead of Python, so a program's call costs one Python call rather than one per kernel. Elsewhere (CUDA)
     Inductor's defaults, with which the GPU figures of benchmarks/README.md were measured.
     """
-    if device.type == "cpu":
-        return {"layout_optimization": False, "cpp_wrapper": True}
-    return None
+    if device.type != "cpu":
+        return None
+    known = inductor_option_names()  # a setting this torch no longer has is left out, not an error at every build
+    return {name: value for name, value in _CPU_INDUCTOR_OPTIONS.items() if name in known}
 
 
 def _own_code(method: Any) -> Callable[..., Any]:
