@@ -139,7 +139,7 @@ def inductor_options(device: torch.device) -> dict[str, Any] | None:
     Inductor otherwise lays every convolution's tensors out channels-last on a CPU; for the small convolutions of a
     net trained on a CPU oneDNN's kernels in the tensors' own layout are faster, and the conversions between the two
     layouts cost again (LeNet-5's pooling backward became a scatter into a channels-last copy), which made the
-    compiled step slower than eager's. A module converted to channels-last by its user stays channels-last.
+    compiled step slower than eager's.
     ``cpp_wrapper``: the generated kernels and ATen's (the convolutions, the matrix products) called from generated
     C++ instead of Python, so a program's call costs one Python call rather than one per kernel. Elsewhere (CUDA)
     Inductor's defaults, with which the GPU figures of benchmarks/README.md were measured.
