@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compiled_step import MODELS, OPTIMIZERS, Classifier, make_data, make_model, make_optimizer
+from compiled_step import BATCH, MODELS, OPTIMIZERS, Classifier, make_data, make_model, make_optimizer, spread
 
 from lightning_sink.compiled import StepPrograms, build_step_programs
 from lightning_sink.compiled import step_programs as step_programs_module
@@ -63,7 +63,7 @@ def run(programs: StepPrograms, batches: list[tuple[torch.Tensor, torch.Tensor]]
 
 def measure(model_name: str, optimizer_name: str, calls: int, steps: int, repeats: int) -> dict[str, Any]:
     data = make_data(model_name, steps)
-    batches = [(data.tensors[0][i : i + 32], data.tensors[1][i : i + 32]) for i in range(0, 32 * steps, 32)]
+    batches = list(zip(data.tensors[0].split(BATCH), data.tensors[1].split(BATCH)))
     programs: dict[str, StepPrograms] = {}
     build_seconds: dict[str, float] = {}
     for name, library_settings in (("library", True), ("inductor_defaults", False)):
@@ -82,11 +82,7 @@ def measure(model_name: str, optimizer_name: str, calls: int, steps: int, repeat
     ratios = [default / library for library, default in zip(times["library"], times["inductor_defaults"])]
     return {
         "us_per_step": {name: round(statistics.median(values), 1) for name, values in times.items()},
-        "defaults_over_library": {
-            "median": round(statistics.median(ratios), 3),
-            "min": round(min(ratios), 3),
-            "max": round(max(ratios), 3),
-        },
+        "defaults_over_library": spread(ratios),
         "build_seconds": build_seconds,
     }
 
@@ -105,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     result: dict[str, Any] = {
         "benchmark": "inductor_options",
         "machine": f"{platform.machine()}, {torch.get_num_threads()} thread(s), torch {torch.__version__}, CPU",
-        "batch": 32,
+        "batch": BATCH,
         "steps": args.steps,
         "repeats": args.repeats,
     }
