@@ -26,10 +26,11 @@ Each Lightning configuration is one fit of ``1 + repeats`` sinks (stock: epochs)
 start to its end hook and a hand-loop run of ``--sink`` micro-batches follows it, outside the timing
 (``compiled_fit.Paired``), so each figure has an anchor measured next to it. The JAX configurations alternate with a
 hand-loop run in rotated order, ``repeats`` rounds. Per-step times are medians over the repeats; each ratio to the
-hand loop (above 1.0: faster than it) is per pair, median with its min-max over the repeats. Build times are
-separate from the per-step times: ``build_seconds`` is the first sink's time minus a steady sink's (compilation and
-first-call costs), JAX's is its ``jit(...).lower(...).compile()``; ``reported_build_seconds`` is the package's own
-line. A configuration that fails reports its error and the others go on. The last line is one JSON object.
+hand loop (above 1.0: faster than it) is per pair, median with its min-max over the repeats. Build times are apart
+from the per-step times: ``build_seconds`` is the first sink's time minus a steady sink's (compilation and first-call
+costs), JAX's is its ``jit(...).lower(...).compile()``; ``reported_build_seconds`` is the package's own line. A
+configuration that fails reports its error and the others go on. Each configuration's figures go to stderr as a
+JSON line when it ends (a run stopped early keeps them); the last line of stdout is one JSON object.
 
 Fairness on a CPU: every framework on one thread. torch: ``torch.set_num_threads(1)`` (``--threads``). JAX:
 ``XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"``, set before jax is imported;
@@ -67,9 +68,9 @@ from lightning_sink import SinkStrategy
 
 from common import MODELS, make_model, quiet_trainer, synchronize
 
+LAYOUT = ("NCHW", "OIHW", "NCHW")  # torch's: inputs, convolution weights, outputs
 ONE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
 LIGHTNING_CONFIGS = ("stock_lightning", "stock_lightning_compile", "sink_eager", "sink_compile", "sink_compile_sched")
-JAX_CONFIGS = ("jax_jit_per_step", "jax_scan_per_sink")
 
 
 class ScheduledClassifier(Classifier):
@@ -163,11 +164,10 @@ def measure_lightning(config: str, model: str, data: TensorDataset, hand: Device
     finally:
         rank_zero_logger.removeHandler(report)
     steady, paired = timing.lightning[1:], timing.paired_hand[1:]
-    sink = len(data) // BATCH
     figures: dict[str, Any] = {
         "us_per_step": round(1e6 * statistics.median(steady), 1),
         "vs_hand_loop": spread([h / t for h, t in zip(paired, steady)]),
-        "build_seconds": round(sink * (timing.lightning[0] - statistics.median(steady)), 2),
+        "build_seconds": round(len(data) // BATCH * (timing.lightning[0] - statistics.median(steady)), 2),
     }
     package_lines = [line for line in report.lines if "graph_mode=" in line]
     package_lines += [str(w.message) for w in caught if "graph_mode" in str(w.message)]
@@ -181,7 +181,7 @@ def measure_lightning(config: str, model: str, data: TensorDataset, hand: Device
 
 def jax_or_reason(device: torch.device) -> tuple[Any, str | None]:
     """``(jax device, None)``, or ``(None, why the JAX configurations are skipped)``."""
-    if "jax" not in sys.modules:  # the flags are read once, when jax starts
+    if device.type == "cpu" and "jax" not in sys.modules:  # the flags are read once, when jax starts
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {ONE_THREAD_XLA_FLAGS}".strip()
     if device.type == "cuda":  # JAX would take 75% of the GPU's memory at its start, leaving torch the rest
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -214,8 +214,7 @@ def jax_network(net: nn.Module) -> tuple[Any, list]:
             if kind == "Linear":
                 x = x @ weights[0].T + weights[1]
             elif kind == "Conv2d":
-                dims = ("NCHW", "OIHW", "NCHW")
-                x = jax.lax.conv_general_dilated(x, weights[0], (1, 1), "VALID", dimension_numbers=dims)
+                x = jax.lax.conv_general_dilated(x, weights[0], (1, 1), "VALID", dimension_numbers=LAYOUT)
                 x = x + weights[1][None, :, None, None]
             elif kind == "ReLU":
                 x = jax.nn.relu(x)
@@ -323,18 +322,19 @@ def measure_model(model: str, args: argparse.Namespace, device: torch.device, ja
     hand.run()  # warm: allocator and caches
     figures: dict[str, Any] = {}
     for config in args.configs:
-        print(f"{model}: {config}", file=sys.stderr, flush=True)
         try:
             figures[config] = measure_lightning(config, model, data, hand, args.repeats)
         except Exception as error:  # one configuration failing must not hide the others' figures
             figures[config] = {"error": f"{type(error).__name__}: {error}"[:400]}
+        print(json.dumps({model: {config: figures[config]}}), file=sys.stderr, flush=True)  # a run cut short keeps it
     if jax_device is not None:
-        print(f"{model}: {', '.join(JAX_CONFIGS)}", file=sys.stderr, flush=True)
         try:
             figures.update(measure_jax(model, data, hand, args.repeats, jax_device))
         except Exception as error:
             figures["jax"] = {"error": f"{type(error).__name__}: {error}"[:400]}
-    return {"hand_loop_us_per_step": round(1e6 * statistics.median(hand.times[1:]), 1), **figures}
+        jax_figures = {name: row for name, row in figures.items() if name.startswith("jax")}
+        print(json.dumps({model: jax_figures}), file=sys.stderr, flush=True)
+    return {"hand_loop_us_per_step": round(1e6 * statistics.median(hand.times[1:] or hand.times), 1), **figures}
 
 
 def print_table(result: dict, models: list[str]) -> None:
