@@ -167,7 +167,7 @@ def measure_lightning(config: str, model: str, data: TensorDataset, hand: Device
     figures: dict[str, Any] = {
         "us_per_step": round(1e6 * statistics.median(steady), 1),
         "vs_hand_loop": spread([h / t for h, t in zip(paired, steady)]),
-        "build_seconds": round(len(data) // BATCH * (timing.lightning[0] - statistics.median(steady)), 2),
+        "build_seconds": round(max(0.0, len(data) // BATCH * (timing.lightning[0] - statistics.median(steady))), 2),
     }
     package_lines = [line for line in report.lines if "graph_mode=" in line]
     package_lines += [str(w.message) for w in caught if "graph_mode" in str(w.message)]
