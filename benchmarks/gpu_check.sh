@@ -223,11 +223,13 @@ fi
 step cuda_tests 200 tests env PYTHONPATH="$SCRATCH:$PYTHONPATH" "$PYTHON" -m pytest tests -q -p no:cacheprovider \
     -p cuda_only --continue-on-collection-errors --junitxml="$JUNIT" -o junit_family=xunit1
 # 2. The whole-step compiled programs as CUDA graphs against the eager loop (each configuration prints its JSON
-#    line as it finishes), the host syncs inside a sink, then the sink benchmarks, small. Steps still waiting when
+#    line as it finishes), the host syncs inside a sink, loop sinking side by side (its JAX part needs a jaxlib with
+#    a GPU backend, else it is skipped with the reason), then the sink benchmarks, small. Steps still waiting when
 #    the budget is spent are reported as skipped.
 step compiled_step 120 benchmark "$PYTHON" benchmarks/compiled_step.py --device cuda --repeats 3 --steps 200 \
     --models tiny_mlp lenet5 --optimizers sgd --accumulation 1 --unroll 8
 step host_syncs 40 benchmark "$PYTHON" "$SCRATCH/sync_count.py"
+step loop_sinking 150 benchmark "$PYTHON" benchmarks/loop_sinking.py --device cuda --repeats 2 --sink 100
 step sink_throughput 90 benchmark "$PYTHON" benchmarks/sink_throughput.py --device cuda --repeats 1 --steps 200
 step common_path 45 benchmark "$PYTHON" benchmarks/common_path.py --device cuda --repeats 2 --steps 300 \
     --warmup 50 --sink-size 100
