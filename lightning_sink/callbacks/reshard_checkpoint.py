@@ -48,6 +48,7 @@ from lightning_sink.checkpoint_format.destination import (
     is_distributed_save_file,
 )
 from lightning_sink.checkpoint_format.fs import check_file_prefix
+from lightning_sink.checkpoint_format.resume_agreement import agree_on_resume
 from lightning_sink.checkpoint_format.sink_section import drop_tensor_digests
 from lightning_sink.layout import load_layout
 from lightning_sink.reshard import ReshardReport, transform_checkpoints, verify_checkpoint
@@ -183,6 +184,8 @@ class ReshardCheckpoint(Callback):
             except Exception as failure:  # reported to every rank, then raised
                 error = failure
         self._raise_everywhere(strategy, error, f"resharding {str(src)!r}")
+        # the target mesh resumes from dst_dir: every rank must see the output rank 0 committed there
+        agree_on_resume(self.dst_dir, trainer.world_size, what="use the resharded checkpoint")
 
     def _check_src_dir(self, src: Path) -> None:
         """The save replaces ``src_dir`` (or, with ``source="ckpt"``, writes ``last.ckpt`` into it): only where it

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.checkpoint_format.agreement import agree_on_checkpoint_path
+from lightning_sink.checkpoint_format.resume_agreement import agree_on_resume
 from lightning_sink.sink_data import SinkToken
 from lightning_sink.strategies import checkpoint_state
 from lightning_sink.strategies.config import (
@@ -104,6 +106,8 @@ class SinkDDPStrategy(DDPStrategy):
                 f" {self.root_device.type!r}: use process_group_backend='gloo' (or None) on CPU."
             )
         super().setup_environment()
+        # ranks agree on the one checkpoint they resume from, or all stop before anything is loaded
+        compat.check_before_resume(self, partial(agree_on_resume, world_size=self.world_size))
 
     # ------------------------------------------------------------------ the parts this strategy passes
     def _window_parts(self) -> WindowParts:
