@@ -29,6 +29,7 @@ from lightning_sink.checkpoint_format.dcp_load import load_dcp_folder
 from lightning_sink.checkpoint_format.resharded_folder import is_resharded_checkpoint
 from lightning_sink.checkpoint_format.resharded_load import adapt_sink_state, load_resharded_into_strategy
 from lightning_sink.checkpoint_format.resume_agreement import agree_on_resume
+from lightning_sink.counts import check_count_fits
 from lightning_sink.layout.dcp_metadata import DCP_METADATA_FILE
 from lightning_sink.sink_data import SinkToken
 from lightning_sink.strategies.checkpoint_state import CHECKPOINT_KEY
@@ -43,6 +44,7 @@ __all__ = ["SinkModelParallelStrategy"]
 
 
 def _validate_size(name: str, value: object) -> None:
+    check_count_fits(name, value)
     if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{name}={value!r} is not valid: pass an int >= 1 or 'auto'.")
 
