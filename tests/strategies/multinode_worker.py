@@ -93,7 +93,7 @@ def ddp_scenario(out_dir: Path, nodes: int, devices: int) -> None:
     model = TinyClassifier(optimizer="adamw", lr=0.01)
     # every step's checkpoint, shared: the stale copies of the resume scenarios below
     steps = ModelCheckpoint(dirpath=out_dir / "ddp_steps", filename="{step}", every_n_train_steps=1, save_top_k=-1)
-    trainer = trainer_for(ddp_strategy(), nodes, devices, callbacks=[steps])
+    trainer = trainer_for(ddp_strategy(), nodes, devices, callbacks=[steps], enable_checkpointing=True)
     trainer.fit(model, data())
     trainer.save_checkpoint(out_dir / "ddp.ckpt")
     save(out_dir, "ddp", {"params": {n: p.detach().clone() for n, p in model.named_parameters()}})
@@ -183,7 +183,7 @@ def ddp_resume_last_scenario(out_dir: Path, nodes: int, devices: int) -> None:
 
     on_each_node(devices, copy)
     last = ModelCheckpoint(dirpath=folder, save_last=True)
-    trainer = trainer_for(ddp_strategy(), nodes, devices, max_steps=4, callbacks=[last])
+    trainer = trainer_for(ddp_strategy(), nodes, devices, max_steps=4, callbacks=[last], enable_checkpointing=True)
     fit = lambda: trainer.fit(TinyClassifier(optimizer="adamw", lr=0.01), data(), ckpt_path="last")  # noqa: E731
     expect_failure(out_dir, "ddp_resume_last", fit)
 
