@@ -35,7 +35,7 @@ PRIVATE = Path("private")  # relative: each node's working directory, i.e. node-
 
 
 def trainer_for(strategy, nodes: int, devices: int, **kwargs):
-    return quiet_trainer(strategy=strategy, num_nodes=nodes, devices=devices, max_epochs=1, **kwargs)
+    return quiet_trainer(strategy=strategy, num_nodes=nodes, devices=devices, **{"max_epochs": 1, **kwargs})
 
 
 def data():
@@ -91,9 +91,7 @@ def on_each_node(devices: int, copy) -> None:
 
 def ddp_scenario(out_dir: Path, nodes: int, devices: int) -> None:
     model = TinyClassifier(optimizer="adamw", lr=0.01)
-    # every step's checkpoint, shared: the stale copies of the resume scenarios below
-    steps = ModelCheckpoint(dirpath=out_dir / "ddp_steps", filename="{step}", every_n_train_steps=1, save_top_k=-1)
-    trainer = trainer_for(ddp_strategy(), nodes, devices, callbacks=[steps], enable_checkpointing=True)
+    trainer = trainer_for(ddp_strategy(), nodes, devices)
     trainer.fit(model, data())
     trainer.save_checkpoint(out_dir / "ddp.ckpt")
     save(out_dir, "ddp", {"params": {n: p.detach().clone() for n, p in model.named_parameters()}})
@@ -163,7 +161,10 @@ def reshard_callback_private_scenario(out_dir: Path, nodes: int, devices: int) -
 
 
 def ddp_resume_different_steps_scenario(out_dir: Path, nodes: int, devices: int) -> None:
-    """Each node's disk holds a checkpoint at the same path, node n's from step n + 1."""
+    """Each node's disk holds a checkpoint at the same path, node n's from step n + 1 (of a shared run)."""
+    steps = ModelCheckpoint(dirpath=out_dir / "ddp_steps", filename="{step}", every_n_train_steps=1, save_top_k=-1)
+    trainer = trainer_for(ddp_strategy(), nodes, devices, max_epochs=2, callbacks=[steps], enable_checkpointing=True)
+    trainer.fit(TinyClassifier(optimizer="adamw", lr=0.01), data())
     on_each_node(
         devices, lambda node: shutil.copy(out_dir / "ddp_steps" / f"step={node + 1}.ckpt", PRIVATE / "resume.ckpt")
     )

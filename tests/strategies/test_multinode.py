@@ -184,7 +184,7 @@ def test_nodes_holding_different_steps_at_one_path_fail_on_every_rank_naming_the
 @pytest.mark.slow
 def test_a_last_checkpoint_on_one_node_only_fails_on_every_rank(two_nodes):
     error = one_error_on_every_rank(two_nodes, "ddp_resume_last")
-    assert sees(error, "ranks 0, 1", "see '[^']*last.ckpt' step 2 "), error
+    assert sees(error, "ranks 0, 1", "see '[^']*last.ckpt' step 1 "), error
     assert sees(error, "ranks 2, 3", "resolve no checkpoint"), error
 
 
