@@ -24,6 +24,7 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
 
 __all__ = [
+    "recorded_step_counts",
     "check_before_resume",
     "TrainerSettings",
     "trainer_settings",
@@ -477,3 +478,25 @@ def check_before_resume(strategy: Any, check: Callable[[Any], None]) -> None:
         stock(checkpoint_path, weights_only=weights_only)
 
     vars(connector)["resume_start"] = resume_start
+
+
+def recorded_step_counts(checkpoint: dict[str, Any]) -> set[int]:
+    """The optimizer step counts a checkpoint's loop state records (automatic and manual optimization's), from which
+    Lightning restores ``global_step``; the checkpoint's top-level ``global_step`` is one of them in every checkpoint
+    a run writes. Empty where the loop state is absent or not in this shape."""
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop") if isinstance(checkpoint.get("loops"), dict) else None
+    if not isinstance(fit_loop, dict):
+        return set()
+    automatic = fit_loop.get("epoch_loop.automatic_optimization.optim_progress")
+    manual = fit_loop.get("epoch_loop.manual_optimization.optim_step_progress")
+    totals = [
+        automatic.get("optimizer", {}).get("step", {}).get("total") if isinstance(automatic, dict) else None,
+        manual.get("total") if isinstance(manual, dict) else None,
+    ]
+    return {
+        total["completed"]
+        for total in totals
+        if isinstance(total, dict)
+        and isinstance(total.get("completed"), int)
+        and not isinstance(total["completed"], bool)
+    }

@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.checkpoint_format.agreement import agree_on_checkpoint_path
+from lightning_sink.checkpoint_format.ckpt_file import read_ckpt_file
 from lightning_sink.checkpoint_format.resume_agreement import agree_on_resume
 from lightning_sink.sink_data import SinkToken
 from lightning_sink.strategies import checkpoint_state
@@ -217,7 +218,8 @@ class SinkDDPStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         # every rank reads the file from its own disk: they agree that they see the same one, or all stop here
         agree_on_checkpoint_path(Path(checkpoint_path), self.world_size)
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        load = super().load_checkpoint
+        checkpoint = read_ckpt_file(lambda: load(checkpoint_path, weights_only=weights_only), checkpoint_path)
         self.sink_fit.check_digests(checkpoint, checkpoint_path)  # before anything of it is restored
         self.sink_fit.restore(checkpoint, checkpoint_path)
         return checkpoint
