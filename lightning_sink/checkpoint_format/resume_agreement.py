@@ -87,9 +87,11 @@ def _folder_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def checkpoint_identity(path: str | os.PathLike | None) -> CheckpointIdentity:
+def checkpoint_identity(path: str | os.PathLike | None, hash_file: bool = True) -> CheckpointIdentity:
     """This rank's identity of the checkpoint at ``path`` (an unreadable one is an identity too: the text of why,
-    so that the ranks still meet in the same collective and agree on the failure)."""
+    so that the ranks still meet in the same collective and agree on the failure). With ``hash_file=False`` a file
+    is identified by its inode, size and modification time instead of its bytes (``agree_on_resume``'s first
+    round: equal on every rank, it is one file, on one filesystem or a shared one)."""
     if path is None:
         return CheckpointIdentity(None, _NO_CHECKPOINT)
     where = Path(path)
@@ -98,6 +100,9 @@ def checkpoint_identity(path: str | os.PathLike | None) -> CheckpointIdentity:
             digest = _NOTHING
         elif where.is_dir():
             digest = _folder_digest(where)
+        elif not hash_file:
+            found = os.stat(where)
+            digest = f"<file: inode {found.st_ino}, {found.st_size} bytes, modified {found.st_mtime_ns}>"
         else:
             digest = _file_digest(where, follow_link=True)
     except (OSError, ValueError) as error:
@@ -134,30 +139,37 @@ def _what_is_seen(identity: CheckpointIdentity, step: int | None, paths_differ: 
     return f"see{where} {at_step} (SHA-256 {identity.digest[:12]})"
 
 
+def _gather_identities(own: CheckpointIdentity, world_size: int) -> tuple[list[CheckpointIdentity], list[str]]:
+    reports = gather_from_every_rank((host_description(), own), world_size)
+    identities = [report[1] if report is not None else CheckpointIdentity(None, "") for report in reports]
+    return identities, [report[0] if report is not None else "unknown host" for report in reports]
+
+
 def agree_on_resume(path: str | os.PathLike | None, world_size: int, what: str = "resume") -> None:
     """Every rank calls this with the checkpoint it would load (``None``: none) before loading anything; where the
     ranks would load different checkpoints (or some none), ``CheckpointNotSharedError`` on every rank, the same line.
 
-    One collective of a few dozen bytes per rank when they agree; one more (each rank's step) when they differ."""
+    One collective of a few dozen bytes per rank when they see one file (or equal folders); where their files differ
+    in inode, size or time, one more after each rank hashed its file; one more (each rank's step) when they differ."""
     if world_size <= 1:
         return
-    own = checkpoint_identity(path)
-    reports = gather_from_every_rank((host_description(), own), world_size)
-    identities = [report[1] if report is not None else CheckpointIdentity(None, "") for report in reports]
-    hosts = [report[0] if report is not None else "unknown host" for report in reports]
-    groups: dict[CheckpointIdentity, list[int]] = {}
+    # First the file's inode, size and modification time: on a shared filesystem, or on one node, they are equal on
+    # every rank and nothing is hashed. Only where they differ (copies on each node's disk) are the bytes compared.
+    own = checkpoint_identity(path, hash_file=False)
+    identities, hosts = _gather_identities(own, world_size)
+    if len({identity.digest for identity in identities}) > 1 and any(i.digest.startswith("<file:") for i in identities):
+        own = checkpoint_identity(path)
+        identities, hosts = _gather_identities(own, world_size)
+    groups: dict[str, list[int]] = {}
     for rank, identity in enumerate(identities):
-        groups.setdefault(identity, []).append(rank)
-    if len(groups) == 1 and own.path is not None and own.digest.startswith("<unreadable"):
-        raise CheckpointNotSharedError(
-            f"cannot {what} from {own.path!r}: {own.digest[1:-1]}. No rank has loaded anything."
-        )
-    if len(groups) == 1:
+        groups.setdefault(identity.digest, []).append(rank)
+    if len(groups) == 1:  # (one file, or equal bytes; where every rank failed to read it, the load says why)
         return
     steps = gather_from_every_rank(checkpoint_step(path), world_size)
     paths_differ = len({identity.path for identity in identities}) > 1
     parts = []
-    for identity, ranks in list(groups.items())[:_SHOWN_GROUPS]:
+    for ranks in list(groups.values())[:_SHOWN_GROUPS]:
+        identity = identities[ranks[0]]
         parts.append(f"{ranks_text(ranks, hosts)} {_what_is_seen(identity, steps[ranks[0]], paths_differ)}")
     if len(groups) > _SHOWN_GROUPS:
         parts.append(f"{len(groups) - _SHOWN_GROUPS} more groups of ranks see yet other checkpoints")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 
+import pytest
 import torch
 
 from lightning_sink.checkpoint_format.agreement import CheckpointNotSharedError
@@ -22,6 +24,7 @@ def test_a_file_is_identified_by_the_sha256_of_its_bytes_read_in_chunks(tmp_path
     data = bytes(range(256)) * (CHUNK_BYTES // 128 + 3)  # more than two chunks
     (tmp_path / "a.ckpt").write_bytes(data)
     assert checkpoint_identity(tmp_path / "a.ckpt").digest == hashlib.sha256(data).hexdigest()
+    assert "inode" in checkpoint_identity(tmp_path / "a.ckpt", hash_file=False).digest  # the first round: no read
     assert checkpoint_identity(None).path is None
     assert checkpoint_identity(tmp_path / "absent").digest != checkpoint_identity(None).digest
 
@@ -37,9 +40,9 @@ def test_a_folder_is_identified_by_its_entries_and_identifying_files_not_its_sha
     assert checkpoint_step(tmp_path / "two") == 7 and checkpoint_step(tmp_path / "one") is None
 
 
-def _resume(rank: int, world_size: int, init_file: str, root: str, same: bool) -> None:
+def _resume(rank: int, world_size: int, init_file: str, root: str, folders: list[str]) -> None:
     init_process_group(rank, world_size, init_file)
-    folder = f"{root}/rank{0 if same else rank}"
+    folder = f"{root}/{folders[rank]}"
     error = None
     try:
         agree_on_resume(f"{folder}/resume.ckpt", world_size)
@@ -57,7 +60,7 @@ def _per_rank_checkpoints(tmp_path):
 
 def test_ranks_seeing_different_steps_at_one_path_all_raise_the_same_line_naming_the_steps(tmp_path):
     _per_rank_checkpoints(tmp_path)
-    spawn(_resume, 2, tmp_path / "init", str(tmp_path), False)
+    spawn(_resume, 2, tmp_path / "init", str(tmp_path), ["rank0", "rank1"])
     errors = [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in range(2)]
     assert errors[0] == errors[1] and errors[0] is not None
     assert "\n" not in errors[0]
@@ -65,7 +68,11 @@ def test_ranks_seeing_different_steps_at_one_path_all_raise_the_same_line_naming
     assert "rank 1 (host" in errors[0] and "step 8 " in errors[0], errors[0]
 
 
-def test_ranks_seeing_the_same_checkpoint_pass(tmp_path):
+@pytest.mark.parametrize("copied", [False, True])
+def test_ranks_seeing_one_file_or_copies_of_the_same_bytes_pass(tmp_path, copied):
     _per_rank_checkpoints(tmp_path)
-    spawn(_resume, 2, tmp_path / "init", str(tmp_path), True)
+    if copied:  # another file (inode, time) with the same bytes: compared by hashing
+        (tmp_path / "copy").mkdir()
+        shutil.copyfile(tmp_path / "rank0" / "resume.ckpt", tmp_path / "copy" / "resume.ckpt")
+    spawn(_resume, 2, tmp_path / "init", str(tmp_path), ["rank0", "copy" if copied else "rank0"])
     assert [json.loads((tmp_path / f"result{rank}.json").read_text()) for rank in range(2)] == [None, None]
