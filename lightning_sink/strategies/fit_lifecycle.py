@@ -312,16 +312,14 @@ class SinkFit:
     def _fit_facts(self) -> FitFacts:
         """What bounds a checkpoint's counts: the window length, the batches of a data pass where known (in sink
         mode the loader's length, otherwise Lightning's epoch length, limits and ``"drop"`` applied), Lightning's
-        restored counters and the micro-batches of one of its epochs (in sink mode its sinks of ``sink_size``)."""
+        restored counters and the micro-batches of one of its epochs (in sink mode its sink of ``sink_size``)."""
         trainer = self.trainer
         if self._sink_loader is not None:
             try:
                 batches = whole_count(len(self._sink_loader.loader))
             except TypeError:
                 batches = None
-            per_sink = self.sink_size if self.sink_size != -1 else batches
-            sinks = whole_count(trainer.num_training_batches)
-            per_epoch = sinks * per_sink if sinks is not None and per_sink is not None else None
+            per_epoch = self.sink_size if self.sink_size != -1 else batches  # (a sink is one Lightning epoch)
         else:
             batches = per_epoch = whole_count(trainer.num_training_batches)
         module = self.host.lightning_module

@@ -118,3 +118,11 @@ def test_an_empty_or_truncated_ckpt_is_one_line_naming_the_file(tmp_path, mid_wi
         resume(path)
     message = str(caught.value)
     assert message.startswith(f"checkpoint {str(path)!r} could not be read: ") and "\n" not in message, message
+
+
+def test_a_sink_mode_step_count_beyond_one_update_per_micro_batch_is_refused(tmp_path):
+    path = saved_checkpoint(tmp_path, strategy_kwargs=SINK, at_epoch_end=0)
+    edit(path, loop_steps(10**6))
+    message = rf"^{path}: the checkpoint is not valid: global_step is 1000000, expected an int in \[0, \d+\] \(at most"
+    with pytest.raises(ValueError, match=message):
+        resume(path, SINK, epochs=3)
