@@ -24,6 +24,8 @@ from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
 
 __all__ = [
+    "recorded_step_counts",
+    "check_before_resume",
     "TrainerSettings",
     "trainer_settings",
     "LoopOverrides",
@@ -458,3 +460,43 @@ def reopen_interrupted_epoch(checkpoint: dict[str, Any]) -> bool:
         tracker["processed"] = tracker["completed"] = tracker["ready"] - 1
     checkpoint["epoch"] = max(0, int(checkpoint.get("epoch", 1)) - 1)
     return True
+
+
+def check_before_resume(strategy: Any, check: Callable[[Any], None]) -> None:
+    """Have ``check(checkpoint_path)`` run where Lightning starts restoring a run, before it loads anything: on every
+    rank, with the path that rank resolved (``None`` where it resolved none, e.g. a ``ckpt_path="last"`` with no
+    last checkpoint on its node), so that it may be a collective. Replaces any check installed before."""
+    module = strategy.lightning_module
+    trainer = getattr(module, "_trainer", None) if module is not None else None
+    if trainer is None:
+        return
+    connector = trainer._checkpoint_connector
+    stock = type(connector).resume_start.__get__(connector)
+
+    def resume_start(checkpoint_path: Any = None, weights_only: bool | None = None) -> None:
+        check(checkpoint_path)
+        stock(checkpoint_path, weights_only=weights_only)
+
+    vars(connector)["resume_start"] = resume_start
+
+
+def recorded_step_counts(checkpoint: dict[str, Any]) -> set[int]:
+    """The optimizer step counts a checkpoint's loop state records (automatic and manual optimization's), from which
+    Lightning restores ``global_step``; the checkpoint's top-level ``global_step`` is one of them in every checkpoint
+    a run writes. Empty where the loop state is absent or not in this shape."""
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop") if isinstance(checkpoint.get("loops"), dict) else None
+    if not isinstance(fit_loop, dict):
+        return set()
+    automatic = fit_loop.get("epoch_loop.automatic_optimization.optim_progress")
+    manual = fit_loop.get("epoch_loop.manual_optimization.optim_step_progress")
+    totals = [
+        automatic.get("optimizer", {}).get("step", {}).get("total") if isinstance(automatic, dict) else None,
+        manual.get("total") if isinstance(manual, dict) else None,
+    ]
+    return {
+        total["completed"]
+        for total in totals
+        if isinstance(total, dict)
+        and isinstance(total.get("completed"), int)
+        and not isinstance(total["completed"], bool)
+    }

@@ -8,11 +8,14 @@ needs the host.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_sink.counts import check_count_fits
 
 __all__ = ["DynamicLossScale", "FixedLossScale", "LossScaler"]
 
@@ -27,9 +30,12 @@ def _require(condition: bool, message: str) -> None:
 
 
 def _require_scale(owner: str, name: str, value: object) -> None:
-    """A real number that the scale's dtype holds as a finite value."""
+    """A real number that the scale's dtype holds as a finite value (NaN and infinity named as such)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{owner}({name}={value!r}) is not valid: pass a number (int or float).")
+    if isinstance(value, float) and not math.isfinite(value):
+        what = "NaN (not a number)" if math.isnan(value) else "infinite"
+        raise ValueError(f"{owner}({name}={value!r}) is {what}: pass a finite number > 0.")
     _require(
         abs(value) <= _LARGEST_SCALE,
         f"{owner}({name}={value!r}) does not fit the loss scale's dtype {_SCALE_DTYPE} (largest finite value"
@@ -75,6 +81,8 @@ class DynamicLossScale:
     def __post_init__(self) -> None:
         for name in ("init_scale", "scale_factor", "min_scale", "max_scale"):
             _require_scale("DynamicLossScale", name, getattr(self, name))
+        for name in ("scale_window", "hysteresis"):
+            check_count_fits(name, getattr(self, name), "DynamicLossScale")
         _require(self.init_scale > 0, f"DynamicLossScale(init_scale={self.init_scale!r}) must be > 0.")
         _require(self.scale_factor > 1, f"DynamicLossScale(scale_factor={self.scale_factor!r}) must be > 1.")
         _require(

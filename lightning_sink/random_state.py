@@ -14,6 +14,7 @@ here).
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -22,7 +23,13 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-__all__ = ["capture_random_state", "restore_random_state", "gather_random_states", "restore_rank_random_state"]
+__all__ = [
+    "is_valid_generator_state",
+    "capture_random_state",
+    "restore_random_state",
+    "gather_random_states",
+    "restore_rank_random_state",
+]
 
 _PY_STATE_WORDS = 625  # Mersenne Twister: 624 words and the position
 _NP_KEY_WORDS = 624
@@ -83,20 +90,36 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_finite_float(value: object) -> bool:
+    return isinstance(value, float) and math.isfinite(value)
+
+
+def is_valid_generator_state(state: Tensor) -> bool:
+    """Whether torch's CPU generator accepts ``state`` (tried on a scratch generator: the global one is untouched;
+    torch refuses, for instance, an MT19937 state of zeros)."""
+    try:
+        torch.Generator().set_state(state)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return True
+
+
 def _checked(state: object, checkpoint_path: Any) -> dict[str, Any]:
     """``state`` if every field is what ``capture_random_state`` writes (any other value: one error naming it)."""
     if not isinstance(state, dict):
         raise _refuse(checkpoint_path, "the rank's state", "a dict")
     if not _byte_tensor(state.get("torch"), torch.get_rng_state()):
         raise _refuse(checkpoint_path, "'torch'", "a uint8 tensor of torch's CPU generator state")
+    if not is_valid_generator_state(state["torch"]):
+        raise _refuse(checkpoint_path, "'torch'", "a valid MT19937 state of torch's CPU generator (torch refuses it)")
     python = state.get("python")
     if not (
         isinstance(python, dict)
         and _is_int(python.get("version"))
         and _int_tensor(python.get("internal"), _PY_STATE_WORDS)
-        and (python.get("gauss_next") is None or isinstance(python.get("gauss_next"), float))
+        and (python.get("gauss_next") is None or _is_finite_float(python.get("gauss_next")))
     ):
-        raise _refuse(checkpoint_path, "'python'", "Python's random state (version, 625 words, gauss_next)")
+        raise _refuse(checkpoint_path, "'python'", "Python's random state (version, 625 words, a finite gauss_next)")
     cuda = state.get("cuda", [])
     if not (isinstance(cuda, list) and all(isinstance(item, Tensor) and item.dtype == torch.uint8 for item in cuda)):
         raise _refuse(checkpoint_path, "'cuda'", "a list of uint8 tensors (one CUDA generator state per device)")
@@ -107,9 +130,11 @@ def _checked(state: object, checkpoint_path: Any) -> dict[str, Any]:
         and _is_int(numpy.get("pos"))
         and 0 <= numpy["pos"] <= _NP_KEY_WORDS
         and numpy.get("has_gauss") in (0, 1)
-        and isinstance(numpy.get("cached_gaussian"), float)
+        and _is_finite_float(numpy.get("cached_gaussian"))
     ):
-        raise _refuse(checkpoint_path, "'numpy'", "NumPy's MT19937 state (624 keys, pos, has_gauss, cached_gaussian)")
+        raise _refuse(
+            checkpoint_path, "'numpy'", "NumPy's MT19937 state (624 keys, pos, has_gauss, a finite cached_gaussian)"
+        )
     return state
 
 

@@ -32,7 +32,15 @@ from lightning.pytorch.callbacks import Callback
 
 from tests.conftest import clean_subprocess_env
 
-__all__ = ["REPO", "CollectiveCounter", "init_process_group", "run_launched", "run_nodes", "spawn"]
+__all__ = [
+    "REPO",
+    "CollectiveCounter",
+    "init_process_group",
+    "run_failing_nodes",
+    "run_launched",
+    "run_nodes",
+    "spawn",
+]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -65,12 +73,7 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_nodes(
-    worker: str, *args: Any, nodes: int, devices: int, root: Path, timeout: int = 300
-) -> list[subprocess.CompletedProcess]:
-    """Run ``python -m worker args`` once per node, all at once, each launching ``devices`` ranks; every node's
-    process group is killed at ``timeout`` (a hang fails the test, it never blocks the suite). Checks that every
-    node exits with status 0; returns each node's output."""
+def _start_nodes(worker: str, args: tuple[Any, ...], nodes: int, root: Path) -> list[subprocess.Popen]:
     port = str(_free_port())
     started = []
     for node in range(nodes):
@@ -91,18 +94,40 @@ def run_nodes(
                 start_new_session=True,  # its own process group: the ranks it launches are killed with it
             )
         )
+    return started
+
+
+def _alive(process_group: int) -> bool:
+    try:
+        os.killpg(process_group, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _wait_for_nodes(
+    started: list[subprocess.Popen], timeout: float, grace: float
+) -> tuple[list[subprocess.CompletedProcess], list[int]]:
+    """Each node's output once its launcher exited, and the nodes whose process group (the ranks the launcher
+    started) still had a live process ``grace`` seconds after that; every process group is killed at the end."""
     done = []
     deadline = time.monotonic() + timeout
     try:
         for process in started:
             out, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
             done.append(subprocess.CompletedProcess(process.args, process.returncode, out, err))
+        grace_end = time.monotonic() + grace
+        while any(_alive(process.pid) for process in started) and time.monotonic() < grace_end:
+            time.sleep(0.1)
+        survivors = [node for node, process in enumerate(started) if _alive(process.pid)]
     except subprocess.TimeoutExpired:
         for process in started:
             os.killpg(process.pid, signal.SIGKILL)
         outputs = [process.communicate() for process in started]
         raise AssertionError(
-            f"the {nodes} nodes did not finish within {timeout} s (a hang); last output of node 0:\n"
+            f"the {len(started)} nodes did not finish within {timeout} s (a hang); last output of node 0:\n"
             + outputs[0][0][-2000:]
             + outputs[0][1][-4000:]
         ) from None
@@ -110,9 +135,27 @@ def run_nodes(
         for process in started:  # (the launched ranks of a node that exited early, if any)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGKILL)
+    return done, survivors
+
+
+def run_nodes(
+    worker: str, *args: Any, nodes: int, devices: int, root: Path, timeout: int = 300
+) -> list[subprocess.CompletedProcess]:
+    """Run ``python -m worker args`` once per node, all at once, each launching ``devices`` ranks; every node's
+    process group is killed at ``timeout`` (a hang fails the test, it never blocks the suite). Checks that every
+    node exits with status 0; returns each node's output."""
+    done, _ = _wait_for_nodes(_start_nodes(worker, args, nodes, root), timeout, grace=0.0)
     for node, completed in enumerate(done):
         assert completed.returncode == 0, f"node {node}:\n" + completed.stdout[-2000:] + completed.stderr[-5000:]
     return done
+
+
+def run_failing_nodes(
+    worker: str, *args: Any, nodes: int, root: Path, timeout: int = 300, grace: float = 10.0
+) -> tuple[list[subprocess.CompletedProcess], list[int]]:
+    """As ``run_nodes`` for a launch that is expected to fail: each node's output (no exit status checked), and the
+    nodes that left a process behind (one of its ranks still alive ``grace`` seconds after its launcher exited)."""
+    return _wait_for_nodes(_start_nodes(worker, args, nodes, root), timeout, grace)
 
 
 def init_process_group(rank: int, world_size: int, init_file: str) -> None:

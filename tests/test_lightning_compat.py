@@ -342,3 +342,27 @@ def test_batch_position_reads_equal_lightnings_own(data, limit):
     assert sum(last for last, *_ in module.seen) == 2  # one last batch per epoch
     for ours_last, lightnings_last, ours_index, lightnings_index in module.seen:
         assert (ours_last, ours_index) == (lightnings_last, lightnings_index)
+
+
+def test_check_before_resume_sees_every_resolved_path_before_lightning_loads(tmp_path):
+    """The resume agreement's hook: Lightning's restore starts in ``resume_start`` on every rank, with the path it
+    resolved (``None`` where none, as a ``ckpt_path="last"`` with no last checkpoint), before anything is loaded."""
+    data = loader(make_dataset(num_samples=16), 4)
+    first = quiet_trainer(strategy=SinkStrategy(accumulation_steps=2), max_epochs=1)
+    first.fit(TinyClassifier(), data)
+    first.save_checkpoint(tmp_path / "saved.ckpt")
+    seen = []
+
+    class Installing(SinkStrategy):  # installs the check where the multi-process strategies do
+        def setup_environment(self):
+            super().setup_environment()
+            compat.check_before_resume(
+                self, lambda path: seen.append((path, self.lightning_module.trainer.global_step))
+            )
+
+    for ckpt_path in (tmp_path / "saved.ckpt", "last", None):
+        quiet_trainer(strategy=Installing(accumulation_steps=2), max_epochs=2).fit(
+            TinyClassifier(), data, ckpt_path=ckpt_path
+        )
+    assert seen == [(tmp_path / "saved.ckpt", 0), (None, 0), (None, 0)]  # nothing restored yet when it runs
+    assert compat.recorded_step_counts(torch.load(tmp_path / "saved.ckpt", weights_only=True)) == {2, 0}

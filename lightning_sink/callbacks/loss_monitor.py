@@ -21,6 +21,7 @@ from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.callbacks._progress import StepCounter, UpdateAxis, batch_losses, is_sink, log_scalars
+from lightning_sink.counts import check_count_fits
 
 __all__ = ["LossMonitor", "NonFiniteLossError", "format_loss", "ON_NONFINITE"]
 
@@ -94,6 +95,7 @@ class LossMonitor(Callback):
     """
 
     def __init__(self, per_print_times: int = 1, on_nonfinite: Literal["raise", "stop", "warn"] = "raise") -> None:
+        check_count_fits("per_print_times", per_print_times)
         if isinstance(per_print_times, bool) or not isinstance(per_print_times, int) or per_print_times < 1:
             raise ValueError(
                 f"per_print_times={per_print_times!r} is not valid: pass an int >= 1 (steps between printed lines)."

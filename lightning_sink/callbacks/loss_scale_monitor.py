@@ -18,6 +18,7 @@ from typing_extensions import override
 from lightning_sink import LossScalePrecision, SinkDDPStrategy, SinkStrategy
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.callbacks._progress import StepCounter, log_scalars
+from lightning_sink.counts import check_count_fits
 
 __all__ = ["LossScaleMonitor"]
 
@@ -41,6 +42,7 @@ class LossScaleMonitor(Callback):
     """
 
     def __init__(self, per_print_times: int = 1) -> None:
+        check_count_fits("per_print_times", per_print_times)
         if isinstance(per_print_times, bool) or not isinstance(per_print_times, int) or per_print_times < 1:
             raise ValueError(
                 f"per_print_times={per_print_times!r} is not valid: pass an int >= 1 (optimizer updates between lines)."

@@ -48,7 +48,9 @@ from lightning_sink.checkpoint_format.destination import (
     is_distributed_save_file,
 )
 from lightning_sink.checkpoint_format.fs import check_file_prefix
+from lightning_sink.checkpoint_format.resume_agreement import agree_on_resume
 from lightning_sink.checkpoint_format.sink_section import drop_tensor_digests
+from lightning_sink.counts import check_count_fits
 from lightning_sink.layout import load_layout
 from lightning_sink.reshard import ReshardReport, transform_checkpoints, verify_checkpoint
 
@@ -101,6 +103,7 @@ class ReshardCheckpoint(Callback):
                 f"ckpt_prefix={ckpt_prefix!r} must be a non-empty file-name prefix without path separators."
             )
         check_file_prefix(ckpt_prefix, "ckpt_prefix")
+        check_count_fits("workers", workers)
         if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
             raise ValueError(f"workers={workers!r} must be None (convert in rank 0's process) or an int >= 1.")
         if not isinstance(overwrite, bool):
@@ -183,6 +186,8 @@ class ReshardCheckpoint(Callback):
             except Exception as failure:  # reported to every rank, then raised
                 error = failure
         self._raise_everywhere(strategy, error, f"resharding {str(src)!r}")
+        # the target mesh resumes from dst_dir: every rank must see the output rank 0 committed there
+        agree_on_resume(self.dst_dir, trainer.world_size, what="use the resharded checkpoint")
 
     def _check_src_dir(self, src: Path) -> None:
         """The save replaces ``src_dir`` (or, with ``source="ckpt"``, writes ``last.ckpt`` into it): only where it

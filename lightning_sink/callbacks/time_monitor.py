@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
 from lightning_sink.callbacks._progress import StepCounter, UpdateAxis, is_sink, log_scalars
+from lightning_sink.counts import check_count_fits
 from lightning_sink.sink_data import SinkLoader
 
 __all__ = ["TimeMonitor", "TIME_SCALARS"]
@@ -58,6 +59,7 @@ class TimeMonitor(Callback):
     """
 
     def __init__(self, data_size: int | None = None) -> None:
+        check_count_fits("data_size", data_size)
         if data_size is not None and (isinstance(data_size, bool) or not isinstance(data_size, int) or data_size < 1):
             raise ValueError(
                 f"data_size={data_size!r} is not valid: pass an int >= 1 (samples per step, all ranks together) or"

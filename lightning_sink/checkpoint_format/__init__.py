@@ -14,5 +14,8 @@
 - ``dcp_folder``, ``dcp_load``: Lightning-style sharded DCP folders (with ``meta.pt`` and ``layout.json``), saved
   atomically and loaded with every pickle read restricted;
 - ``agreement``: ranks on several nodes agreeing that they see the same checkpoint, before a save commits and before
-  a resume loads (a checkpoint path on node-local disk fails on every rank at once).
+  a resume loads (a checkpoint path on node-local disk fails on every rank at once);
+- ``resume_agreement``: every rank resumes from one checkpoint (the identity of what each would load compared before
+  anything is loaded: a stale copy of another step on one node fails on every rank, naming the steps);
+- ``ckpt_file``: a whole-file ``.ckpt`` read through Lightning, an unreadable one refused in one line naming it.
 """

@@ -36,6 +36,8 @@ __all__ = [
     "describe_path",
     "gather_from_every_rank",
     "gather_views",
+    "host_description",
+    "ranks_text",
 ]
 
 NOT_SHARED_ADVICE = (
@@ -75,7 +77,8 @@ def _digest(entries: tuple[str, ...] | None) -> str:
 _NODE_VARIABLES = ("GROUP_RANK", "SLURM_NODEID", "NODE_RANK")
 
 
-def _host() -> str:
+def host_description() -> str:
+    """Where this process runs: the host name, and the node index where a launcher set one."""
     host = socket.gethostname() or "unknown host"
     node = next((os.environ[name] for name in _NODE_VARIABLES if os.environ.get(name)), None)
     return host if node is None else f"{host}, node {node}"
@@ -122,7 +125,7 @@ def gather_from_every_rank(value: T, world_size: int) -> list[T | None]:
 def gather_views(digest: str, world_size: int) -> list[RankView]:
     """Every rank's host and digest, indexed by global rank: one ``all_gather_object`` of a few dozen bytes each (the
     file names themselves travel only when the ranks disagree)."""
-    views = gather_from_every_rank(RankView(_host(), digest), world_size)
+    views = gather_from_every_rank(RankView(host_description(), digest), world_size)
     return [view if view is not None else RankView("unknown host", "") for view in views]
 
 
@@ -132,7 +135,8 @@ def _broadcast(value: object, src: int) -> object:
     return holder[0]
 
 
-def _ranks_text(ranks: Iterable[int], hosts: Sequence[str]) -> str:
+def ranks_text(ranks: Iterable[int], hosts: Sequence[str]) -> str:
+    """``ranks 2, 3 (host h, node 1)``: global ranks and where they run (``hosts``: every rank's, by rank)."""
     ranks = sorted(ranks)
     where = sorted({hosts[rank] for rank in ranks})
     label = "rank" if len(ranks) == 1 else "ranks"
@@ -155,7 +159,7 @@ def check_every_rank_file_present(
     every rank its verdict."""
     if not _distributed(world_size):
         return
-    mine = (_host(), sorted(written))
+    mine = (host_description(), sorted(written))
     reports: list[tuple[str, list[str]]] | None = [("", [])] * world_size if global_rank == 0 else None
     dist.gather_object(mine, reports, dst=0)
     verdict = None
@@ -167,7 +171,7 @@ def check_every_rank_file_present(
         if missing:
             hosts = [host for host, _ in reports]
             verdict = (
-                f"checkpoint {str(target)!r} was not saved: {_ranks_text(missing, hosts)} wrote"
+                f"checkpoint {str(target)!r} was not saved: {ranks_text(missing, hosts)} wrote"
                 f" {_names(name for names in missing.values() for name in names)}, which global rank 0 (host"
                 f" {hosts[0]}) does not see in {str(staging)!r}: {NOT_SHARED_ADVICE}. Nothing was committed and the"
                 " staging folders were removed."
@@ -207,7 +211,7 @@ def agree_on_checkpoint_path(path: Path, world_size: int) -> None:
             assert isinstance(listing, tuple)
             absent = everything - set(listing)
             seen = f"{len(listing)} entries" + (f", without {_names(absent)}" if absent else "")
-        parts.append(f"{_ranks_text(ranks, hosts)} see {seen}")
+        parts.append(f"{ranks_text(ranks, hosts)} see {seen}")
     if len(groups) > len(shown):
         parts.append(f"{len(groups) - len(shown)} more groups of ranks see yet other things")
     raise CheckpointNotSharedError(

@@ -21,6 +21,7 @@ from torch import Tensor
 from lightning_sink.checkpoint_format.sink_section import CHECKPOINT_KEY
 from lightning_sink.data import DataPosition
 from lightning_sink.strategies.engine import EngineHost
+from lightning_sink.strategies.progress_ranges import check_lightning_counters
 from lightning_sink.strategies.sink_state_check import check_state_fields, check_state_is_a_dict
 from lightning_sink.window.state import Window
 
@@ -74,6 +75,7 @@ def sink_state(
 
 def read_sink_state(checkpoint: dict[str, Any], checkpoint_path: Any) -> dict[str, Any] | None:
     """The checkpoint's state (``None``: a stock checkpoint), its fields checked (``sink_state_check.py``)."""
+    check_lightning_counters(checkpoint, checkpoint_path)
     state = checkpoint.get(CHECKPOINT_KEY)
     if state is None:
         return None

@@ -18,6 +18,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_sink.accumulation import PARTIAL_WINDOW_MODES
+from lightning_sink.counts import check_count_fits
 from lightning_sink.devices import available_device_types, missing_device_reason
 from lightning_sink.strategies.graph_modes import validate_graph_mode
 
@@ -28,6 +29,10 @@ __all__ = [
     "validate_ddp_keywords",
     "validate_timeout",
 ]
+
+
+# the fields that are counts, each bounded by what the process holds (counts.py)
+_COUNTS = ("accumulation_steps", "sink_size", "prefetch_depth", "device_data_budget", "micro_steps_per_call")
 
 
 def _is_int(value: object) -> bool:
@@ -49,6 +54,8 @@ class SinkConfig:
     micro_steps_per_call: int = 1  # graph sinking: micro-batches per compiled call (compiled_pair.py)
 
     def __post_init__(self) -> None:
+        for name in _COUNTS:
+            check_count_fits(name, getattr(self, name))
         steps, sink_size, depth = self.accumulation_steps, self.sink_size, self.prefetch_depth
         if steps is not None and not (_is_int(steps) and steps >= 1):
             raise ValueError(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,8 @@ from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.checkpoint_format.agreement import agree_on_checkpoint_path
+from lightning_sink.checkpoint_format.ckpt_file import read_ckpt_file
+from lightning_sink.checkpoint_format.resume_agreement import agree_on_resume
 from lightning_sink.sink_data import SinkToken
 from lightning_sink.strategies import checkpoint_state
 from lightning_sink.strategies.config import (
@@ -104,6 +107,8 @@ class SinkDDPStrategy(DDPStrategy):
                 f" {self.root_device.type!r}: use process_group_backend='gloo' (or None) on CPU."
             )
         super().setup_environment()
+        # ranks agree on the one checkpoint they resume from, or all stop before anything is loaded
+        compat.check_before_resume(self, partial(agree_on_resume, world_size=self.world_size))
 
     # ------------------------------------------------------------------ the parts this strategy passes
     def _window_parts(self) -> WindowParts:
@@ -213,7 +218,8 @@ class SinkDDPStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         # every rank reads the file from its own disk: they agree that they see the same one, or all stop here
         agree_on_checkpoint_path(Path(checkpoint_path), self.world_size)
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        load = super().load_checkpoint
+        checkpoint = read_ckpt_file(lambda: load(checkpoint_path, weights_only=weights_only), checkpoint_path)
         self.sink_fit.check_digests(checkpoint, checkpoint_path)  # before anything of it is restored
         self.sink_fit.restore(checkpoint, checkpoint_path)
         return checkpoint

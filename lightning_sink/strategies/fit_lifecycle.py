@@ -43,6 +43,7 @@ from lightning_sink.strategies.fit_checks import (
 )
 from lightning_sink.strategies.graph_modes import check_graph_mode_device, step_function
 from lightning_sink.strategies.hooks import HookPlan
+from lightning_sink.strategies.progress_ranges import check_progress_against_fit, whole_count
 from lightning_sink.strategies.recompile_watch import RecompileWatch
 from lightning_sink.strategies.resume_check import check_resume_settings
 from lightning_sink.strategies.sink_logging import SinkLogBuffer
@@ -290,7 +291,9 @@ class SinkFit:
             scaling.to_device(host.root_device)
         if self.pending_state is not None:
             check_resume_settings(self.pending_state, self.window_settings(), self._pending_path)
-            check_state_against_fit(self.pending_state, self._fit_facts(), self._pending_path)
+            facts = self._fit_facts()
+            check_state_against_fit(self.pending_state, facts, self._pending_path)
+            check_progress_against_fit(self.pending_state, facts, self._pending_path)
             checkpoint_state.load_window(engine.window, self.pending_state, host)
             self.pending_state = None
         if self.sink_size is None:
@@ -307,17 +310,23 @@ class SinkFit:
             restore_rank_random_state(saved, host.global_rank, host.world_size, self._pending_path)
 
     def _fit_facts(self) -> FitFacts:
-        """What bounds a checkpoint's counts: the window length, and the batches of a data pass where known (in sink
-        mode the loader's length, otherwise Lightning's epoch length, limits and ``"drop"`` applied)."""
+        """What bounds a checkpoint's counts: the window length, the batches of a data pass where known (in sink
+        mode the loader's length, otherwise Lightning's epoch length, limits and ``"drop"`` applied), Lightning's
+        restored counters and the micro-batches of one of its epochs (in sink mode its sink of ``sink_size``)."""
+        trainer = self.trainer
         if self._sink_loader is not None:
             try:
-                batches: int | float | None = len(self._sink_loader.loader)
+                batches = whole_count(len(self._sink_loader.loader))
             except TypeError:
                 batches = None
+            per_epoch = self.sink_size if self.sink_size != -1 else batches  # (a sink is one Lightning epoch)
         else:
-            batches = self.trainer.num_training_batches
-        finite = isinstance(batches, int) or (isinstance(batches, float) and batches.is_integer())
-        return FitFacts(self.accumulation_steps, int(batches) if finite and batches is not None else None)
+            batches = per_epoch = whole_count(trainer.num_training_batches)
+        module = self.host.lightning_module
+        automatic = module is not None and module.automatic_optimization
+        return FitFacts(
+            self.accumulation_steps, batches, trainer.current_epoch, trainer.global_step, per_epoch, automatic
+        )
 
     def _install_loop_rules(self, trainer: pl.Trainer, engine: StepEngine) -> None:
         if self._sink_loader is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +28,8 @@ from lightning_sink.checkpoint_format.dcp_folder import save_dcp_atomically
 from lightning_sink.checkpoint_format.dcp_load import load_dcp_folder
 from lightning_sink.checkpoint_format.resharded_folder import is_resharded_checkpoint
 from lightning_sink.checkpoint_format.resharded_load import adapt_sink_state, load_resharded_into_strategy
+from lightning_sink.checkpoint_format.resume_agreement import agree_on_resume
+from lightning_sink.counts import check_count_fits
 from lightning_sink.layout.dcp_metadata import DCP_METADATA_FILE
 from lightning_sink.sink_data import SinkToken
 from lightning_sink.strategies.checkpoint_state import CHECKPOINT_KEY
@@ -41,6 +44,7 @@ __all__ = ["SinkModelParallelStrategy"]
 
 
 def _validate_size(name: str, value: object) -> None:
+    check_count_fits(name, value)
     if value != "auto" and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{name}={value!r} is not valid: pass an int >= 1 or 'auto'.")
 
@@ -119,6 +123,8 @@ class SinkModelParallelStrategy(ModelParallelStrategy):
                 f" {self.root_device.type!r}: use process_group_backend='gloo' (or None) on CPU."
             )
         super().setup_environment()
+        # ranks agree on the one checkpoint they resume from, or all stop before anything is loaded
+        compat.check_before_resume(self, partial(agree_on_resume, world_size=self.world_size))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

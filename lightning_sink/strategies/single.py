@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
+from lightning_sink.checkpoint_format.ckpt_file import read_ckpt_file
 from lightning_sink.sink_data import SinkToken
 from lightning_sink.strategies import checkpoint_state
 from lightning_sink.strategies.config import SinkConfig, validate_device
@@ -233,7 +234,8 @@ class SinkStrategy(SingleDeviceStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        load = super().load_checkpoint
+        checkpoint = read_ckpt_file(lambda: load(checkpoint_path, weights_only=weights_only), checkpoint_path)
         self.sink_fit.check_digests(checkpoint, checkpoint_path)  # before anything of it is restored
         self.sink_fit.restore(checkpoint, checkpoint_path)
         return checkpoint

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_sink.accumulation import PARTIAL_WINDOW_MODES
+from lightning_sink.random_state import is_valid_generator_state
 
 __all__ = [
     "Field",
@@ -30,6 +31,7 @@ __all__ = [
     "WINDOW_FIELDS",
     "DATA_FIELDS",
     "FitFacts",
+    "refuse_field",
     "window_micro_batches",
     "check_state_is_a_dict",
     "check_state_fields",
@@ -37,6 +39,7 @@ __all__ = [
 ]
 
 _SHOWN_CHARS = 60
+_CPU_STATE_SHAPE = torch.get_rng_state().shape
 
 
 @dataclass(frozen=True)
@@ -69,7 +72,10 @@ def _is_partial_sum(value: object) -> bool:
 
 
 def _is_generator_state(value: object) -> bool:
-    return isinstance(value, Tensor) and value.dtype == torch.uint8 and value.dim() == 1
+    """A generator's state; one of a CPU generator's size must be one torch accepts (a loader's generators are)."""
+    if not (isinstance(value, Tensor) and value.dtype == torch.uint8 and value.dim() == 1):
+        return False
+    return value.shape != _CPU_STATE_SHAPE or is_valid_generator_state(value)
 
 
 TOP_FIELDS = (
@@ -106,7 +112,7 @@ DATA_FIELDS = (
         "pass_start_generators",
         False,
         lambda v: isinstance(v, list) and all(_is_generator_state(item) for item in v),
-        "a list of 1-D uint8 tensors (random generator states)",
+        "a list of 1-D uint8 tensors (random generator states torch accepts)",
     ),
 )
 
@@ -121,7 +127,8 @@ def _shown(value: object) -> str:
     return f"a {type(value).__name__}"
 
 
-def _refuse(checkpoint_path: Any, field: str, value: object, expected: str) -> ValueError:
+def refuse_field(checkpoint_path: Any, field: str, value: object, expected: str) -> ValueError:
+    """The error for a field of the 'lightning_sink' state out of its range: the file, the field, the value."""
     return ValueError(
         f"{checkpoint_path}: the checkpoint's 'lightning_sink' state is not valid: {field} is {_shown(value)},"
         f" expected {expected}"
@@ -139,7 +146,7 @@ def _check_table(section: Mapping[str, Any], fields: tuple[Field, ...], prefix: 
             continue
         value = section[field.name]
         if not field.accepts(value):
-            raise _refuse(checkpoint_path, prefix + field.name, value, field.expected)
+            raise refuse_field(checkpoint_path, prefix + field.name, value, field.expected)
 
 
 def window_micro_batches(window: Mapping[str, Any], accumulation_steps: int | None) -> int:
@@ -153,7 +160,7 @@ def window_micro_batches(window: Mapping[str, Any], accumulation_steps: int | No
 
 def check_state_is_a_dict(state: object, checkpoint_path: Any) -> None:
     if not isinstance(state, dict):
-        raise _refuse(checkpoint_path, "the state", state, "a dict")
+        raise refuse_field(checkpoint_path, "the state", state, "a dict")
 
 
 def check_state_fields(state: dict[str, Any], checkpoint_path: Any) -> None:
@@ -166,7 +173,7 @@ def check_state_fields(state: dict[str, Any], checkpoint_path: Any) -> None:
     _check_table(window, WINDOW_FIELDS, "window.", checkpoint_path)
     backward_passes, buffers = window["micro_steps"], window.get("buffers")
     if "micro_batches" in window and backward_passes > window["micro_batches"]:
-        raise _refuse(
+        raise refuse_field(
             checkpoint_path,
             "window.micro_steps",
             backward_passes,
@@ -174,11 +181,11 @@ def check_state_fields(state: dict[str, Any], checkpoint_path: Any) -> None:
         )
     if (buffers is not None) != (backward_passes > 0):
         expected = "saved partial sums" if backward_passes > 0 else "None (no backward pass in the window)"
-        raise _refuse(
+        raise refuse_field(
             checkpoint_path, "window.buffers", buffers, f"{expected} with window.micro_steps={backward_passes}"
         )
     if buffers is not None and "world_size" in window and len(buffers) != window["world_size"]:
-        raise _refuse(
+        raise refuse_field(
             checkpoint_path,
             "window.buffers",
             f"{len(buffers)} partial sums",
@@ -192,6 +199,11 @@ class FitFacts:
 
     accumulation_steps: int
     batches_per_pass: int | None  # None: the loader has no length
+    # Lightning's counters as restored, and what bounds them (progress_ranges.py); None: not known
+    epoch: int | None = None
+    global_step: int | None = None
+    micro_batches_per_epoch: int | None = None
+    automatic: bool = True  # automatic optimization: one update per micro-batch at most
 
 
 def check_state_against_fit(state: Mapping[str, Any], fit: FitFacts, checkpoint_path: Any) -> None:
@@ -207,14 +219,14 @@ def check_state_against_fit(state: Mapping[str, Any], fit: FitFacts, checkpoint_
     ):
         value = window.get(name, 0)
         if value > limit:
-            raise _refuse(
+            raise refuse_field(
                 checkpoint_path,
                 f"window.{name}",
                 value,
                 f"an int in [0, {limit}] (a window of accumulation_steps={steps}{', ' + closes if closes else ''})",
             )
     if window.get("micro_batches") == steps and window.get("micro_steps", 0) > 0:
-        raise _refuse(
+        raise refuse_field(
             checkpoint_path,
             "window.micro_steps",
             window["micro_steps"],
@@ -222,7 +234,7 @@ def check_state_against_fit(state: Mapping[str, Any], fit: FitFacts, checkpoint_
         )
     trained = state["data"]["trained_in_pass"]
     if fit.batches_per_pass is not None and trained > fit.batches_per_pass:
-        raise _refuse(
+        raise refuse_field(
             checkpoint_path,
             "data.trained_in_pass",
             trained,

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_sink import SinkDDPStrategy, SinkModelParallelStrategy
 from tests.distributed import CollectiveCounter
@@ -34,7 +35,7 @@ PRIVATE = Path("private")  # relative: each node's working directory, i.e. node-
 
 
 def trainer_for(strategy, nodes: int, devices: int, **kwargs):
-    return quiet_trainer(strategy=strategy, num_nodes=nodes, devices=devices, max_epochs=1, **kwargs)
+    return quiet_trainer(strategy=strategy, num_nodes=nodes, devices=devices, **{"max_epochs": 1, **kwargs})
 
 
 def data():
@@ -77,6 +78,14 @@ def on_node_zero_only(copy) -> None:
     if dist.get_rank() == 0:
         PRIVATE.mkdir(exist_ok=True)
         copy()
+    dist.barrier()
+
+
+def on_each_node(devices: int, copy) -> None:
+    """``copy(node)`` runs once on every node (its first rank), each writing to its own disk."""
+    if dist.get_rank() % devices == 0:
+        PRIVATE.mkdir(exist_ok=True)
+        copy(dist.get_rank() // devices)
     dist.barrier()
 
 
@@ -151,6 +160,65 @@ def reshard_callback_private_scenario(out_dir: Path, nodes: int, devices: int) -
     expect_failure(out_dir, "reshard_callback_private", fit)
 
 
+def ddp_resume_different_steps_scenario(out_dir: Path, nodes: int, devices: int) -> None:
+    """Each node's disk holds a checkpoint at the same path, node n's from step n + 1 (of a shared run)."""
+    steps = ModelCheckpoint(dirpath=out_dir / "ddp_steps", filename="{step}", every_n_train_steps=1, save_top_k=-1)
+    trainer = trainer_for(ddp_strategy(), nodes, devices, max_epochs=2, callbacks=[steps], enable_checkpointing=True)
+    trainer.fit(TinyClassifier(optimizer="adamw", lr=0.01), data())
+    on_each_node(
+        devices, lambda node: shutil.copy(out_dir / "ddp_steps" / f"step={node + 1}.ckpt", PRIVATE / "resume.ckpt")
+    )
+    trainer = trainer_for(ddp_strategy(), nodes, devices, max_steps=4)
+    fit = lambda: trainer.fit(TinyClassifier(optimizer="adamw", lr=0.01), data(), ckpt_path=PRIVATE / "resume.ckpt")  # noqa: E731
+    expect_failure(out_dir, "ddp_resume_different_steps", fit)
+
+
+def ddp_resume_last_scenario(out_dir: Path, nodes: int, devices: int) -> None:
+    """``ckpt_path="last"`` resolves to node 0's last.ckpt there and to nothing on node 1."""
+    folder = PRIVATE / "last_dir"
+
+    def copy(node: int) -> None:
+        if node == 0:
+            folder.mkdir()
+            shutil.copy(out_dir / "ddp.ckpt", folder / "last.ckpt")
+
+    on_each_node(devices, copy)
+    last = ModelCheckpoint(dirpath=folder, save_last=True)
+    trainer = trainer_for(ddp_strategy(), nodes, devices, max_steps=4, callbacks=[last], enable_checkpointing=True)
+    fit = lambda: trainer.fit(TinyClassifier(optimizer="adamw", lr=0.01), data(), ckpt_path="last")  # noqa: E731
+    expect_failure(out_dir, "ddp_resume_last", fit)
+
+
+def mp_resume_different_steps_scenario(out_dir: Path, nodes: int, devices: int) -> None:
+    """Node 0's disk holds the DCP folder of step 2, node 1's the one of step 1, at the same path."""
+    trainer = trainer_for(mp_strategy(), nodes, devices, max_steps=1)
+    trainer.fit(MixedMeshClassifier(optimizer="adamw", lr=0.01), data())
+    trainer.save_checkpoint(out_dir / "mp_step1")
+    sources = [out_dir / "mp_ckpt", out_dir / "mp_step1"]
+    on_each_node(devices, lambda node: shutil.copytree(sources[node], PRIVATE / "mp_resume"))
+    trainer = trainer_for(mp_strategy(), nodes, devices, max_steps=4)
+    fit = lambda: trainer.fit(MixedMeshClassifier(optimizer="adamw", lr=0.01), data(), ckpt_path=PRIVATE / "mp_resume")  # noqa: E731
+    expect_failure(out_dir, "mp_resume_different_steps", fit)
+
+
+def reshard_callback_private_output_scenario(out_dir: Path, nodes: int, devices: int) -> None:
+    """ReshardCheckpoint whose output folder is node-private: rank 0 converts there, the other node sees nothing."""
+    from lightning_sink.callbacks import ReshardCheckpoint
+
+    callback = ReshardCheckpoint(
+        out_dir / "mp_ckpt" / "layout.json", PRIVATE / "resharded_out", src_dir=out_dir / "reshard_src"
+    )
+    trainer = trainer_for(mp_strategy(), nodes, devices, max_steps=1, callbacks=[callback])
+    fit = lambda: trainer.fit(MixedMeshClassifier(optimizer="adamw", lr=0.01), data())  # noqa: E731
+    expect_failure(out_dir, "reshard_callback_private_output", fit)
+
+
+def ddp_resume_uncaught_scenario(out_dir: Path, nodes: int, devices: int) -> None:
+    """As a user's script: the resume's error is not caught (the test placed each node's ``private/resume.ckpt``)."""
+    trainer = trainer_for(ddp_strategy(), nodes, devices, max_steps=4)
+    trainer.fit(TinyClassifier(optimizer="adamw", lr=0.01), data(), ckpt_path=PRIVATE / "resume.ckpt")
+
+
 SCENARIOS = {
     "ddp": ddp_scenario,
     "mp_norm": mp_norm_scenario,
@@ -159,6 +227,11 @@ SCENARIOS = {
     "mp_resume_private": mp_resume_private_scenario,
     "resharded_resume_private": resharded_resume_private_scenario,
     "reshard_callback_private": reshard_callback_private_scenario,
+    "ddp_resume_different_steps": ddp_resume_different_steps_scenario,
+    "ddp_resume_last": ddp_resume_last_scenario,
+    "mp_resume_different_steps": mp_resume_different_steps_scenario,
+    "reshard_callback_private_output": reshard_callback_private_output_scenario,
+    "ddp_resume_uncaught": ddp_resume_uncaught_scenario,
 }
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 
 from lightning_sink import LossScalePrecision, SinkDDPStrategy, SinkModelParallelStrategy, SinkStrategy
+from lightning_sink.callbacks import LossMonitor, LossScaleMonitor, TimeMonitor
 from lightning_sink.loss_scale import DynamicLossScale, FixedLossScale
 from lightning_sink.strategies.config import SinkConfig
 from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
@@ -190,3 +191,43 @@ def test_the_strategy_arguments_are_one_frozen_validated_object():
         strategy.sink_config.sink_size = 2
     with pytest.raises(ValueError, match=r"partial_window='maybe' is not valid"):
         SinkConfig(partial_window="maybe")
+
+
+COUNT_BOUND = r"is too large: a count must be at most 9223372036854775807 \(2\*\*63 - 1, the largest int64"
+
+
+@pytest.mark.parametrize("strategy_cls", STRATEGIES)
+@pytest.mark.parametrize("name", ["accumulation_steps", "sink_size"])
+def test_a_count_beyond_what_the_process_holds_is_refused_stating_the_bound(strategy_cls, name):
+    with pytest.raises(ValueError, match=rf"^{name}=1180591620717411303424 {COUNT_BOUND}"):
+        strategy_cls(**{name: 2**70})
+    strategy_cls(**{name: 2**63 - 1})  # the bound itself is a count the process holds
+
+
+@pytest.mark.parametrize(
+    "make, text",
+    [
+        (lambda: SinkConfig(4, sink_size=8, prefetch_depth=2**64), "prefetch_depth=18446744073709551616 "),
+        (lambda: SinkConfig(device_data_budget=2**64), "device_data_budget=18446744073709551616 "),
+        (lambda: SinkModelParallelStrategy(data_parallel_size=2**64), "data_parallel_size=18446744073709551616 "),
+        (lambda: DynamicLossScale(scale_window=2**64), r"DynamicLossScale\(scale_window=18446744073709551616\) "),
+        (lambda: DynamicLossScale(hysteresis=2**64), r"DynamicLossScale\(hysteresis=18446744073709551616\) "),
+        (lambda: LossMonitor(per_print_times=2**64), "per_print_times=18446744073709551616 "),
+        (lambda: LossScaleMonitor(per_print_times=2**64), "per_print_times=18446744073709551616 "),
+        (lambda: TimeMonitor(data_size=2**64), "data_size=18446744073709551616 "),
+    ],
+)
+def test_every_count_argument_is_bounded(make, text):
+    with pytest.raises(ValueError, match=text + COUNT_BOUND):
+        make()
+
+
+@pytest.mark.parametrize("cls, name", [(DynamicLossScale, "init_scale"), (FixedLossScale, "loss_scale")])
+@pytest.mark.parametrize("value, named", [(float("nan"), r"NaN \(not a number\)"), (float("inf"), "infinite")])
+def test_nan_and_infinite_scales_are_named_as_such(cls, name, value, named):
+    with pytest.raises(
+        ValueError, match=rf"^{cls.__name__}\({name}={value!r}\) is {named}: pass a finite number > 0\.$"
+    ):
+        cls(**{name: value})
+    with pytest.raises(ValueError, match=r"\(scale_factor=-inf\) is infinite"):
+        DynamicLossScale(scale_factor=-float("inf"))

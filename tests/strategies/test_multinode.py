@@ -2,7 +2,8 @@
 127.0.0.1, a working directory per node) against one node of 4, for SinkDDPStrategy and SinkModelParallelStrategy.
 
 The shared filesystem is an absolute folder both nodes see; a node's own disk is a relative path under its working
-directory. Where the checkpoint path is node-private, saves and resumes must fail on every rank with one error that
+directory. Where the checkpoint path is node-private, or each node holds another checkpoint at the same path (a stale copy of an
+earlier step), saves and resumes must fail on every rank with one error that
 says the directory is not shared between nodes, within seconds - never a hang (``run_nodes`` kills a launch that
 outlives its bound, which fails the test). SinkModelParallelStrategy clips (by norm and by value) a model whose
 parameters live on two meshes, against a single-process PyTorch loop.
@@ -11,19 +12,21 @@ parameters live on two meshes, against a single-process PyTorch loop.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.distributed import run_nodes
+from tests.distributed import run_failing_nodes, run_nodes
 from tests.helpers import ddp_reference_windows, make_dataset, reference_train, relative_error
 from tests.strategies import multinode_worker as worker
 from tests.strategies.mp_models import MixedMeshClassifier, flat
 
 WORKER = "tests.strategies.multinode_worker"
 # A launch of 4 processes on a busy 2-core machine is slow: the bound only has to tell a hang from a slow start.
-LAUNCH_TIMEOUT = 480
+LAUNCH_TIMEOUT = 720
 NOT_SHARED = "the checkpoint directory is not shared between nodes"
 
 
@@ -49,6 +52,10 @@ def two_nodes(tmp_path_factory) -> Path:
         "mp_resume_private",
         "resharded_resume_private",
         "reshard_callback_private",
+        "ddp_resume_different_steps",
+        "ddp_resume_last",
+        "mp_resume_different_steps",
+        "reshard_callback_private_output",
     )
 
 
@@ -146,3 +153,65 @@ def test_reshard_checkpoint_with_a_node_private_source_says_the_folder_is_not_sh
         assert record["error"] is not None and NOT_SHARED in record["error"], (rank, record["error"])
         assert not [name for name in record["private"] if "src" in name], (rank, record["private"])
     assert not (two_nodes / "shared" / "resharded").exists()
+
+
+def one_error_on_every_rank(root: Path, scenario: str) -> str:
+    records = every_rank(root, scenario)
+    errors = {record["error"] for record in records}
+    assert len(errors) == 1 and None not in errors, errors  # one error, the same on every rank
+    (error,) = errors
+    assert "\n" not in error and "Timed out" not in error, error
+    assert all(record["seconds"] < worker.ERROR_WITHIN for record in records), records
+    return error
+
+
+def sees(error: str, ranks: str, what: str) -> bool:
+    return re.search(rf"{ranks} \(host [^)]*\) {what}", error) is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "scenario, steps", [("ddp_resume_different_steps", (1, 2)), ("mp_resume_different_steps", (2, 1))]
+)
+def test_nodes_holding_different_steps_at_one_path_fail_on_every_rank_naming_the_steps(two_nodes, scenario, steps):
+    error = one_error_on_every_rank(two_nodes, scenario)
+    assert "the ranks would load different checkpoints" in error and NOT_SHARED in error, error
+    assert sees(error, "ranks 0, 1", f"see step {steps[0]} ") and sees(error, "ranks 2, 3", f"see step {steps[1]} "), (
+        error
+    )
+
+
+@pytest.mark.slow
+def test_a_last_checkpoint_on_one_node_only_fails_on_every_rank(two_nodes):
+    error = one_error_on_every_rank(two_nodes, "ddp_resume_last")
+    assert sees(error, "ranks 0, 1", "see '[^']*last.ckpt' step 1 "), error
+    assert sees(error, "ranks 2, 3", "resolve no checkpoint"), error
+
+
+@pytest.mark.slow
+def test_reshard_checkpoint_into_a_node_private_output_fails_on_every_rank(two_nodes):
+    error = one_error_on_every_rank(two_nodes, "reshard_callback_private_output")
+    assert error.startswith("CheckpointNotSharedError: cannot use the resharded checkpoint from"), error
+    assert sees(error, "ranks 2, 3", "see nothing at that path"), error
+
+
+@pytest.mark.slow
+def test_a_failed_resume_launch_fails_on_every_node_with_one_line_and_leaves_no_process(two_nodes, tmp_path):
+    """As a user runs it: the error is not caught, each node's launcher exits non-zero, no rank outlives it."""
+    for node in range(2):
+        private = tmp_path / f"node{node}" / "private"
+        private.mkdir(parents=True)
+        shutil.copy(two_nodes / "shared" / "ddp_steps" / f"step={node + 1}.ckpt", private / "resume.ckpt")
+    (tmp_path / "shared").mkdir()
+    done, survivors = run_failing_nodes(
+        WORKER, tmp_path / "shared", 2, 2, "ddp_resume_uncaught", nodes=2, root=tmp_path, timeout=LAUNCH_TIMEOUT
+    )
+    assert survivors == [], f"nodes {survivors} left a rank running after their launcher exited"
+    lines = set()
+    for node, completed in enumerate(done):
+        assert completed.returncode != 0, f"node {node} exited 0:\n{completed.stderr[-3000:]}"
+        found = [line for line in completed.stderr.splitlines() if "CheckpointNotSharedError: " in line]
+        assert found, f"node {node}:\n{completed.stderr[-3000:]}"
+        lines |= {line.split("CheckpointNotSharedError: ", 1)[1] for line in found}
+    assert len(lines) == 1, lines
+    assert "see step 1 " in next(iter(lines)) and "see step 2 " in next(iter(lines))
