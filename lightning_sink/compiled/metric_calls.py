@@ -25,16 +25,26 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
-__all__ = ["MetricCallRefused", "MetricCalls", "MetricValue", "join_tensors", "metrics_of", "split_tensors"]
+__all__ = [
+    "MetricCallRefused",
+    "MetricCalls",
+    "MetricValue",
+    "join_tensors",
+    "metrics_of",
+    "metrics_run_eagerly",
+    "split_tensors",
+]
 
 _RECORDED = ("forward", "update")
 _REFUSED = ("compute", "reset", "sync", "unsync", "merge_state", "plot", "clone")
+_EAGER = _RECORDED + _REFUSED  # the methods run outside TorchDynamo on the forward-compiled path
 
 
 class MetricCallRefused(RuntimeError):
@@ -208,3 +218,35 @@ def _detached(tree: Any) -> Any:
     if isinstance(tree, (list, tuple)):
         return type(tree)(_detached(value) for value in tree)
     return tree
+
+
+def metrics_run_eagerly(compiled_step: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
+    """``compiled_step`` (``torch.compile`` of ``module``'s ``training_step``, graph breaks allowed) with the
+    module's Metrics outside TorchDynamo: for each call their methods are replaced by ``torch.compiler.disable``-d
+    versions of themselves, so TorchDynamo breaks the graph at a Metric call and the call runs eagerly, as ``self.log``
+    does. Traced, a Metric's Python state (update count, caches) would be guarded on and recompiled at every step,
+    and its lazy package checks can crash the trace. The versions are made once (the same objects at every call: no
+    new guards)."""
+    metrics = metrics_of(module)
+    if not metrics:
+        return compiled_step
+    installed = [
+        (metric, {name: torch.compiler.disable(getattr(metric, name)) for name in _EAGER if hasattr(metric, name)})
+        for _, metric in metrics
+    ]
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        held = [{name: vars(metric)[name] for name in eager if name in vars(metric)} for metric, eager in installed]
+        for metric, eager in installed:
+            vars(metric).update(eager)
+        try:
+            return compiled_step(*args, **kwargs)
+        finally:
+            for (metric, eager), own in zip(installed, held):
+                for name in eager:
+                    if name in own:
+                        vars(metric)[name] = own[name]
+                    else:
+                        del vars(metric)[name]
+
+    return step

@@ -40,6 +40,7 @@ from lightning_sink._torch_compat import inductor_option_names, note_optimizer_s
 from lightning_sink.compiled.autocast_region import AutocastRegion
 from lightning_sink.compiled.cuda_graphs import CapturedProgram
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
+from lightning_sink.compiled.forward_compile import RANDOM_AS_EAGER
 from lightning_sink.compiled.logged_values import LoggedValues
 from lightning_sink.compiled.metric_calls import MetricCalls, MetricValue, join_tensors, split_tensors
 from lightning_sink.compiled.optimizer_rules import OptimizerRule, optimizer_rule
@@ -58,7 +59,8 @@ __all__ = [
 ]
 
 _CLIP_ALGORITHMS = ("norm", "value")
-_CPU_INDUCTOR_OPTIONS = {"layout_optimization": False, "cpp_wrapper": True}  # why: ``inductor_options``
+# why: ``inductor_options``; RANDOM_AS_EAGER: eager's random numbers (forward_compile.py)
+_CPU_INDUCTOR_OPTIONS = {"layout_optimization": False, "cpp_wrapper": True, **RANDOM_AS_EAGER}
 _PROGRAM_NUMBERS = itertools.count()
 
 
@@ -146,7 +148,9 @@ def inductor_options(device: torch.device) -> dict[str, Any] | None:
     layouts cost again (LeNet-5's pooling backward became a scatter into a channels-last copy), which made the
     compiled step slower than eager's.
     ``cpp_wrapper``: the generated kernels and ATen's (the convolutions, the matrix products) called from generated
-    C++ instead of Python, so a program's call costs one Python call rather than one per kernel. Elsewhere (CUDA)
+    C++ instead of Python, so a program's call costs one Python call rather than one per kernel.
+    ``fallback_random``: random operators (dropout) call eager's, so a program draws the numbers eager draws from
+    the same seed (``forward_compile.py``). Elsewhere (CUDA)
     Inductor's defaults, with which the GPU figures of benchmarks/README.md were measured.
     """
     if device.type != "cpu":
@@ -396,7 +400,8 @@ class StepPrograms:
         """The micro-batch's ``self.log`` values as the host hands them on, in the order they were logged: its
         Metric calls made first, on the real Metrics, eagerly (``metric_calls.py``), then a logged Metric as the
         object and a logged forward result as that call's result. Call once per ``StepOutputs``, in order."""
-        results = self.metric_calls.replay(out.metric_calls)
+        # (a CUDA graph's outputs are overwritten by its next replay; a Metric may keep its inputs: list states)
+        results = self.metric_calls.replay(_clone(out.metric_calls) if self.captured else out.metric_calls)
         logs: dict[str, Any] = dict(out.logs)
         for name, reference in out.references.items():
             logs[name] = self.metric_calls.resolve(reference, results)
