@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_sink.compiled.metric_calls import MetricCalls, MetricValue
+
 __all__ = ["LoggedValues"]
 
 
@@ -88,6 +90,8 @@ class LoggedValues:
     def __init__(self) -> None:
         self.values: dict[str, Tensor] = {}  # of the call being traced (a program returns them)
         self.call_options: dict[str, dict[str, Any]] = {}  # likewise, the options of each log call, as keywords
+        self.references: dict[str, MetricValue] = {}  # of the call being traced: logged Metrics (metric_calls.py)
+        self.metric_calls: MetricCalls | None = None  # the module's Metrics, where it has any
         self.options: dict[str, dict[str, Any]] = {}  # per name, as the programs last returned them
         self._log_parameters = _KEYWORDS_ONLY["log"]  # the installed module's (installed_on)
         self._log_dict_parameters = _KEYWORDS_ONLY["log_dict"]
@@ -99,7 +103,11 @@ class LoggedValues:
         parameters = self._log_parameters
         options = parameters.bind(args, kwargs)
         name, value = options.pop(parameters.positional[0]), options.pop(parameters.positional[1])
-        self.values[name] = value.detach() if isinstance(value, Tensor) else torch.as_tensor(value)
+        reference = None if self.metric_calls is None else self.metric_calls.reference(value)
+        if reference is not None:  # a Metric or its forward's result: handed on by the host after its call
+            self.references[name] = reference
+        else:
+            self.values[name] = value.detach() if isinstance(value, Tensor) else torch.as_tensor(value)
         self.call_options[name] = options
 
     def log_dict(self, *args: Any, **kwargs: Any) -> None:

@@ -40,7 +40,9 @@ from lightning_sink._torch_compat import inductor_option_names, note_optimizer_s
 from lightning_sink.compiled.autocast_region import AutocastRegion
 from lightning_sink.compiled.cuda_graphs import CapturedProgram
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
+from lightning_sink.compiled.forward_compile import RANDOM_AS_EAGER
 from lightning_sink.compiled.logged_values import LoggedValues
+from lightning_sink.compiled.metric_calls import MetricCalls, MetricValue, join_tensors, split_tensors
 from lightning_sink.compiled.optimizer_rules import OptimizerRule, optimizer_rule
 from lightning_sink.compiled.scale_rule import scaler_tensors, update_scale
 from lightning_sink.compiled.support import Unavailable, unsupported_reason
@@ -57,7 +59,8 @@ __all__ = [
 ]
 
 _CLIP_ALGORITHMS = ("norm", "value")
-_CPU_INDUCTOR_OPTIONS = {"layout_optimization": False, "cpp_wrapper": True}  # why: ``inductor_options``
+# why: ``inductor_options``; RANDOM_AS_EAGER: eager's random numbers (forward_compile.py)
+_CPU_INDUCTOR_OPTIONS = {"layout_optimization": False, "cpp_wrapper": True, **RANDOM_AS_EAGER}
 _PROGRAM_NUMBERS = itertools.count()
 
 
@@ -76,6 +79,10 @@ class StepOutputs:
     # right after it (the scaler's own tensors hold the call's last values by the time the caller reads them)
     scale: Tensor | None = None
     skipped: Tensor | None = None
+    # the micro-batch's torchmetrics Metric calls, recorded in the program, and the logged Metrics: made and
+    # resolved on the host by ``StepPrograms.host_logs`` (metric_calls.py)
+    metric_calls: list[Any] = field(default_factory=list)
+    references: dict[str, MetricValue] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -141,7 +148,9 @@ def inductor_options(device: torch.device) -> dict[str, Any] | None:
     layouts cost again (LeNet-5's pooling backward became a scatter into a channels-last copy), which made the
     compiled step slower than eager's.
     ``cpp_wrapper``: the generated kernels and ATen's (the convolutions, the matrix products) called from generated
-    C++ instead of Python, so a program's call costs one Python call rather than one per kernel. Elsewhere (CUDA)
+    C++ instead of Python, so a program's call costs one Python call rather than one per kernel.
+    ``fallback_random``: random operators (dropout) call eager's, so a program draws the numbers eager draws from
+    the same seed (``forward_compile.py``). Elsewhere (CUDA)
     Inductor's defaults, with which the GPU figures of benchmarks/README.md were measured.
     """
     if device.type != "cpu":
@@ -201,6 +210,8 @@ class StepPrograms:
         self.rank_sum = rank_sum
         self.sink_indices = data[1] if data is not None else None
         self.logged = LoggedValues()
+        self.metric_calls = MetricCalls(module)
+        self.logged.metric_calls = self.metric_calls if self.metric_calls.metrics else None
         self._step = _TrainingStep(module)
         trainable = [(name, param) for name, param in module.named_parameters() if param.requires_grad]
         self._param_names = [f"module.{name}" for name, _ in trainable]
@@ -246,16 +257,21 @@ class StepPrograms:
 
     # -- the programs (traced by torch.compile; every tensor they touch comes in through `state`) -------------
 
-    def _gradients(self, state: dict[str, Any], batch: Any) -> tuple[list[Tensor], Tensor, dict[str, Tensor], dict]:
+    def _gradients(self, state: dict[str, Any], batch: Any) -> tuple[list[Tensor], Tensor, tuple, dict]:
         param_names, buffer_names, logged, autocast = self._param_names, self._buffer_names, self.logged, self.autocast
         if batch is None:  # the staged dataset's next micro-batch, gathered on the device
             batch = DeviceDataset.gather(list(self._dataset), state["data"]["rows"], state["data"]["cursor"])
         scale = state["scaler"]["scale"] if state["scaler"] is not None else None
-        options: dict[str, dict[str, Any]] = {}  # of each log call; not tensors, so not through grad's output
+        metric_calls = self.metric_calls
+        # what is not tensors leaves by this side channel, not through grad's output: each log call's options,
+        # the logged Metrics, and the Metric calls with their tensors replaced by positions in `metric_tensors`
+        side: dict[str, Any] = {"options": {}, "references": {}, "calls": []}
 
-        def loss_of(params: list[Tensor], buffers: list[Tensor]) -> tuple[Tensor, tuple[Tensor, dict]]:
+        def loss_of(params: list[Tensor], buffers: list[Tensor]) -> tuple[Tensor, tuple[Tensor, tuple]]:
             values: dict[str, Tensor] = {}
-            logged.values, logged.call_options = values, options
+            logged.values, logged.call_options, logged.references = values, side["options"], side["references"]
+            calls: list[Any] = []
+            metric_calls.calls = calls
             tensors = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}
             if autocast is None:
                 loss = functional_call(self._step, tensors, (batch, state["batch_index"]))
@@ -264,30 +280,31 @@ class StepPrograms:
                     loss = functional_call(self._step, tensors, (batch, state["batch_index"]))
             # what was logged leaves through the return value: the recorder keeps nothing between calls (a value
             # kept there would be one more thing the compiled program is guarded on)
-            logged.values, logged.call_options = {}, {}
+            logged.values, logged.call_options, logged.references = {}, {}, {}
+            metric_calls.calls = []
+            metric_tensors: list[Tensor] = []
+            side["calls"] = split_tensors(calls, metric_tensors)
             scaled = loss if scale is None else loss * scale.to(loss.dtype)
-            return scaled, (loss.detach(), values)
+            return scaled, (loss.detach(), (values, metric_tensors))
 
         grads, (_, (loss, values)) = grad_and_value(loss_of, has_aux=True)(state["params"], state["buffers"])
         state["batch_index"].add_(1)
-        return grads, loss, values, options
+        return grads, loss, values, side
 
-    def _accumulate_program(self, state: dict[str, Any], batch: Any) -> tuple[Tensor, dict[str, Tensor], dict]:
+    def _accumulate_program(self, state: dict[str, Any], batch: Any) -> tuple[Tensor, tuple, dict]:
         grads, loss, values, options = self._gradients(state, batch)
         for buffer, grad in zip(state["window"], grads):
             buffer.add_(grad.to(buffer.dtype))
         state["micro_steps"].add_(1)
         return loss, values, options
 
-    def _update_program(
-        self, state: dict[str, Any], batch: Any
-    ) -> tuple[Tensor, dict[str, Tensor], dict, Tensor | None]:
+    def _update_program(self, state: dict[str, Any], batch: Any) -> tuple[Tensor, tuple, dict, Tensor | None]:
         sums, loss, values, options = self._window_sums(state, batch)
         if self.rank_sum is not None:  # (traced route: the eager one runs the two parts below instead)
             sums = _unflatten(traced_all_reduce_sum(_flatten(sums), self.rank_sum.group), sums)
         return loss, values, options, self._apply_update(state, sums)
 
-    def _update_sum_program(self, state: dict[str, Any], batch: Any) -> tuple[Tensor, dict[str, Tensor], dict, Tensor]:
+    def _update_sum_program(self, state: dict[str, Any], batch: Any) -> tuple[Tensor, tuple, dict, Tensor]:
         """The eager route's first part: the last micro-batch and the window's sum, as one flat bucket."""
         sums, loss, values, options = self._window_sums(state, batch)
         return loss, values, options, _flatten(sums)
@@ -296,7 +313,7 @@ class StepPrograms:
         """The eager route's second part, on the bucket summed over the ranks: the rest of the update."""
         return self._apply_update(state, _unflatten(flat, state["window"]))
 
-    def _window_sums(self, state: dict[str, Any], batch: Any) -> tuple[list[Tensor], Tensor, dict[str, Tensor], dict]:
+    def _window_sums(self, state: dict[str, Any], batch: Any) -> tuple[list[Tensor], Tensor, tuple, dict]:
         """The window's last micro-batch, added to its sum (in new tensors: the buffers are reset after the update)."""
         grads, loss, values, options = self._gradients(state, batch)
         sums = [buffer + grad.to(buffer.dtype) for buffer, grad in zip(state["window"], grads)]
@@ -361,8 +378,35 @@ class StepPrograms:
 
     @contextlib.contextmanager
     def _running(self) -> Iterator[None]:
-        with self.logged.installed_on(self.module):
+        with self.logged.installed_on(self.module), self.metric_calls.installed_on():
             yield
+
+    def _outputs(
+        self,
+        loss: Tensor,
+        values: tuple,
+        side: dict[str, Any],
+        found_inf: Tensor | None = None,
+        scale: Tensor | None = None,
+        skipped: Tensor | None = None,
+    ) -> StepOutputs:
+        """One micro-batch's ``StepOutputs`` from what its program returned."""
+        logs, metric_tensors = values
+        self.logged.options.update(side["options"])
+        calls = join_tensors(side["calls"], list(metric_tensors))
+        return StepOutputs(loss, logs, found_inf, scale, skipped, calls, side["references"])
+
+    def host_logs(self, out: StepOutputs) -> dict[str, Any]:
+        """The micro-batch's ``self.log`` values as the host hands them on, in the order they were logged: its
+        Metric calls made first, on the real Metrics, eagerly (``metric_calls.py``), then a logged Metric as the
+        object and a logged forward result as that call's result. Call once per ``StepOutputs``, in order."""
+        # (a CUDA graph's outputs are overwritten by its next replay; a Metric may keep its inputs: list states)
+        results = self.metric_calls.replay(_clone(out.metric_calls) if self.captured else out.metric_calls)
+        logs: dict[str, Any] = dict(out.logs)
+        for name, reference in out.references.items():
+            logs[name] = self.metric_calls.resolve(reference, results)
+        order = [name for name in self.logged.options if name in logs]
+        return {name: logs[name] for name in order + [name for name in logs if name not in order]}
 
     def _call(self, name: str, batch: Any) -> Any:
         captured = self.captured.get(name)
@@ -373,9 +417,8 @@ class StepPrograms:
 
     def accumulate(self, batch: Any = None) -> StepOutputs:
         """Run a micro-batch that does not end its window (``None``: the staged dataset's next one)."""
-        loss, logs, options = self._call("accumulate", batch)
-        self.logged.options.update(options)
-        return StepOutputs(loss, logs)
+        loss, values, side = self._call("accumulate", batch)
+        return self._outputs(loss, values, side)
 
     def update(self, batch: Any = None) -> StepOutputs:
         """Run a window's last micro-batch, then update (or skip, on overflow) and reset the window."""
@@ -386,14 +429,13 @@ class StepPrograms:
         if self._sums_eagerly():
             assert self.rank_sum is not None and self.rank_sum.all_reduce is not None  # (what _sums_eagerly says)
             with self._running():
-                loss, logs, options, flat = self._update_sum(self._state, batch)
+                loss, values, side, flat = self._update_sum(self._state, batch)
                 self.rank_sum.all_reduce(flat)
                 found_inf = self._update_apply(self._state, flat)
         else:
-            loss, logs, options, found_inf = self._call("update", batch)
+            loss, values, side, found_inf = self._call("update", batch)
         note_optimizer_step(self.rule.optimizer)
-        self.logged.options.update(options)
-        return StepOutputs(loss, logs, found_inf)
+        return self._outputs(loss, values, side, found_inf)
 
     def run_several(self, batches: list[Any] | None = None) -> list[StepOutputs]:
         """Run whole windows, ``micro_steps_per_call`` micro-batches (``None``: that many from the staged dataset),
@@ -414,12 +456,7 @@ class StepPrograms:
             with self._running():
                 results = self._several(self._state, batches if batches is not None else [None] * count)
         note_optimizer_step(self.rule.optimizer)
-        outputs = []
-        for result in results:
-            self.logged.options.update(result[2])
-            found_inf, scale, skipped = (tuple(result[3:]) + (None, None, None))[:3]
-            outputs.append(StepOutputs(result[0], result[1], found_inf, scale, skipped))
-        return outputs
+        return [self._outputs(*result[:3], *(tuple(result[3:]) + (None, None, None))[:3]) for result in results]
 
     def _sums_eagerly(self) -> bool:
         """Whether the update runs as two compiled parts with an eager all-reduce between them."""
@@ -561,6 +598,9 @@ def build_step_programs(
             programs.capture(example_batch)
     except Exception as error:  # a graph break, an unsupported operation, a backend failure: all say no program
         rule.discard_created()
+        refused = programs.metric_calls.refusal_in(error)
+        if refused is not None:
+            return Unavailable(refused)
         first_line = (str(error).strip().splitlines() or [""])[0]
         return Unavailable(
             f"training_step did not compile to one graph ({type(error).__name__}: {first_line[:200]}); make it"

@@ -95,11 +95,14 @@ class _Compiled:
     def _outputs(self, programs: StepPrograms, out: StepOutputs) -> Tensor:
         """The micro-batch's loss, its logged values handed to ``self.log``."""
         copy = self._steps.graph_mode == "cuda_graph"  # a replay overwrites the graph's outputs
-        if out.logs:
+        logs = programs.host_logs(out)  # (a torchmetrics Metric's calls made here, eagerly)
+        if logs:
             module = self._engine.trainer.lightning_module
             options = programs.logged.options
-            for name, value in out.logs.items():
-                module.log(name, value.clone() if copy else value, **options.get(name, {}))
+            for name, value in logs.items():
+                module.log(
+                    name, value.clone() if copy and isinstance(value, Tensor) else value, **options.get(name, {})
+                )
         return out.loss.clone() if copy else out.loss
 
     def _end_window(self, programs: StepPrograms, out: StepOutputs) -> Tensor:

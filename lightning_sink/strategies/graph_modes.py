@@ -25,6 +25,8 @@ import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from torch import Tensor
 
+from lightning_sink.compiled.forward_compile import compiled_training_step
+
 __all__ = ["GRAPH_MODES", "validate_graph_mode", "check_graph_mode_device", "step_function"]
 
 GRAPH_MODES = ("eager", "compile", "cuda_graph")
@@ -54,8 +56,8 @@ def step_function(training_step: Callable[..., Any], graph_mode: str) -> Callabl
     if graph_mode == "eager":
         return training_step
     if graph_mode == "compile":
-        return torch.compile(training_step)
-    return _outputs_outlive_the_next_replay(torch.compile(training_step, mode="reduce-overhead"))
+        return compiled_training_step(training_step)  # (eager's random numbers on a CPU; Metrics run eagerly)
+    return _outputs_outlive_the_next_replay(compiled_training_step(training_step, mode="reduce-overhead"))
 
 
 def _outputs_outlive_the_next_replay(compiled: Callable[..., Any]) -> Callable[..., Any]:
