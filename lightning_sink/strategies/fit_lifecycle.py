@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch.nn import Parameter
 
 from lightning_sink import _lightning_compat as compat
-from lightning_sink.accumulation import GradientAccumulator, SingleStepGradients
+from lightning_sink.accumulation import UPDATING_PARTIAL_WINDOWS, GradientAccumulator, SingleStepGradients
 from lightning_sink.compiled import Unavailable
 from lightning_sink.data import DataPosition
 from lightning_sink.device_prefetch import CudaBatchCopier
@@ -367,7 +367,7 @@ class SinkFit:
             return
         holds = engine.scaling is not None and bool(engine.step_scheduler_configs)
         rules = compat.LoopOverrides(
-            batch_has_no_update=engine.batch_has_no_update if self.partial_window != "scale" else None,
+            batch_has_no_update=None if self.partial_window in UPDATING_PARTIAL_WINDOWS else engine.batch_has_no_update,
             hold_step_schedulers=(lambda: engine.last_update_skipped) if holds else None,
         )
         compat.install_loop_overrides(trainer, rules)
