@@ -32,6 +32,7 @@ from lightning_sink.sink_data import (
     SinkLoader,
     default_prefetch_depth,
 )
+from lightning_sink.sink_progress import SinkProgress, epoch_micro_batches
 from lightning_sink.strategies import checkpoint_state
 from lightning_sink.strategies.compiled_choice import compiled_choice
 from lightning_sink.strategies.config import SinkConfig
@@ -97,6 +98,7 @@ class SinkFit:
         self._pending_path: Any = None  # the checkpoint the pending state came from, for error messages
         self.engine: StepEngine | None = None  # this fit's engine (automatic optimization only)
         self.sink_loop: SinkLoop | None = None
+        self._progress: SinkProgress | None = None  # sink mode: the progress bar counts micro-batches
         self.direct_transfer = False  # batch_to_device may skip the transfer-hook dispatch (during a fit)
         self._trainer: pl.Trainer | None = None
         self._val_check_interval: int | float | None = None  # the Trainer's, held during a sink-mode fit
@@ -337,6 +339,10 @@ class SinkFit:
             self.data_position.sink_mode = True
             points = schedule_points(trainer, self._val_check_interval, pass_length, self.sink_size)
             schedule = SinkSchedule(points, self.sink_size, self.accumulation_steps, pass_length)
+            done = self.data_position
+            self._progress = SinkProgress.install(
+                trainer, epoch_micro_batches(self.sink_size, pass_length), lambda: done.trained_in_sink
+            )
             self.sink_loop = loop = SinkLoop(
                 engine,
                 stream,
@@ -350,6 +356,7 @@ class SinkFit:
                 recompile_watch=watch,
                 choose=compiled_choice(engine, self.graph_mode, staging, self.micro_steps_per_call),
                 batches=staging.batches if isinstance(staging, StagedData) else None,
+                progress=self._progress.advance if self._progress is not None else None,
             )
             self._sink_loader.sink_continues = loop.sink_continues
             scheduled = None
@@ -448,6 +455,9 @@ class SinkFit:
                 self.accumulation_steps = engine.accumulation_steps = engine.window.loss_divisor = steps
 
     def _close_stream(self) -> None:
+        if self._progress is not None:
+            self._progress.remove()
+            self._progress = None
         if self.sink_loop is not None:
             self.sink_loop.close()
             self.sink_loop = None
