@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint, ProgressBar, RichProgressBar, TQDMProgressBar
 
 from lightning_sink import SinkStrategy
@@ -103,6 +104,38 @@ def test_a_resumed_pass_counts_from_where_it_stopped_as_stock(tmp_path):
     # resume continues (it does not start that epoch), only from the next one
     assert {total for _, total in sink_steps + sink_ends} == {PASS}
     assert stock_ends == [(PASS, None), (PASS, PASS)]
+
+
+def test_pytorch_lightnings_bar_counts_micro_batches_as_its_stock_run():
+    """The standalone package's TQDMProgressBar, driven by ``lightning_sink.pytorch_lightning``'s strategy."""
+    pl_ = pytest.importorskip("pytorch_lightning")
+    from lightning_sink.pytorch_lightning import SinkStrategy as PLSinkStrategy
+
+    def run(strategy: Any) -> list[tuple[int, int | None]]:
+        seen: list[tuple[int, int | None]] = []
+
+        class Module(pl_.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                self.net = TinyClassifier().net
+
+            def training_step(self, batch: Any, batch_idx: int) -> Any:
+                bar = self.trainer.progress_bar_callback.train_progress_bar
+                seen.append((bar.n, bar.total))
+                return self.net(batch[0]).logsumexp(-1).mean()
+
+            def configure_optimizers(self) -> Any:
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        trainer = pl_.Trainer(
+            accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False, strategy=strategy
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.fit(Module(), loader(make_dataset(num_samples=4 * PASS), 4))
+        return seen
+
+    assert run(PLSinkStrategy(sink_size=-1)) == run("auto") == [(i, PASS) for i in range(PASS)] * 2
 
 
 def test_the_rich_bar_counts_micro_batches_as_stock():
