@@ -77,10 +77,16 @@ def _factory(strategies_package: str, class_name: str) -> Callable[..., Any]:
 
 class _NamesWithSuggestion(list):
     """The registry's list of names, as the Trainer gets it; asked whether it holds a name that is missing but close
-    to one of this package's, it raises Lightning's refusal with the close name."""
+    to one of this package's, it raises Lightning's refusal with the close name. Asked about a strategy object of
+    this package built on the other Lightning namespace, it raises a refusal that names the right import (the
+    Trainer asks before it checks the object's class, and would otherwise say only "invalid strategy")."""
+
+    trainer_package = "lightning.pytorch"
 
     def __contains__(self, name: object) -> bool:
         held = list(self)
+        if not isinstance(name, str):
+            _refuse_the_other_namespace(name, self.trainer_package)
         if name in held or not isinstance(name, str):
             return name in held
         close = difflib.get_close_matches(name, [n for n in STRATEGY_NAMES if n in held], n=1, cutoff=0.75)
@@ -92,14 +98,43 @@ class _NamesWithSuggestion(list):
         return False
 
 
-def suggest_close_names(registry: Any) -> None:
+def _refuse_the_other_namespace(strategy: object, trainer_package: str) -> None:
+    """A sink strategy of ``lightning_sink`` handed to ``pytorch_lightning.Trainer`` (or the reverse): one line saying
+    which import this Trainer takes."""
+    cls = type(strategy)
+    if not cls.__module__.startswith("lightning_sink.") or cls.__name__ not in {
+        c for c, _, _ in STRATEGY_NAMES.values()
+    }:
+        return
+    if isinstance(strategy, importlib.import_module(f"{trainer_package}.strategies").Strategy):
+        return
+    wanted = "lightning_sink.pytorch_lightning" if trainer_package == "pytorch_lightning" else "lightning_sink"
+    given = (
+        "lightning_sink.pytorch_lightning"
+        if cls.__module__.startswith(NAMESPACES["pytorch_lightning"])
+        else ("lightning_sink")
+    )
+    other = "pytorch_lightning" if trainer_package == "lightning.pytorch" else "lightning.pytorch"
+    raise ValueError(
+        f"strategy={cls.__name__}(...) from `{given}` is built on {other}, but this Trainer is {trainer_package}'s:"
+        f" use `from {wanted} import {cls.__name__}` (or the name, strategy={_name_of(cls.__name__)!r})."
+    )
+
+
+def _name_of(class_name: str) -> str:
+    return next(name for name, (cls, _, _) in STRATEGY_NAMES.items() if cls == class_name)
+
+
+def suggest_close_names(registry: Any, trainer_package: str = "lightning.pytorch") -> None:
     """Make ``registry.available_strategies()`` (Lightning's source of the names a Trainer accepts) answer a close
     miss of this package's names with "did you mean"."""
     if getattr(registry.available_strategies, "suggests_close_names", False):
         return
 
     def available_strategies() -> list:
-        return _NamesWithSuggestion(registry.keys())
+        names = _NamesWithSuggestion(registry.keys())
+        names.trainer_package = trainer_package
+        return names
 
     available_strategies.__dict__["suggests_close_names"] = True  # a mark on the function: installed once
     registry.available_strategies = available_strategies  # on this one registry object, shadowing its method
@@ -113,7 +148,7 @@ def register_strategies(trainer_package: str = "lightning.pytorch") -> None:
     for name, (class_name, description, init_params) in STRATEGY_NAMES.items():
         if name not in registry:
             registry.register(name, _factory(strategies_package, class_name), description=description, **init_params)
-    suggest_close_names(registry)
+    suggest_close_names(registry, trainer_package)
 
 
 def register_when_lightning_loads() -> None:

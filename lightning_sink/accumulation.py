@@ -19,6 +19,7 @@ from torch.nn import Parameter
 
 __all__ = [
     "PARTIAL_WINDOW_MODES",
+    "UPDATING_PARTIAL_WINDOWS",
     "MicroStep",
     "plan_micro_step",
     "GradientAccumulator",
@@ -26,7 +27,9 @@ __all__ = [
     "unique_trainable",
 ]
 
-PARTIAL_WINDOW_MODES = ("scale", "drop", "carry")
+PARTIAL_WINDOW_MODES = ("scale", "drop", "carry", "lightning")
+# the modes whose last, short window of a pass updates at the pass's end (they differ in its divisor only)
+UPDATING_PARTIAL_WINDOWS = ("scale", "lightning")
 
 
 class MicroStep(Enum):
@@ -44,7 +47,7 @@ def plan_micro_step(window_position: int, accumulation_steps: int, is_last: bool
         window_position: micro-steps already accumulated in the current window.
         accumulation_steps: N, micro-steps per full window.
         is_last: whether this micro-batch is the last one of the epoch.
-        partial_window: ``"scale"``, ``"drop"`` or ``"carry"`` (see ``SinkStrategy``). Under ``"drop"`` the
+        partial_window: ``"scale"``, ``"drop"``, ``"carry"`` or ``"lightning"`` (see ``SinkStrategy``). Under ``"drop"`` the
             strategy already shortens sized loaders to whole windows; this rule covers the rest (unsized loaders,
             ``limit_train_batches``).
     """
@@ -52,7 +55,7 @@ def plan_micro_step(window_position: int, accumulation_steps: int, is_last: bool
         return MicroStep.UPDATE
     if not is_last or partial_window == "carry":
         return MicroStep.ACCUMULATE
-    return MicroStep.UPDATE if partial_window == "scale" else MicroStep.ACCUMULATE_THEN_DROP
+    return MicroStep.UPDATE if partial_window in UPDATING_PARTIAL_WINDOWS else MicroStep.ACCUMULATE_THEN_DROP
 
 
 def unique_trainable(params: Iterable[Parameter]) -> list[Parameter]:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -71,8 +73,24 @@ def _single_optimizer(configured: Any) -> Optimizer:
     return configured
 
 
-def _state_to_save(module: pl.LightningModule, with_optimizer: bool) -> dict[str, Any]:
-    """What ``SinkModelParallelStrategy.save_checkpoint`` hands to DCP: ``state_dict`` and ``optimizer_0``."""
+def _configured_optimizer(module: pl.LightningModule, label: str) -> tuple[Optimizer | None, str | None]:
+    """The module's optimizer, or None and why it was left out: a ``configure_optimizers`` that reads the Trainer
+    (its steps, its loaders) cannot run here, where there is none; the parameters' layout is still right."""
+    try:
+        configured = module.configure_optimizers()
+    except RuntimeError as error:
+        if "not attached to a `Trainer`" not in str(error):
+            raise
+        return None, (
+            f"optimizer state left out: {label}.configure_optimizers needs a Trainer (it reads self.trainer, and"
+            " none runs here); the layout holds the parameters only (--no-optimizer leaves it out without trying)"
+        )
+    return _single_optimizer(configured), None
+
+
+def _state_to_save(module: pl.LightningModule, with_optimizer: bool, label: str) -> tuple[dict[str, Any], str | None]:
+    """What ``SinkModelParallelStrategy.save_checkpoint`` hands to DCP: ``state_dict`` and ``optimizer_0``; and why
+    the optimizer state was left out, when it was not asked to be."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -81,14 +99,76 @@ def _state_to_save(module: pl.LightningModule, with_optimizer: bool) -> dict[str
 
     options = StateDictOptions(full_state_dict=False)  # (the real save also offloads to CPU: no layout change)
     state: dict[str, Any] = {"state_dict": get_model_state_dict(module, options=options)}
-    if with_optimizer:
-        optimizer = _single_optimizer(module.configure_optimizers())
+    optimizer, left_out = _configured_optimizer(module, label) if with_optimizer else (None, None)
+    if optimizer is not None:
         for group in optimizer.param_groups:
             for param in group["params"]:
                 param.grad = torch.zeros_like(param)
         optimizer.step()  # on meta tensors: creates the state (exp_avg, step, ...) with its real placements
         state["optimizer_0"] = get_optimizer_state_dict(module, optimizer, options=options)
-    return state
+    return state, left_out
+
+
+def _shard(module: pl.LightningModule, mesh: Any, label: str) -> None:
+    """The module's own ``configure_model``; for a module without one (a one-device model), what its minimal one
+    would be: FSDP2's ``fully_shard`` over the data-parallel ranks (each parameter's rows split evenly)."""
+    if is_overridden("configure_model", module):
+        module.configure_model()
+        return
+    if mesh["tensor_parallel"].size() > 1:
+        raise TypeError(
+            f"module={label} does not override configure_model, so there is no tensor-parallel plan for"
+            " tensor_parallel_size > 1: write configure_model (parallelize_module on self.device_mesh), or pass"
+            " tensor_parallel_size=1 for the default, fully_shard over the data-parallel ranks."
+        )
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module, mesh=mesh["data_parallel"])
+
+
+def _infer(
+    module: str | Callable[..., pl.LightningModule],
+    data_parallel_size: int,
+    tensor_parallel_size: int,
+    init_args: Mapping[str, Any] | None,
+    with_optimizer: bool,
+) -> tuple[Layout, str | None]:
+    """``infer_layout``'s work; also says why the optimizer state was left out (None: it was not)."""
+    world_size = _validate_size("data_parallel_size", data_parallel_size) * _validate_size(
+        "tensor_parallel_size", tensor_parallel_size
+    )
+    factory = _resolve(module)
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError("infer_layout runs its own fake process group; call it outside a distributed run.")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    _fake_process_group(world_size)
+    try:
+        mesh = init_device_mesh("cpu", (data_parallel_size, tensor_parallel_size), mesh_dim_names=MESH_DIM_NAMES)
+        with torch.device("meta"):
+            lightning_module = _users_code("building it", module, lambda: factory(**dict(init_args or {})))
+        if not isinstance(lightning_module, pl.LightningModule):
+            raise TypeError(f"module={module!r} built a {type(lightning_module).__name__}, not a LightningModule.")
+        compat.set_module_device_mesh(lightning_module, mesh)
+        _users_code("sharding it", module, lambda: _shard(lightning_module, mesh, repr(module)))
+        label = module if isinstance(module, str) else getattr(module, "__qualname__", repr(module))
+        state, left_out = _users_code(
+            "its optimizer", module, lambda: _state_to_save(lightning_module, with_optimizer, label)
+        )
+        return checkpoint_layout(state, world_size), left_out
+    finally:
+        dist.destroy_process_group()
+
+
+def _users_code(what: str, module: object, call: Callable[[], Any]) -> Any:
+    """Run the module's own code; an error in it becomes one line naming the module and the stage (a ValueError
+    or TypeError as it was; anything else, e.g. a RuntimeError in ``__init__``, as a ValueError)."""
+    try:
+        return call()
+    except (ValueError, TypeError):
+        raise
+    except Exception as error:  # the user's module may raise anything; the CLI reports it on one line
+        raise ValueError(f"module={module!r}: {what} raised {type(error).__name__}: {error}") from error
 
 
 def _fake_process_group(world_size: int) -> None:
@@ -112,35 +192,17 @@ def infer_layout(
             ``init_args`` on the meta device and sharded by its own ``configure_model``.
         data_parallel_size, tensor_parallel_size: the target mesh (world size = their product).
         init_args: keyword arguments for ``module``.
-        with_optimizer: include the optimizer state (from ``configure_optimizers``, which must not need a Trainer).
+        with_optimizer: include the optimizer state (from ``configure_optimizers``).
 
-    Runs in this process only; it must not already be part of a process group.
+    Runs in this process only; it must not already be part of a process group. A module without
+    ``configure_model`` is sharded as its minimal one would: ``fully_shard`` over the data-parallel ranks (a
+    one-device model's layout for resharding its checkpoint). A ``configure_optimizers`` that needs a Trainer
+    leaves the optimizer state out, with a warning saying so.
     """
-    world_size = _validate_size("data_parallel_size", data_parallel_size) * _validate_size(
-        "tensor_parallel_size", tensor_parallel_size
-    )
-    factory = _resolve(module)
-    if dist.is_available() and dist.is_initialized():
-        raise RuntimeError("infer_layout runs its own fake process group; call it outside a distributed run.")
-    from torch.distributed.device_mesh import init_device_mesh
-
-    _fake_process_group(world_size)
-    try:
-        mesh = init_device_mesh("cpu", (data_parallel_size, tensor_parallel_size), mesh_dim_names=MESH_DIM_NAMES)
-        with torch.device("meta"):
-            lightning_module = factory(**dict(init_args or {}))
-        if not isinstance(lightning_module, pl.LightningModule):
-            raise TypeError(f"module={module!r} built a {type(lightning_module).__name__}, not a LightningModule.")
-        if not is_overridden("configure_model", lightning_module):
-            raise TypeError(
-                f"module={module!r} does not override configure_model: SinkModelParallelStrategy (like Lightning's"
-                " ModelParallelStrategy) needs it to shard the model with fully_shard / parallelize_module."
-            )
-        compat.set_module_device_mesh(lightning_module, mesh)
-        lightning_module.configure_model()
-        return checkpoint_layout(_state_to_save(lightning_module, with_optimizer), world_size)
-    finally:
-        dist.destroy_process_group()
+    layout, left_out = _infer(module, data_parallel_size, tensor_parallel_size, init_args, with_optimizer)
+    if left_out is not None:
+        warnings.warn(left_out, stacklevel=2)
+    return layout
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,13 +213,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--init-args {args.init_args!r} is not JSON: {error}") from error
     if not isinstance(init_args, dict):
         raise ValueError(f"--init-args {args.init_args!r} must be a JSON object of keyword arguments")
-    layout = infer_layout(
-        args.model,
-        args.data_parallel_size,
-        args.tensor_parallel_size,
-        init_args=init_args,
-        with_optimizer=not args.no_optimizer,
+    layout, left_out = _infer(
+        args.model, args.data_parallel_size, args.tensor_parallel_size, init_args, not args.no_optimizer
     )
+    if left_out is not None:
+        print(f"note: {left_out}", file=sys.stderr)
     save_layout(layout, args.output)
     print(f"wrote {args.output}: {len(layout.tensors)} tensors on a {'x'.join(map(str, layout.mesh.shape))} mesh")
     return 0

@@ -88,7 +88,7 @@ def group_windows(micro_batches_per_epoch: list[list[list[int]]], steps: int, pa
     for micro_batches in micro_batches_per_epoch:
         for start in range(0, len(micro_batches), steps):
             chunk = micro_batches[start : start + steps]
-            if len(chunk) == steps or partial_window == "scale":
+            if len(chunk) == steps or partial_window in ("scale", "lightning"):
                 windows.append(sum(chunk, []))
     return windows
 

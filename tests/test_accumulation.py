@@ -25,7 +25,7 @@ def simulate(batches_per_epoch: int, steps: int, epochs: int, partial_window: st
     return updates
 
 
-@pytest.mark.parametrize("partial_window", ["scale", "drop", "carry"])
+@pytest.mark.parametrize("partial_window", ["scale", "drop", "carry", "lightning"])
 @pytest.mark.parametrize("batches_per_epoch, steps", [(10, 4), (8, 4), (3, 4), (7, 1), (9, 3)])
 def test_rule_matches_window_grouping(batches_per_epoch, steps, partial_window):
     epochs = 3

@@ -42,10 +42,10 @@ def test_bad_arguments_are_named(kwargs, match):
         infer_layout(**kwargs)
 
 
-def test_a_module_without_configure_model_is_refused():
-    # Lightning's ModelParallelStrategy refuses such a module too (TypeError): it would not be sharded at all.
+def test_a_module_without_configure_model_has_no_tensor_parallel_plan():
+    # Data parallel only, it is sharded as its minimal configure_model would (tests/test_layout_plain_models.py).
     with pytest.raises(TypeError, match="configure_model"):
-        infer_layout(TinyClassifier, 2, 1)
+        infer_layout(TinyClassifier, 2, 2)
     assert not dist.is_initialized()
 
 

@@ -33,3 +33,22 @@ def test_the_first_run_example_trains_as_described(
 
 def test_the_readme_stays_within_its_10_kb_budget() -> None:
     assert len(README.read_bytes()) < 10_000  # the front page; details belong in docs/
+
+
+def quick_start_commands() -> list[str]:
+    section = README.read_text().split("## Install and quick start", 1)[1]
+    return re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1).strip().splitlines()
+
+
+def test_ci_runs_exactly_the_readmes_two_commands() -> None:
+    ci = (README.parent / ".ci" / "run").read_text().splitlines()
+    commands = quick_start_commands()
+    assert len(commands) == 2
+    for command in commands:  # as written, or handed to the script's pytest wrapper (exit status 5 is a failure)
+        assert any(line == command or line == f"run_pytest {command}" for line in ci), command
+
+
+def test_the_install_shows_pips_progress() -> None:
+    install = quick_start_commands()[0]
+    assert "pip install" in install
+    assert not re.search(r"pip install[^&]*\s(-q|--quiet)\b", install)  # a quiet install prints nothing for minutes

@@ -48,7 +48,7 @@ class SinkDDPStrategy(DDPStrategy):
 
     Args:
         accumulation_steps: micro-batches per optimizer update; see ``SinkStrategy``.
-        partial_window: ``"scale"``, ``"drop"`` or ``"carry"``; see ``SinkStrategy``.
+        partial_window: ``"scale"``, ``"drop"``, ``"carry"`` or ``"lightning"``; see ``SinkStrategy``.
         sink_size, prefetch_depth, graph_mode, checkpoint_random_state: sink mode, graph sinking and the random
             generators in checkpoints (per rank); see ``SinkStrategy``.
         checkpoint_digests: the tensor digests of each ``.ckpt``; see ``SinkStrategy``.

@@ -17,7 +17,8 @@ zero-grad hooks at a window's first batch, ``training_step``, the backward, and 
    ``on_before_optimizer_step`` and clipping, step or skip, loss-scale update, window reset.
 
 Lightning divides each loss by ``accumulate_grad_batches`` (N); a window of k micro-batches that returned a loss
-is divided by k/N at its end, so every update is the mean over its micro-batches (``Window.mean_divisor``). With
+is divided by k/N at its end, so every update is the mean over its micro-batches (``Window.mean_divisor``; under
+``partial_window="lightning"`` it is not, as stock Lightning does not divide it). With
 sinking (``sink_size``) a Lightning batch is a whole sink, run by ``sink_loop.py`` with the step programs of
 ``programs.py``.
 """
@@ -39,7 +40,7 @@ from torch.nn import Parameter
 from torch.optim import Optimizer
 
 from lightning_sink import _lightning_compat as compat
-from lightning_sink.accumulation import MicroStep, plan_micro_step, unique_trainable
+from lightning_sink.accumulation import UPDATING_PARTIAL_WINDOWS, MicroStep, plan_micro_step, unique_trainable
 from lightning_sink.precision import LossScalePrecision
 from lightning_sink.strategies.hooks import HookPlan
 from lightning_sink.training_passes import TrainingPasses
@@ -149,6 +150,7 @@ class StepEngine:
         self._store_params: tuple[int, ...] = ()
         self.window = Window(NoGradients(), parts.ranks_in_sum)
         self.window.loss_divisor = parts.accumulation_steps
+        self.window.divides_as_stock = parts.partial_window == "lightning" and parts.sink_size is None
         self.refresh_store(initial=True)
         self.in_update = False  # the window's last micro-batch runs inside update_step
         self.last_update_skipped = False  # the last update overflowed and was skipped (step schedulers hold)
@@ -195,7 +197,7 @@ class StepEngine:
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """Lightning's closure calls this first (the window's last micro-batch: from inside ``update_step``)."""
         window = self.window
-        if self.partial_window != "scale":
+        if self.partial_window not in UPDATING_PARTIAL_WINDOWS:
             self.batch_has_no_update()  # fix the plan for this batch before its state changes
             window.drop = self.plan_micro_step() is MicroStep.ACCUMULATE_THEN_DROP
         elif window.micro_batches and compat.batch_index_in_epoch(self.trainer) % self.accumulation_steps == 0:

@@ -86,8 +86,25 @@ def check_module_and_optimizer(
     one_batch_per_update = sink_size is None and accumulation_steps == 1 and world_size == 1 and not loss_scaling
     if needs_closure(optimizer) and not one_batch_per_update:
         raise ValueError(
-            f"{type(optimizer).__name__}.step needs a closure that re-evaluates the loss, but {strategy}({why},"
-            f" {world_size} process(es)) steps once per window on its averaged gradient and cannot re-run the"
-            " window's micro-batches: use it with accumulation_steps=1, no sink_size, one process and no loss scale,"
-            " or choose an optimizer that steps without a closure."
+            f"{type(optimizer).__name__}.step needs a closure that re-evaluates the loss, but {strategy}"
+            f" {_no_closure_reason(accumulation_steps, sink_size, scheduled, world_size, loss_scaling)}: use it"
+            " with accumulation_steps=1, no sink_size, one process and no loss scale, or choose an optimizer that"
+            " steps without a closure."
         )
+
+
+def _no_closure_reason(steps: int, sink_size: int | None, scheduled: bool, world_size: int, scaling: bool) -> str:
+    """Why no closure can re-evaluate the loss here, in the terms of the setting that prevents it."""
+    if sink_size is not None:
+        return f"runs the micro-batches inside a sink (sink_size={sink_size}), where no closure re-runs one"
+    if steps > 1 or scheduled:
+        return (
+            f"steps once per window of {steps} micro-batches (accumulation_steps={steps}{', scheduled' if scheduled else ''})"
+            " on their averaged gradient and cannot re-run them"
+        )
+    if world_size > 1:
+        return (
+            f"sums the gradients of its {world_size} processes in one reduction before each step, which a closure's"
+            " re-evaluation would skip"
+        )
+    return "unscales the gradients and checks them for overflow before each step (a loss scale), which a closure's re-evaluation would skip"

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from torch.nn import Parameter
 
 from lightning_sink import _lightning_compat as compat
-from lightning_sink.accumulation import GradientAccumulator, SingleStepGradients
+from lightning_sink.accumulation import UPDATING_PARTIAL_WINDOWS, GradientAccumulator, SingleStepGradients
 from lightning_sink.compiled import Unavailable
 from lightning_sink.data import DataPosition
 from lightning_sink.device_prefetch import CudaBatchCopier
@@ -32,6 +32,7 @@ from lightning_sink.sink_data import (
     SinkLoader,
     default_prefetch_depth,
 )
+from lightning_sink.sink_progress import SinkProgress, epoch_micro_batches
 from lightning_sink.strategies import checkpoint_state
 from lightning_sink.strategies.compiled_choice import compiled_choice
 from lightning_sink.strategies.config import SinkConfig
@@ -98,6 +99,7 @@ class SinkFit:
         self._pending_path: Any = None  # the checkpoint the pending state came from, for error messages
         self.engine: StepEngine | None = None  # this fit's engine (automatic optimization only)
         self.sink_loop: SinkLoop | None = None
+        self._progress: SinkProgress | None = None  # sink mode: the progress bar counts micro-batches
         self.direct_transfer = False  # batch_to_device may skip the transfer-hook dispatch (during a fit)
         self._trainer: pl.Trainer | None = None
         self._val_check_interval: int | float | None = None  # the Trainer's, held during a sink-mode fit
@@ -346,6 +348,10 @@ class SinkFit:
             self.data_position.sink_mode = True
             points = schedule_points(trainer, self._val_check_interval, pass_length, self.sink_size)
             schedule = SinkSchedule(points, self.sink_size, self.accumulation_steps, pass_length)
+            done = self.data_position
+            self._progress = SinkProgress.install(
+                trainer, epoch_micro_batches(self.sink_size, pass_length), lambda: done.trained_in_sink
+            )
             self.sink_loop = loop = SinkLoop(
                 engine,
                 stream,
@@ -359,6 +365,7 @@ class SinkFit:
                 recompile_watch=watch,
                 choose=compiled_choice(engine, self.graph_mode, staging, self.micro_steps_per_call),
                 batches=staging.batches if isinstance(staging, StagedData) else None,
+                progress=self._progress.advance if self._progress is not None else None,
             )
             self._sink_loader.sink_continues = loop.sink_continues
             scheduled = None
@@ -376,7 +383,7 @@ class SinkFit:
             return
         holds = engine.scaling is not None and bool(engine.step_scheduler_configs)
         rules = compat.LoopOverrides(
-            batch_has_no_update=engine.batch_has_no_update if self.partial_window != "scale" else None,
+            batch_has_no_update=None if self.partial_window in UPDATING_PARTIAL_WINDOWS else engine.batch_has_no_update,
             hold_step_schedulers=(lambda: engine.last_update_skipped) if holds else None,
         )
         compat.install_loop_overrides(trainer, rules)
@@ -457,6 +464,9 @@ class SinkFit:
                 self.accumulation_steps = engine.accumulation_steps = engine.window.loss_divisor = steps
 
     def _close_stream(self) -> None:
+        if self._progress is not None:
+            self._progress.remove()
+            self._progress = None
         if self.sink_loop is not None:
             self.sink_loop.close()
             self.sink_loop = None

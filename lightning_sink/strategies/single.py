@@ -37,7 +37,8 @@ class SinkStrategy(SingleDeviceStrategy):
             ``Trainer(accumulate_grad_batches=...)``; giving both with different values is an error.
         partial_window: what the last, incomplete window of an epoch does. ``"scale"`` (default) updates with the
             mean over its k micro-batches, exactly one batch of k*b; ``"drop"`` leaves those batches out of the
-            epoch; ``"carry"`` keeps the window open into the next epoch.
+            epoch; ``"carry"`` keeps the window open into the next epoch; ``"lightning"`` updates as stock
+            Lightning does, dividing it by N (the full window) as if it were whole: bit-identical to stock.
         sink_size: micro-batches per sink (MindSpore's ``sink_size``): each Lightning epoch is one sink of K
             micro-batches drawn from an endless pass over the loader, run inside one Lightning batch. ``-1``: one
             data pass per sink; ``None`` (default): no sinking, one Lightning batch per micro-batch.

@@ -49,13 +49,14 @@ class SinkLoop:
         recompile_watch: RecompileWatch | None = None,
         choose: Callable[[StepEngine, SinkUpdates], SinkPrograms] = choose_programs,
         batches: Callable[[MicroBatchStream, float], Callable[[], Any]] | None = None,
+        progress: Callable[[], None] | None = None,
     ) -> None:
         """``time_left``: seconds until ``max_time`` (``None``: no limit checked per step). ``agree``: under
         several processes, rank 0's decision that the time is up, given to every rank (the strategy's ``broadcast``,
         once per micro-batch while a time limit is set, as Lightning's ``Timer`` broadcasts once per batch).
         ``batches``: per segment, given the stream and the segment's length, its next-micro-batch function (default:
         the stream's ``next``; staged data: ``StagedData.batches``, whose ``StagedBatch`` items the programs gather
-        on the device themselves)."""
+        on the device themselves). ``progress``: called after each step call (the progress bar, ``sink_progress.py``)."""
         self._engine = engine
         self._choose = choose  # the pair each sink runs (compiled programs: ``compiled_choice.py``)
         self._batches = batches
@@ -67,6 +68,7 @@ class SinkLoop:
         self._time_left = time_left
         self._agree = agree
         self._recompile_watch = recompile_watch  # (graph modes: TorchDynamo compiles the step)
+        self._progress = progress
         self.updates = SinkUpdates(engine)
         self._ended_on_update = False  # the last segment's last micro-batch closed a window
         self.validation_pending = False  # Lightning decided to validate after the batch and has not zero-grad yet
@@ -198,6 +200,8 @@ class SinkLoop:
                 self._ended_on_update = ends
                 if ends and buffer is not None:
                     buffer.end_update()  # the loggers get this update's values at its step (sink_logging.py)
+            if self._progress is not None:
+                self._progress()
             if timed and self._out_of_time(deadline):  # (timed: one micro-batch per turn, several is None)
                 break  # max_time: Lightning stops after this batch, as it would after this micro-batch
         if micro_index == length:

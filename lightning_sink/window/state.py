@@ -31,6 +31,9 @@ class Window:
         self.drop = False  # the epoch ends inside this window under partial_window="drop": its sum is discarded
         self.overflowed = False  # a backward of this window overflowed (checked under skip_window_on_overflow)
         self.loss_divisor = 1  # what each micro-batch's loss was divided by before its backward
+        # partial_window="lightning": every window, a short one too, is divided as stock Lightning divides it, by
+        # the full window's size (loss_divisor) alone, so that a project switching over can confirm equal curves
+        self.divides_as_stock = False
 
     @property
     def backward_passes(self) -> int:
@@ -39,7 +42,10 @@ class Window:
 
     def mean_divisor(self) -> float:
         """What turns the reduced sum into the mean gradient: every loss was divided by ``loss_divisor`` already,
-        so the mean over the backward passes (on every rank in the sum) divides by the rest."""
+        so the mean over the backward passes (on every rank in the sum) divides by the rest. Divided as stock
+        (``divides_as_stock``), only the sum over the ranks is left to divide."""
+        if self.divides_as_stock:
+            return self.ranks_in_sum
         return self.backward_passes * self.ranks_in_sum / self.loss_divisor
 
     def end(self) -> None:

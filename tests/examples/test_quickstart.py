@@ -30,6 +30,16 @@ def final_accuracy(stdout: str) -> float:
     return float(re.search(r"^final test accuracy: ([0-9.]+)$", stdout, re.MULTILINE).group(1))
 
 
+def quoted_digits_accuracy() -> set[str]:
+    """The digits run's accuracy as README.md and examples/README.md quote it (the run above checks it)."""
+    readme = (REPO / "README.md").read_text()
+    examples = (REPO / "examples" / "README.md").read_text()
+    return {
+        re.search(r"([0-9.]+) after 20 epochs of the\s+digits", readme).group(1),
+        re.search(r"20 epochs of the digits: `([0-9.]+)`", examples).group(1),
+    }
+
+
 def logged(tmp_path: Path, name: str = "train_loss") -> list:
     # fit and test each open an event file in the run's folder; read the folder, not one file.
     run_dir = next((tmp_path / "tb").rglob("events.out.tfevents.*")).parent
@@ -43,6 +53,7 @@ def test_quickstart_on_sklearn_digits(tmp_path):
     stdout = run_quickstart(tmp_path, "--data", "digits")  # the default recipe a fresh machine without MNIST runs
     assert "data: scikit-learn's bundled 8x8 digits" in stdout and "; 20 epochs" in stdout
     assert final_accuracy(stdout) > 0.9  # 10 classes: chance is 0.1
+    assert quoted_digits_accuracy() == {re.search(r"^final test accuracy: (\S+)$", stdout, re.MULTILINE).group(1)}
     # 1497 samples // 32 = 46 micro-batches per pass, one pass per sink; windows of 4 run on across sinks:
     # 20 x 46 = 920 micro-batches = 230 updates.
     assert "trained 230 updates" in stdout
