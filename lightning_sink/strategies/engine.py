@@ -18,8 +18,8 @@ zero-grad hooks at a window's first batch, ``training_step``, the backward, and 
 
 Lightning divides each loss by ``accumulate_grad_batches`` (N); a window of k micro-batches that returned a loss
 is divided by k/N at its end, so every update is the mean over its micro-batches (``Window.mean_divisor``). With
-sinking (``sink_size``) a Lightning batch is a whole sink, run by ``sink_loop.py`` with the step programs of
-``programs.py``.
+sinking (``sink_size``) a Lightning batch is a whole sink, run by ``sink/loop.py`` with the step programs of
+``sink/programs/eager.py``.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import lightning_sink.strategies.compiled_choice as compiled_choice
+import lightning_sink.sink.programs.compiled_choice as compiled_choice
 from lightning_sink import DynamicLossScale, LossScalePrecision, SinkDDPStrategy
 from tests.helpers import quiet_trainer
 

@@ -1,6 +1,6 @@
 """Sink mode's training data staged on the device: the compiled step programs gather each micro-batch themselves.
 
-With ``graph_mode="compile"`` or ``"cuda_graph"`` and the whole-step programs (``compiled_choice.py``), a training
+With ``graph_mode="compile"`` or ``"cuda_graph"`` and the whole-step programs (``sink/programs/compiled_choice.py``), a training
 loader over an in-memory ``TensorDataset`` can be read without reading it: its tensors are copied to the training
 device once per fit (``DeviceDataset``), and for each run of micro-batches the sampler's indices are uploaded in one
 copy (``SinkIndices.load``); each program call gathers its batch on the device with ``index_select``. The stream

@@ -1,6 +1,6 @@
 """The compiled step programs as the sink loop calls them: ``CompiledAccumulate`` / ``CompiledUpdate`` (one
 micro-batch per call, ``StepProgram``) and ``CompiledSeveral`` (whole windows per call, ``SeveralSteps``), each a
-call of ``lightning_sink.compiled``'s ``StepPrograms``, which one fit's choice (``compiled_choice.py``) built.
+call of ``lightning_sink.compiled``'s ``StepPrograms``, which one fit's choice (``sink/programs/compiled_choice.py``) built.
 
 What stays where it was:
 
@@ -12,9 +12,9 @@ What stays where it was:
 - The open window: the engine's ``Window`` counts its micro-batches and backward passes on the host as the eager
   path does (its fp32 sum is in the programs' buffers during a sink).
 - ``self.log`` inside ``training_step``: the values come out of the program and are handed to ``self.log`` (during
-  a sink, the log buffer of ``sink_logging.py``) after each call, with the options they were logged with.
+  a sink, the log buffer of ``sink/logging.py``) after each call, with the options they were logged with.
 
-A program given a ``StagedBatch`` (``staged_data.py``) runs without a batch argument: it gathers that batch itself.
+A program given a ``StagedBatch`` (``sink/staging.py``) runs without a batch argument: it gathers that batch itself.
 
 ``CompiledSeveral`` runs M micro-batches per call (``micro_steps_per_call``) where that is exact: at a window's start,
 no ``interval="step"`` LR scheduler (its value may change between the call's updates, which read the hyperparameters
@@ -32,9 +32,9 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from lightning_sink.compiled import StepOutputs, StepPrograms
+from lightning_sink.sink.programs.eager import SinkPrograms, SinkUpdates, choose_programs
+from lightning_sink.sink.staging import StagedBatch
 from lightning_sink.strategies.engine import StepEngine
-from lightning_sink.strategies.programs import SinkPrograms, SinkUpdates, choose_programs
-from lightning_sink.strategies.staged_data import StagedBatch
 from lightning_sink.window import FlatAllReduce
 
 __all__ = ["FitPrograms", "CompiledAccumulate", "CompiledUpdate", "CompiledSeveral"]

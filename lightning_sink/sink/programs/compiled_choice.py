@@ -1,6 +1,6 @@
 """``graph_mode="compile"`` / ``"cuda_graph"`` in sink mode: one fit's choice of step programs, each program one
 compiled function over the whole step (``lightning_sink.compiled``), behind the ``StepProgram`` seam of
-``programs.py``; the per-call programs the sink loop runs are ``compiled_pair.py``'s.
+``sink/programs/eager.py``; the per-call programs the sink loop runs are ``sink/programs/compiled.py``'s.
 
 ``CompiledSteps`` is one fit's choice. At each sink's start ``choose`` hands the sink loop either the compiled pair
 (``CompiledAccumulate`` / ``CompiledUpdate``) or, when the programs do not apply, the pair ``choose_programs`` picks
@@ -11,7 +11,7 @@ than autocast) first, then ``build_step_programs``'s (the optimizer, the module'
 hooks, a ``training_step`` that is not one graph). The fit logs one line either way: the programs compiled, or why
 not and what to change.
 
-With the training data staged on the device (``staged_data.py``) the programs are built at the first sink's start
+With the training data staged on the device (``sink/staging.py``) the programs are built at the first sink's start
 instead (they need no example batch: they gather their own from the staged dataset), and ``choose`` tells the
 staged data per sink whether the programs it returns gather (``StagedData.gathering``).
 
@@ -40,10 +40,10 @@ from torch import Tensor
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.accumulation import GradientAccumulator, SingleStepGradients, unique_trainable
 from lightning_sink.compiled import AutocastRegion, RankSum, StepPrograms, Unavailable, build_step_programs
-from lightning_sink.strategies.compiled_pair import CompiledAccumulate, CompiledSeveral, CompiledUpdate
+from lightning_sink.sink.programs.compiled import CompiledAccumulate, CompiledSeveral, CompiledUpdate
+from lightning_sink.sink.programs.eager import SinkPrograms, SinkUpdates, choose_programs
+from lightning_sink.sink.staging import StagedData
 from lightning_sink.strategies.engine import StepEngine
-from lightning_sink.strategies.programs import SinkPrograms, SinkUpdates, choose_programs
-from lightning_sink.strategies.staged_data import StagedData
 from lightning_sink.strategies.step_autocast import step_autocast
 from lightning_sink.window import FlatAllReduce, NoGradients
 
@@ -333,7 +333,7 @@ def compiled_choice(
     micro_steps_per_call: int = 1,
 ) -> Callable[[StepEngine, SinkUpdates], SinkPrograms]:
     """The sink loop's ``choose`` for ``graph_mode``: the compiled pair where it applies, else ``choose_programs``.
-    ``staging``: the fit's staged training data (``staged_data.py``), or why there is none; ``micro_steps_per_call``:
+    ``staging``: the fit's staged training data (``sink/staging.py``), or why there is none; ``micro_steps_per_call``:
     micro-batches per compiled call where that is exact (``CompiledSeveral``)."""
     if graph_mode == "eager":
         return choose_programs
