@@ -45,6 +45,7 @@ from lightning_sink.compiled.optimizer_rules import OptimizerRule, optimizer_rul
 from lightning_sink.compiled.scale_rule import scaler_tensors, update_scale
 from lightning_sink.compiled.support import Unavailable, unsupported_reason
 from lightning_sink.loss_scale import DynamicLossScale, FixedLossScale, LossScaler
+from lightning_sink.window import state as window_state
 
 __all__ = [
     "ProgramUnavailable",
@@ -304,9 +305,9 @@ class StepPrograms:
 
     def _apply_update(self, state: dict[str, Any], sums: list[Tensor]) -> Tensor | None:
         """Divide, unscale, check for overflow, clip, update (or skip), update the scale, reset the window."""
-        divisor = state["micro_steps"] + 1
-        if self.rank_sum is not None:
-            divisor = divisor * self.rank_sum.ranks
+        ranks = 1 if self.rank_sum is None else self.rank_sum.ranks
+        # the micro-steps before this one and this one; the programs add undivided losses (loss divisor 1)
+        divisor = window_state.window_mean_divisor(state["micro_steps"] + 1, ranks, 1)
         scaler = state["scaler"]
         factor = 1.0 / divisor if scaler is None else 1.0 / (scaler["scale"] * divisor)
         sums = [total * factor for total in sums]

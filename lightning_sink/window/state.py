@@ -8,11 +8,25 @@ after ``accumulation_steps`` micro-batches and its update is the mean over its b
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 from lightning_sink.window.protocols import GradientStore
 
-__all__ = ["Window"]
+if TYPE_CHECKING:
+    from torch import Tensor
+
+__all__ = ["Window", "window_mean_divisor"]
+
+
+@overload
+def window_mean_divisor(backward_passes: int, ranks_in_sum: int, loss_divisor: int) -> float: ...
+@overload
+def window_mean_divisor(backward_passes: Tensor, ranks_in_sum: int, loss_divisor: int) -> Tensor: ...
+def window_mean_divisor(backward_passes: int | Tensor, ranks_in_sum: int, loss_divisor: int) -> float | Tensor:
+    """The one rule that turns a window's reduced gradient sum into its mean: every loss was divided by
+    ``loss_divisor`` already, so the mean over the backward passes (on every rank in the sum) divides by the rest.
+    ``Window.mean_divisor`` calls it with ints; the compiled update program traces it with a device count."""
+    return backward_passes * ranks_in_sum / loss_divisor
 
 
 class Window:
@@ -40,7 +54,7 @@ class Window:
     def mean_divisor(self) -> float:
         """What turns the reduced sum into the mean gradient: every loss was divided by ``loss_divisor`` already,
         so the mean over the backward passes (on every rank in the sum) divides by the rest."""
-        return self.backward_passes * self.ranks_in_sum / self.loss_divisor
+        return window_mean_divisor(self.backward_passes, self.ranks_in_sum, self.loss_divisor)
 
     def end(self) -> None:
         """The window's update is done (or the window is dropped): the next micro-batch opens a new one."""
