@@ -52,7 +52,7 @@ __all__ = [
     "RankSum",
     "StepOutputs",
     "StepPrograms",
-    "Window",
+    "ProgramWindow",
     "build_step_programs",
     "inductor_options",
 ]
@@ -103,7 +103,7 @@ class RankSum:
 
 
 @dataclass
-class Window:
+class ProgramWindow:
     """The open window: the fp32 gradient sum per trainable parameter and how many micro-steps it holds."""
 
     buffers: list[Tensor]
@@ -210,7 +210,7 @@ class StepPrograms:
         self._buffer_names = [name for name, _ in frozen + buffers]
         self.params = rule.params
         device = self.params[0].device
-        self.window = Window(
+        self.window = ProgramWindow(
             [torch.zeros_like(param, dtype=torch.float32) for param in self.params],
             torch.zeros((), dtype=torch.float32, device=device),
         )
@@ -254,7 +254,7 @@ class StepPrograms:
         scale = state["scaler"]["scale"] if state["scaler"] is not None else None
         options: dict[str, dict[str, Any]] = {}  # of each log call; not tensors, so not through grad's output
 
-        def loss_of(params: list[Tensor], buffers: list[Tensor]) -> tuple[Tensor, tuple[Tensor, dict]]:
+        def forward_loss(params: list[Tensor], buffers: list[Tensor]) -> tuple[Tensor, tuple[Tensor, dict]]:
             values: dict[str, Tensor] = {}
             logged.values, logged.call_options = values, options
             tensors = {**dict(zip(param_names, params)), **dict(zip(buffer_names, buffers))}
@@ -269,7 +269,7 @@ class StepPrograms:
             scaled = loss if scale is None else loss * scale.to(loss.dtype)
             return scaled, (loss.detach(), values)
 
-        grads, (_, (loss, values)) = grad_and_value(loss_of, has_aux=True)(state["params"], state["buffers"])
+        grads, (_, (loss, values)) = grad_and_value(forward_loss, has_aux=True)(state["params"], state["buffers"])
         state["batch_index"].add_(1)
         return grads, loss, values, options
 

@@ -1,5 +1,5 @@
 """The compiled step programs as the sink loop calls them: ``CompiledAccumulate`` / ``CompiledUpdate`` (one
-micro-batch per call, ``StepProgram``) and ``CompiledSeveral`` (whole windows per call, ``SeveralSteps``), each a
+micro-batch per call, ``MicroBatchProgram``) and ``CompiledSeveral`` (whole windows per call, ``SeveralSteps``), each a
 call of ``lightning_sink.compiled``'s ``StepPrograms``, which one fit's choice (``sink/programs/compiled_choice.py``) built.
 
 What stays where it was:
@@ -41,7 +41,7 @@ __all__ = ["FitPrograms", "CompiledAccumulate", "CompiledUpdate", "CompiledSever
 
 
 class FitPrograms(Protocol):
-    """The fit's programs as the compiled pair reads them (``compiled_choice.CompiledSteps``): built at the first
+    """The fit's programs as the compiled pair reads them (``compiled_choice.CompiledProgramChooser``): built at the first
     micro-batch (``build``), or the reason there are none."""
 
     engine: StepEngine

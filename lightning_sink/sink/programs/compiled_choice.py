@@ -1,8 +1,8 @@
 """``graph_mode="compile"`` / ``"cuda_graph"`` in sink mode: one fit's choice of step programs, each program one
-compiled function over the whole step (``lightning_sink.compiled``), behind the ``StepProgram`` seam of
+compiled function over the whole step (``lightning_sink.compiled``), behind the ``MicroBatchProgram`` seam of
 ``sink/programs/eager.py``; the per-call programs the sink loop runs are ``sink/programs/compiled.py``'s.
 
-``CompiledSteps`` is one fit's choice. At each sink's start ``choose`` hands the sink loop either the compiled pair
+``CompiledProgramChooser`` is one fit's choice. At each sink's start ``choose`` hands the sink loop either the compiled pair
 (``CompiledAccumulate`` / ``CompiledUpdate``) or, when the programs do not apply, the pair ``choose_programs`` picks
 (today's path: with ``"compile"`` the forward-compiled ``training_step``). Whether they apply is decided once, at the
 first micro-batch of the fit's first sink, before anything of the run changed: the run's own reasons (the
@@ -50,7 +50,7 @@ from lightning_sink.window import FlatAllReduce, NoGradients
 __all__ = [
     "COMPILE_BACKEND",
     "DDP_SUM_ROUTE",
-    "CompiledSteps",
+    "CompiledProgramChooser",
     "compiled_choice",
 ]
 
@@ -77,7 +77,7 @@ _MODULE_HOOKS_BETWEEN = _CALLBACK_HOOKS_BETWEEN + (
 )
 
 
-class CompiledSteps:
+class CompiledProgramChooser:
     """One fit's compiled step programs, built at the first micro-batch of its first sink (they need an example
     batch), or the reason there are none."""
 
@@ -245,7 +245,7 @@ class CompiledSteps:
             backend=COMPILE_BACKEND,
             cuda_graph=self.graph_mode == "cuda_graph",
             autocast=self.autocast,
-            rank_sum=self._rank_sum(),
+            rank_sum=self._rank_sum(several),
             data=data,
             micro_steps_per_call=several,
             accumulation_steps=engine.accumulation_steps if several > 1 else 1,
@@ -281,13 +281,14 @@ class CompiledSteps:
         )
         return built
 
-    def _rank_sum(self) -> RankSum | None:
-        """Under DDP, the update's sum across the processes: the reducer's one flat all-reduce (``DDP_SUM_ROUTE``)."""
+    def _rank_sum(self, several: int) -> RankSum | None:
+        """Under DDP, the update's sum across the processes: the reducer's one flat all-reduce (``DDP_SUM_ROUTE``);
+        traced into the program with ``several`` micro-steps per call, whose updates all run inside one call."""
         reducer = self.engine.reducer
         if self.engine.host.world_size == 1 or not isinstance(reducer, FlatAllReduce):
             return None
         ranks = self.engine.window.ranks_in_sum
-        if DDP_SUM_ROUTE == "traced":
+        if DDP_SUM_ROUTE == "traced" or several > 1:
             return RankSum(ranks, group=dist.group.WORLD)
         return RankSum(ranks, all_reduce=reducer.sum_flat)
 
@@ -337,4 +338,4 @@ def compiled_choice(
     micro-batches per compiled call where that is exact (``CompiledSeveral``)."""
     if graph_mode == "eager":
         return choose_programs
-    return CompiledSteps(engine, graph_mode, staging, micro_steps_per_call).choose
+    return CompiledProgramChooser(engine, graph_mode, staging, micro_steps_per_call).choose

@@ -6,7 +6,7 @@
   reduction, divide/unscale, the overflow agreement, ``on_before_optimizer_step`` and clipping, the optimizer step
   (or the skip), the loss-scale update and the window reset.
 
-Both satisfy ``StepProgram``: ``run(batch, batch_idx)`` trains one micro-batch (already on the device) and returns
+Both satisfy ``MicroBatchProgram``: ``run(batch, batch_idx)`` trains one micro-batch (already on the device) and returns
 its detached loss, ``None`` when ``training_step`` returned ``None``; the window state they work on
 (``lightning_sink.window.state.Window``) is given at construction and held, so a program that runs a whole step
 as one compiled function can keep it on the device. ``loss_divisor`` is what the program divides each loss by
@@ -38,7 +38,7 @@ from lightning_sink.strategies.engine import StepEngine, loss_of
 from lightning_sink.window.state import Window
 
 __all__ = [
-    "StepProgram",
+    "MicroBatchProgram",
     "SeveralSteps",
     "SinkPrograms",
     "SinkUpdates",
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 
-class StepProgram(Protocol):
+class MicroBatchProgram(Protocol):
     """One micro-batch of a window: the accumulate program, or the update program that ends the window."""
 
     loss_divisor: int  # what each micro-batch's loss is divided by before its backward
@@ -259,8 +259,8 @@ class SingleStepUpdate:
 class SinkPrograms:
     """The pair a sink runs: ``accumulate`` for micro-batches inside a window, ``update`` for its last one."""
 
-    accumulate: StepProgram
-    update: StepProgram
+    accumulate: MicroBatchProgram
+    update: MicroBatchProgram
     end_sink: Callable[[], None] | None = None  # called at the sink's end (compiled programs save the window there)
     several: SeveralSteps | None = None  # several micro-batches per call (compiled programs, micro_steps_per_call)
 
