@@ -125,7 +125,7 @@ class StagedData:
     ) -> None:
         self._loader, self._position, self._device, self._budget = loader, position, device, budget
         self._capacity, self._pass_batches = capacity, batches
-        self.batch_size: int = loader.batch_size  # type: ignore[assignment]  # (plan_staging checked it is set)
+        self.batch_size = cast(int, loader.batch_size)  # (plan_staging checked it is set)
         self._read = batch_reader(loader)
         self._tensors: list[Tensor] = list(cast(TensorDataset, loader.dataset).tensors)
         self._data: tuple[DeviceDataset, SinkIndices] | None = None
