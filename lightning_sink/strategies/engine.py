@@ -204,7 +204,7 @@ class StepEngine:
             output = self.forward(*args, **kwargs)
         else:
             output = self.host.accumulate_step(*args, **kwargs)  # (see the note below)
-        window.micro_batches += 1
+        window.count_micro_batch()
         if window.drop and output is None:
             self.end_window()  # dropped, and no backward follows to discard it
         self.passes.batch_trained(compat.is_last_batch_of_epoch(self.trainer))  # (sinks count their own)

@@ -56,6 +56,23 @@ class Window:
         so the mean over the backward passes (on every rank in the sum) divides by the rest."""
         return window_mean_divisor(self.backward_passes, self.ranks_in_sum, self.loss_divisor)
 
+    def count_micro_batch(self) -> None:
+        """A micro-batch of this window ran (its ``training_step`` returned a loss or ``None``)."""
+        self.micro_batches += 1
+
+    def count_backward(self) -> None:
+        """A backward pass added into the sum outside the store's own micro-step (the compiled programs add it on the
+        device; the store counts it on the host)."""
+        self.store.micro_steps += 1
+
+    def close(self) -> None:
+        """The window's last micro-batch is in: its update runs next, and a micro-batch after it opens a new window."""
+        self.micro_batches = 0
+
+    def clear_backward_count(self) -> None:
+        """The compiled programs' update reset their device sum: the store's host count of it follows."""
+        self.store.micro_steps = 0
+
     def end(self) -> None:
         """The window's update is done (or the window is dropped): the next micro-batch opens a new one."""
         self.micro_batches = 0

@@ -90,7 +90,7 @@ class _Compiled:
         window = engine.window
         if window.micro_batches == 0:
             engine.counters.zero_grad()  # Lightning's zero-grad progress, as its loop counts it at a window start
-        window.micro_batches += 1
+        window.count_micro_batch()
 
     def _outputs(self, programs: StepPrograms, out: StepOutputs) -> Tensor:
         """The micro-batch's loss, its logged values handed to ``self.log``."""
@@ -121,7 +121,7 @@ class _Compiled:
         if scaling is not None:
             # (the scale and the skipped count come out of a call of several; a call of one leaves them None)
             engine.log_loss_scale(scaling, out.found_inf, out.scale, out.skipped)
-        engine.window.store.micro_steps = 0
+        engine.window.clear_backward_count()
         engine.window.end()
         return loss
 
@@ -133,7 +133,7 @@ class CompiledAccumulate(_Compiled):
             assert self._eager is not None
             return self._eager.accumulate.run(batch, batch_idx)
         out = programs.accumulate(_own_batch(batch))
-        self._engine.window.store.micro_steps += 1  # the backward passes of the window, counted on the host
+        self._engine.window.count_backward()  # the backward passes of the window, counted on the host
         return self._outputs(programs, out)
 
 
@@ -144,7 +144,7 @@ class CompiledUpdate(_Compiled):
             assert self._eager is not None
             return self._eager.update.run(batch, batch_idx)
         engine = self._engine
-        engine.window.micro_batches = 0
+        engine.window.close()
         result: list[Tensor] = []
 
         def update() -> None:
@@ -193,9 +193,9 @@ class CompiledSeveral(_Compiled):
         window = self._engine.window
         self._count_micro_batch()
         if not ends:
-            window.store.micro_steps += 1
+            window.count_backward()
             return self._outputs(programs, out)
-        window.micro_batches = 0
+        window.close()
         result: list[Tensor] = []
         self._updates.make(lambda: result.append(self._end_window(programs, out)))
         return result[0]

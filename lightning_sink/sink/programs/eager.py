@@ -137,7 +137,7 @@ class _Hooked:
         starts = window.micro_batches == 0
         if starts and window.store.micro_steps:
             self._engine.end_window()  # an optimizer_step hook that ran the closure without stepping
-        window.micro_batches += 1
+        window.count_micro_batch()
         return starts
 
 
@@ -154,7 +154,7 @@ class HookedUpdate(_Hooked):
         trainer = engine.trainer
         result: list[Tensor | None] = [None]
         closure = self._closure(batch, batch_idx, self._open(), result)
-        self._window.micro_batches = 0
+        self._window.close()
         self._updates.make(
             lambda: compat.call_lightning_module_hook(
                 trainer,
@@ -187,7 +187,7 @@ class _Direct:
                 self._store_checked = True
             window.store.zero_grad()  # what the default optimizer_zero_grad (set_to_none=True) leaves
             engine.counters.zero_grad()
-        window.micro_batches += 1
+        window.count_micro_batch()
         loss = loss_of(engine.forward(*_step_args(engine, batch, batch_idx)))
         if loss is not None:
             store = window.store
@@ -206,7 +206,7 @@ class DirectAccumulate(_Direct):
 class DirectUpdate(_Direct):
     def run(self, batch: Any, batch_idx: int) -> Tensor | None:
         loss = self._micro_step(batch, batch_idx, ends=True)
-        self._window.micro_batches = 0
+        self._window.close()
         self._updates.make(self._update)
         return loss
 
