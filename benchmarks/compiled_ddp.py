@@ -55,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compiled_fit import Classifier, CompileReport, make_optimizer, spread
 
-import lightning_sink.strategies.compiled_choice as compiled_choice
+import lightning_sink.sink.programs.compiled_choice as compiled_choice
 from lightning_sink import SinkDDPStrategy
 from lightning_sink.compiled import RankSum, StepPrograms, build_step_programs
 from lightning_sink.window import FlatAllReduce

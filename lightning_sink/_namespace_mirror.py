@@ -100,8 +100,12 @@ def bound_modules() -> frozenset[str]:
         if any(imported == "lightning" or imported.startswith("lightning.") for imported in names)
     }
     changed = True
-    while changed:  # a fixed point: each pass adds the modules that reach a bound one
+    while changed:  # a fixed point: each pass adds the modules that reach a bound one, and their packages
         changed = False
+        packages = {parent for name in bound for parent in _parents(name)} - bound
+        if packages:  # a mirrored module's package is mirrored too (else its mirror has no parent to import under)
+            bound |= packages
+            changed = True
         for name, names in imports.items():
             reaches = {*names, *(parent for imported in names for parent in _parents(imported)), *_parents(name)}
             if name not in bound and reaches & bound:

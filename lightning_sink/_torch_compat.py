@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils.data import DataLoader
 from torch.utils.data.dataloader import _SingleProcessDataLoaderIter
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 __all__ = [
     "StridedShard",
@@ -48,6 +51,10 @@ __all__ = [
     "storage_offset_in_file",
     "compiled_graph_count",
     "traced_all_reduce_sum",
+    "fsdp_params",
+    "fsdp_partial_sum",
+    "fsdp_unsharded_param",
+    "set_fsdp_partial_sum",
 ]
 
 StridedShard = _StridedShard  # FSDP2 + TP's row placement of a parameter sharded twice on one dim
@@ -251,3 +258,38 @@ def inductor_option_names() -> frozenset[str]:
     import torch._inductor
 
     return frozenset(torch._inductor.list_options())
+
+
+# FSDP2 keeps a window's partial sums where no public API reaches them. The four functions below are the only places
+# that touch its internals; tests/strategies/test_fsdp_window.py fails loudly when torch moves them.
+def fsdp_params(modules: list[FSDPModule]) -> list[Any]:
+    """The ``FSDPParam`` objects of ``modules`` (FSDP2's per-parameter state), in order."""
+    return [
+        fsdp_param
+        for module in modules
+        for group in module._get_fsdp_state()._fsdp_param_groups
+        for fsdp_param in group.fsdp_params
+    ]
+
+
+def fsdp_unsharded_param(fsdp_param: Any) -> torch.Tensor:
+    """The unsharded parameter whose ``.grad`` FSDP2 accumulates into with gradient sync off."""
+    return fsdp_param._unsharded_param
+
+
+def fsdp_partial_sum(fsdp_param: Any) -> torch.Tensor | None:
+    """The unreduced gradient sum: in ``reduce_dtype`` when that differs from the parameter's dtype."""
+    if fsdp_param.unsharded_accumulated_grad is not None:
+        return fsdp_param.unsharded_accumulated_grad
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    return None if unsharded is None else unsharded.grad
+
+
+def set_fsdp_partial_sum(fsdp_param: Any, grad: torch.Tensor | None) -> None:
+    """Put ``grad`` back where ``fsdp_partial_sum`` reads it: the accumulated gradient when its dtype differs from the
+    parameter's, else the unsharded parameter's ``.grad``."""
+    unsharded = fsdp_param._unsharded_param
+    if grad is not None and grad.dtype != unsharded.dtype:
+        fsdp_param.unsharded_accumulated_grad, unsharded.grad = grad, None
+    else:
+        fsdp_param.unsharded_accumulated_grad, unsharded.grad = None, grad

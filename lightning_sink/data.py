@@ -135,7 +135,7 @@ class DataPosition:
     ``pass_index`` counts completed data passes in sink mode (there it is the sampler epoch of the pass being
     trained); outside sink mode Lightning's epoch is the pass and it stays 0. Pass starts may be recorded ahead of
     training by sink mode's prefetch thread, hence the lock. In sink mode ``trained_in_sink`` (micro-batches of the
-    sink being trained) and ``trained_total`` (of the fit) place the schedule points (``sink_schedule.py``) and let a
+    sink being trained) and ``trained_total`` (of the fit) place the schedule points (``sink/schedule.py``) and let a
     resume continue an interrupted sink to its planned end.
     """
 

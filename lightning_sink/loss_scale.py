@@ -17,7 +17,7 @@ from torch import Tensor
 
 from lightning_sink.counts import check_count_fits
 
-__all__ = ["DynamicLossScale", "FixedLossScale", "LossScaler"]
+__all__ = ["DynamicLossScale", "FixedLossScale", "LossScaler", "SCALER_TENSORS", "scale_rule"]
 
 
 _SCALE_DTYPE = torch.float32  # of the device-resident scale (LossScaler.scale)
@@ -141,7 +141,7 @@ class LossScaler:
         self.found_inf = torch.zeros((), dtype=torch.float32)  # of the last window
 
     def to(self, device: torch.device) -> LossScaler:
-        for name in ("scale", "growth_tracker", "hysteresis_left", "skipped", "found_inf"):
+        for name in SCALER_TENSORS:
             setattr(self, name, getattr(self, name).to(device))
         return self
 
@@ -157,29 +157,42 @@ class LossScaler:
         return self.found_inf
 
     def update(self, found_inf: Tensor) -> None:
-        """Count a skipped window and move the scale by the documented rule, without leaving the device."""
-        overflow = found_inf > 0
-        if self.skips_overflow:
-            self.skipped.add_(overflow.long())
-        config = self.config
-        if not isinstance(config, DynamicLossScale):
-            return
-        growth = torch.where(overflow, torch.zeros_like(self.growth_tracker), self.growth_tracker + 1)
-        hysteresis = torch.where(overflow, self.hysteresis_left - 1, self.hysteresis_left)
-        drop = overflow & (hysteresis <= 0)
-        grow = growth >= config.scale_window
-        scale = torch.where(drop, (self.scale / config.scale_factor).clamp(min=config.min_scale), self.scale)
-        scale = torch.where(grow, (scale * config.scale_factor).clamp(max=config.max_scale), scale)
-        self.growth_tracker.copy_(torch.where(grow, torch.zeros_like(growth), growth))
-        self.hysteresis_left.copy_(torch.where(grow, torch.full_like(hysteresis, config.hysteresis), hysteresis))
-        self.scale.copy_(scale)
+        """Count a skipped window and move the scale by the documented rule (``scale_rule``), on the device."""
+        scale_rule(self.config, self.tensors(), found_inf > 0)
+
+    def tensors(self) -> dict[str, Tensor]:
+        """The scaler's own device tensors by name (a compiled program writes into them, so monitors read them)."""
+        return {name: getattr(self, name) for name in SCALER_TENSORS}
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            name: getattr(self, name).detach().cpu().clone()
-            for name in ("scale", "growth_tracker", "hysteresis_left", "skipped", "found_inf")
-        }
+        return {name: getattr(self, name).detach().cpu().clone() for name in SCALER_TENSORS}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for name, value in state.items():
             getattr(self, name).copy_(value)
+
+
+SCALER_TENSORS = ("scale", "growth_tracker", "hysteresis_left", "skipped", "found_inf")  # LossScaler's, in order
+
+
+def scale_rule(config: DynamicLossScale | FixedLossScale, state: dict[str, Tensor], overflow: Tensor) -> None:
+    """The one loss-scale update rule, on explicit tensors (``LossScaler.update`` calls it, and the compiled update
+    program traces it): count a skipped window (``overflow``, a bool tensor) where the config skips them; on overflow
+    the growth counter resets and the hysteresis allowance drops, the scale dividing by ``scale_factor`` (not below
+    ``min_scale``) when it is spent; after ``scale_window`` good windows in a row the scale multiplies by
+    ``scale_factor`` (not above ``max_scale``) and the allowance is refilled."""
+    skips = isinstance(config, DynamicLossScale) or config.drop_overflow_update
+    if skips:
+        state["skipped"].add_(overflow.to(state["skipped"].dtype))
+    if not isinstance(config, DynamicLossScale):
+        return
+    growth = torch.where(overflow, torch.zeros_like(state["growth_tracker"]), state["growth_tracker"] + 1)
+    hysteresis = torch.where(overflow, state["hysteresis_left"] - 1, state["hysteresis_left"])
+    drop = overflow & (hysteresis <= 0)
+    grow = growth >= config.scale_window
+    scale = state["scale"]
+    new_scale = torch.where(drop, (scale / config.scale_factor).clamp(min=config.min_scale), scale)
+    new_scale = torch.where(grow, (new_scale * config.scale_factor).clamp(max=config.max_scale), new_scale)
+    state["growth_tracker"].copy_(torch.where(grow, torch.zeros_like(growth), growth))
+    state["hysteresis_left"].copy_(torch.where(grow, torch.full_like(hysteresis, config.hysteresis), hysteresis))
+    scale.copy_(new_scale)

@@ -4,7 +4,7 @@ MindSpore's ``dataset_sink_mode`` traverses the dataset continuously: with ``sin
 e*K .. e*K+K-1 of an endless pass. Read in the training thread, a pass over an in-memory ``TensorDataset`` takes each
 batch by one indexing per tensor (``indexed_batches``): the same batches for a fraction of the ``DataLoader``'s cost.
 ``SinkLoader`` is what Lightning iterates: placeholder ``SinkToken`` items, one per epoch (so a Lightning epoch is
-one Lightning batch), or one per segment where the fit's schedule ends a sink early (``sink_schedule.py``); it has
+one Lightning batch), or one per segment where the fit's schedule ends a sink early (``sink/schedule.py``); it has
 no length, since the segments of a sink are known only as it runs. The strategy pulls the sink's micro-batches from ``MicroBatchStream``, whose iterator survives
 epochs and whose sampler epoch advances at each new data pass. ``SinkLoader`` is therefore what
 ``trainer.train_dataloader`` returns in sink mode; it forwards the user loader's attributes (``batch_size``,

@@ -4,10 +4,10 @@ GPU captured as a CUDA graph over a device-resident dataset. See docs/compiled_p
 from lightning_sink.compiled.autocast_region import AutocastRegion
 from lightning_sink.compiled.step_programs import (
     ProgramUnavailable,
+    ProgramWindow,
     RankSum,
     StepOutputs,
     StepPrograms,
-    Window,
     build_step_programs,
 )
 from lightning_sink.compiled.support import Unavailable
@@ -19,6 +19,6 @@ __all__ = [
     "StepOutputs",
     "StepPrograms",
     "Unavailable",
-    "Window",
+    "ProgramWindow",
     "build_step_programs",
 ]

@@ -47,13 +47,14 @@ from lightning_sink.compiled.optimizer_rules import OptimizerRule, optimizer_rul
 from lightning_sink.compiled.scale_rule import scaler_tensors, update_scale
 from lightning_sink.compiled.support import Unavailable, unsupported_reason
 from lightning_sink.loss_scale import DynamicLossScale, FixedLossScale, LossScaler
+from lightning_sink.window import state as window_state
 
 __all__ = [
     "ProgramUnavailable",
     "RankSum",
     "StepOutputs",
     "StepPrograms",
-    "Window",
+    "ProgramWindow",
     "build_step_programs",
     "inductor_options",
 ]
@@ -109,7 +110,7 @@ class RankSum:
 
 
 @dataclass
-class Window:
+class ProgramWindow:
     """The open window: the fp32 gradient sum per trainable parameter and how many micro-steps it holds."""
 
     buffers: list[Tensor]
@@ -220,7 +221,7 @@ class StepPrograms:
         self._buffer_names = [name for name, _ in frozen + buffers]
         self.params = rule.params
         device = self.params[0].device
-        self.window = Window(
+        self.window = ProgramWindow(
             [torch.zeros_like(param, dtype=torch.float32) for param in self.params],
             torch.zeros((), dtype=torch.float32, device=device),
         )
@@ -267,7 +268,7 @@ class StepPrograms:
         # the logged Metrics, and the Metric calls with their tensors replaced by positions in `metric_tensors`
         side: dict[str, Any] = {"options": {}, "references": {}, "calls": []}
 
-        def loss_of(params: list[Tensor], buffers: list[Tensor]) -> tuple[Tensor, tuple[Tensor, tuple]]:
+        def forward_loss(params: list[Tensor], buffers: list[Tensor]) -> tuple[Tensor, tuple[Tensor, tuple]]:
             values: dict[str, Tensor] = {}
             logged.values, logged.call_options, logged.references = values, side["options"], side["references"]
             calls: list[Any] = []
@@ -287,7 +288,7 @@ class StepPrograms:
             scaled = loss if scale is None else loss * scale.to(loss.dtype)
             return scaled, (loss.detach(), (values, metric_tensors))
 
-        grads, (_, (loss, values)) = grad_and_value(loss_of, has_aux=True)(state["params"], state["buffers"])
+        grads, (_, (loss, values)) = grad_and_value(forward_loss, has_aux=True)(state["params"], state["buffers"])
         state["batch_index"].add_(1)
         return grads, loss, values, side
 
@@ -321,9 +322,9 @@ class StepPrograms:
 
     def _apply_update(self, state: dict[str, Any], sums: list[Tensor]) -> Tensor | None:
         """Divide, unscale, check for overflow, clip, update (or skip), update the scale, reset the window."""
-        divisor = state["micro_steps"] + 1
-        if self.rank_sum is not None:
-            divisor = divisor * self.rank_sum.ranks
+        ranks = 1 if self.rank_sum is None else self.rank_sum.ranks
+        # the micro-steps before this one and this one; the programs add undivided losses (loss divisor 1)
+        divisor = window_state.window_mean_divisor(state["micro_steps"] + 1, ranks, 1)
         scaler = state["scaler"]
         factor = 1.0 / divisor if scaler is None else 1.0 / (scaler["scale"] * divisor)
         sums = [total * factor for total in sums]

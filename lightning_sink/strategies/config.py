@@ -51,7 +51,7 @@ class SinkConfig:
     checkpoint_random_state: bool = True
     checkpoint_digests: bool = True  # the .ckpt saves of SinkStrategy and SinkDDPStrategy (tensor_digests.py)
     device_data_budget: int | None = None  # bytes of training data the compiled programs may stage on the device
-    micro_steps_per_call: int = 1  # graph sinking: micro-batches per compiled call (compiled_pair.py)
+    micro_steps_per_call: int = 1  # graph sinking: micro-batches per compiled call (sink/programs/compiled.py)
 
     def __post_init__(self) -> None:
         for name in _COUNTS:

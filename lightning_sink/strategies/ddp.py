@@ -52,6 +52,11 @@ class SinkDDPStrategy(DDPStrategy):
         sink_size, prefetch_depth, graph_mode, checkpoint_random_state: sink mode, graph sinking and the random
             generators in checkpoints (per rank); see ``SinkStrategy``.
         checkpoint_digests: the tensor digests of each ``.ckpt``; see ``SinkStrategy``.
+        device_data_budget: see ``SinkStrategy``; the training data is staged on the device for one process only, so
+            under DDP with several processes the batches keep the loader path (the fit's line on its programs says so).
+        micro_steps_per_call: micro-batches (whole windows) per compiled call with ``graph_mode="compile"`` in sink
+            mode; see ``SinkStrategy``. Above 1, the window's sum across the processes is traced into the program (a
+            functional all-reduce), as one call runs several updates.
         **kwargs: everything ``lightning.pytorch.strategies.DDPStrategy`` takes (``process_group_backend``,
             ``start_method``, ``timeout``, ...).
     """
@@ -67,6 +72,8 @@ class SinkDDPStrategy(DDPStrategy):
         graph_mode: str = "eager",
         checkpoint_random_state: bool = True,
         checkpoint_digests: bool = True,
+        device_data_budget: int | None = None,
+        micro_steps_per_call: int = 1,
         **kwargs: Any,
     ) -> None:
         config = SinkConfig(
@@ -77,6 +84,8 @@ class SinkDDPStrategy(DDPStrategy):
             graph_mode,
             checkpoint_random_state=checkpoint_random_state,
             checkpoint_digests=checkpoint_digests,
+            device_data_budget=device_data_budget,
+            micro_steps_per_call=micro_steps_per_call,
         )
         validate_ddp_keywords(kwargs)
         for device in kwargs.get("parallel_devices") or ():
@@ -91,6 +100,7 @@ class SinkDDPStrategy(DDPStrategy):
     sink_size = fit_setting("sink_size")
     prefetch_depth = fit_setting("prefetch_depth")
     graph_mode = fit_setting("graph_mode")
+    micro_steps_per_call = fit_setting("micro_steps_per_call")
     sink_config = fit_setting("sink_config")
     micro_steps_in_window = fit_setting("micro_steps_in_window")
     # what tests and benchmarks look into

@@ -18,9 +18,8 @@ zero-grad hooks at a window's first batch, ``training_step``, the backward, and 
 
 Lightning divides each loss by ``accumulate_grad_batches`` (N); a window of k micro-batches that returned a loss
 is divided by k/N at its end, so every update is the mean over its micro-batches (``Window.mean_divisor``; under
-``partial_window="lightning"`` it is not, as stock Lightning does not divide it). With
-sinking (``sink_size``) a Lightning batch is a whole sink, run by ``sink_loop.py`` with the step programs of
-``programs.py``.
+``partial_window="lightning"`` it is not, as stock Lightning does not divide it). With sinking (``sink_size``) a
+Lightning batch is a whole sink, run by ``sink/loop.py`` with the step programs of ``sink/programs/eager.py``.
 """
 
 from __future__ import annotations
@@ -206,7 +205,7 @@ class StepEngine:
             output = self.forward(*args, **kwargs)
         else:
             output = self.host.accumulate_step(*args, **kwargs)  # (see the note below)
-        window.micro_batches += 1
+        window.count_micro_batch()
         if window.drop and output is None:
             self.end_window()  # dropped, and no backward follows to discard it
         self.passes.batch_trained(compat.is_last_batch_of_epoch(self.trainer))  # (sinks count their own)

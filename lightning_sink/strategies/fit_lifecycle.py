@@ -27,6 +27,12 @@ from lightning_sink.indexed_batches import IndexedLoaderReads
 from lightning_sink.loss_scale import DynamicLossScale
 from lightning_sink.precision import LossScalePrecision
 from lightning_sink.random_state import gather_random_states, restore_rank_random_state
+from lightning_sink.sink.logging import SinkLogBuffer
+from lightning_sink.sink.loop import SinkLoop
+from lightning_sink.sink.programs.compiled_choice import compiled_choice
+from lightning_sink.sink.schedule import SinkSchedule
+from lightning_sink.sink.staging import StagedData, default_device_data_budget, plan_staging
+from lightning_sink.sink.step_triggers import describe_sink_epoch, schedule_points
 from lightning_sink.sink_data import (
     MicroBatchStream,
     SinkLoader,
@@ -34,7 +40,6 @@ from lightning_sink.sink_data import (
 )
 from lightning_sink.sink_progress import SinkProgress, epoch_micro_batches
 from lightning_sink.strategies import checkpoint_state
-from lightning_sink.strategies.compiled_choice import compiled_choice
 from lightning_sink.strategies.config import SinkConfig
 from lightning_sink.strategies.engine import EngineHost, EngineParts, StepEngine
 from lightning_sink.strategies.fit_checks import (
@@ -47,12 +52,7 @@ from lightning_sink.strategies.hooks import HookPlan
 from lightning_sink.strategies.progress_ranges import check_progress_against_fit, whole_count
 from lightning_sink.strategies.recompile_watch import RecompileWatch
 from lightning_sink.strategies.resume_check import check_resume_settings
-from lightning_sink.strategies.sink_logging import SinkLogBuffer
-from lightning_sink.strategies.sink_loop import SinkLoop
-from lightning_sink.strategies.sink_schedule import SinkSchedule
 from lightning_sink.strategies.sink_state_check import FitFacts, check_state_against_fit
-from lightning_sink.strategies.staged_data import StagedData, default_device_data_budget, plan_staging
-from lightning_sink.strategies.step_triggers import describe_sink_epoch, schedule_points
 from lightning_sink.strategies.tensor_digests import add_tensor_digests, check_tensor_digests
 from lightning_sink.training_passes import TrainingPasses
 from lightning_sink.window import GradientStore, Reducer
@@ -175,7 +175,7 @@ class SinkFit:
             # the accumulating loss scaler instead (an explicit LossScalePrecision plugin is kept as given).
             host.precision_plugin = LossScalePrecision("16-mixed", DynamicLossScale(), device=plugin.device)
         if self.sink_size is not None:
-            # A step-based val_check_interval is the sink schedule's (sink_schedule.py); Lightning's own reading of
+            # A step-based val_check_interval is the sink schedule's (sink/schedule.py); Lightning's own reading of
             # it, against a loader of sink placeholders, would be wrong. Given back when the fit ends.
             interval = trainer.val_check_interval
             if isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval != 1.0:
@@ -421,7 +421,7 @@ class SinkFit:
         return min(updates, trainer.max_steps) if trainer.max_steps != -1 else updates
 
     def _staging(self, engine: StepEngine) -> StagedData | Unavailable:
-        """The training data staged on the device for the compiled programs (``staged_data.py``), or why not."""
+        """The training data staged on the device for the compiled programs (``sink/staging.py``), or why not."""
         assert self._sink_loader is not None and self.sink_size is not None
         host = self.host
         budget = self.sink_config.device_data_budget

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_sink import _torch_compat as compat
 from lightning_sink.accumulation import unique_trainable
 
 __all__ = ["FSDPWindow"]
@@ -51,33 +52,10 @@ def _check_shape(param: Tensor, local: Tensor | None) -> None:
         )
 
 
-# FSDP2 keeps a window's partial sums where no public API reaches them. The three functions below are the only
-# places that touch its internals; tests/strategies/test_fsdp_window.py fails loudly when torch moves them.
-def _fsdp_params(modules: list[FSDPModule]) -> list[Any]:
-    return [
-        fsdp_param
-        for module in modules
-        for group in module._get_fsdp_state()._fsdp_param_groups
-        for fsdp_param in group.fsdp_params
-    ]
-
-
-def _partial_sum(fsdp_param: Any) -> Tensor | None:
-    """The unreduced gradient sum: in ``reduce_dtype`` when that differs from the parameter's dtype."""
-    if fsdp_param.unsharded_accumulated_grad is not None:
-        return fsdp_param.unsharded_accumulated_grad
-    unsharded = getattr(fsdp_param, "_unsharded_param", None)
-    return None if unsharded is None else unsharded.grad
-
-
 def _restore_partial_sum(fsdp_param: Any, local: Tensor | None) -> None:
-    unsharded = fsdp_param._unsharded_param
+    unsharded = compat.fsdp_unsharded_param(fsdp_param)
     _check_shape(unsharded, local)
-    grad = _like(unsharded, local)
-    if grad is not None and grad.dtype != unsharded.dtype:
-        fsdp_param.unsharded_accumulated_grad, unsharded.grad = grad, None
-    else:
-        fsdp_param.unsharded_accumulated_grad, unsharded.grad = None, grad
+    compat.set_fsdp_partial_sum(fsdp_param, _like(unsharded, local))
 
 
 class FSDPWindow:
@@ -199,7 +177,7 @@ class FSDPWindow:
             return
         for module in self.fsdp_modules:
             module.unshard()  # creates FSDP2's unsharded parameters, which own the window's gradient sums
-        for fsdp_param, local in zip(_fsdp_params(self.fsdp_modules), pending):
+        for fsdp_param, local in zip(compat.fsdp_params(self.fsdp_modules), pending):
             _restore_partial_sum(fsdp_param, local)
         for module in self.fsdp_modules:
             module.reshard()
@@ -207,7 +185,7 @@ class FSDPWindow:
     def _partial_sums(self) -> list[Tensor | None]:
         if not self.fsdp_modules:
             return [param.grad for param in self.params]
-        return [_partial_sum(fsdp_param) for fsdp_param in _fsdp_params(self.fsdp_modules)]
+        return [compat.fsdp_partial_sum(fsdp_param) for fsdp_param in compat.fsdp_params(self.fsdp_modules)]
 
     @torch.no_grad()
     def divide_(self, divisor: float) -> None:

@@ -1,7 +1,7 @@
 """Graph sinking: how the step programs' forward and backward run (MindSpore's whole-step graphs).
 
 In sink mode, ``"compile"`` and ``"cuda_graph"`` first try the whole-step compiled programs
-(``compiled_choice.py``); what follows is the path they fall back to, and the one without sinking.
+(``sink/programs/compiled_choice.py``); what follows is the path they fall back to, and the one without sinking.
 
 ``"eager"`` runs the LightningModule's ``training_step`` as written. ``"compile"`` compiles it with ``torch.compile``:
 TorchDynamo captures the forward, AOTAutograd derives the backward, and Inductor generates one forward and one

@@ -60,7 +60,7 @@ class SinkStrategy(SingleDeviceStrategy):
             read of every saved byte at save and at resume; ``False`` writes and checks none.
         device_data_budget: with ``graph_mode="compile"``/``"cuda_graph"`` in sink mode, the bytes of an in-memory
             ``TensorDataset`` the whole-step programs may stage on the device, to gather each micro-batch there from
-            the sampler's indices uploaded once per sink (``staged_data.py`` says which loaders qualify); a larger
+            the sampler's indices uploaded once per sink (``sink/staging.py`` says which loaders qualify); a larger
             dataset keeps the loader path. ``0`` stages nothing; ``None`` (default): a quarter of a CUDA device's
             memory, no limit on the CPU (where the data is in memory already and nothing is copied).
         micro_steps_per_call: with ``graph_mode="compile"`` or ``"cuda_graph"`` in sink mode, the micro-batches

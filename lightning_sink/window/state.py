@@ -8,11 +8,25 @@ after ``accumulation_steps`` micro-batches and its update is the mean over its b
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, overload
 
 from lightning_sink.window.protocols import GradientStore
 
-__all__ = ["Window"]
+if TYPE_CHECKING:
+    from torch import Tensor
+
+__all__ = ["Window", "window_mean_divisor"]
+
+
+@overload
+def window_mean_divisor(backward_passes: int, ranks_in_sum: int, loss_divisor: int) -> float: ...
+@overload
+def window_mean_divisor(backward_passes: Tensor, ranks_in_sum: int, loss_divisor: int) -> Tensor: ...
+def window_mean_divisor(backward_passes: int | Tensor, ranks_in_sum: int, loss_divisor: int) -> float | Tensor:
+    """The one rule that turns a window's reduced gradient sum into its mean: every loss was divided by
+    ``loss_divisor`` already, so the mean over the backward passes (on every rank in the sum) divides by the rest.
+    ``Window.mean_divisor`` calls it with ints; the compiled update program traces it with a device count."""
+    return backward_passes * ranks_in_sum / loss_divisor
 
 
 class Window:
@@ -46,7 +60,24 @@ class Window:
         (``divides_as_stock``), only the sum over the ranks is left to divide."""
         if self.divides_as_stock:
             return self.ranks_in_sum
-        return self.backward_passes * self.ranks_in_sum / self.loss_divisor
+        return window_mean_divisor(self.backward_passes, self.ranks_in_sum, self.loss_divisor)
+
+    def count_micro_batch(self) -> None:
+        """A micro-batch of this window ran (its ``training_step`` returned a loss or ``None``)."""
+        self.micro_batches += 1
+
+    def count_backward(self) -> None:
+        """A backward pass added into the sum outside the store's own micro-step (the compiled programs add it on the
+        device; the store counts it on the host)."""
+        self.store.micro_steps += 1
+
+    def close(self) -> None:
+        """The window's last micro-batch is in: its update runs next, and a micro-batch after it opens a new window."""
+        self.micro_batches = 0
+
+    def clear_backward_count(self) -> None:
+        """The compiled programs' update reset their device sum: the store's host count of it follows."""
+        self.store.micro_steps = 0
 
     def end(self) -> None:
         """The window's update is done (or the window is dropped): the next micro-batch opens a new one."""

@@ -24,7 +24,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import lightning_sink.strategies.compiled_choice as compiled_choice
+import lightning_sink.sink.programs.compiled_choice as compiled_choice
 from lightning_sink import DynamicLossScale, LossScalePrecision, SinkDDPStrategy
 from tests.helpers import quiet_trainer
 
@@ -109,11 +109,17 @@ class Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def compiled_fit(optimizer: str, steps: int, data: TensorDataset, **kwargs: Any) -> dict:
+def compiled_fit(
+    optimizer: str, steps: int, data: TensorDataset, strategy_options: dict | None = None, **kwargs: Any
+) -> dict:
     """The fit, with what it said at its start: the info lines and the warnings."""
     model = Net(optimizer)
     strategy = SinkDDPStrategy(
-        accumulation_steps=steps, sink_size=12, graph_mode="compile", process_group_backend="gloo"
+        accumulation_steps=steps,
+        sink_size=12,
+        graph_mode="compile",
+        process_group_backend="gloo",
+        **(strategy_options or {}),
     )
     # an epoch is one sink of 12 micro-batches here: 4 of them read the data pass once
     trainer = quiet_trainer(strategy=strategy, devices=WORLD, max_epochs=4, **kwargs)
@@ -163,8 +169,24 @@ def overflow(out_dir: Path) -> None:
         torch.save(fit, out_dir / "overflow.pt")
 
 
+def several_per_call(out_dir: Path) -> None:
+    """AdamW in windows of 4 under dynamic loss scaling, 12 updates: 8 micro-batches (two windows) per compiled call
+    with a device-data budget, and one call per micro-batch, in the same two processes."""
+    result = {}
+    for name, options in (
+        ("one_per_call", {}),
+        ("eight_per_call", {"micro_steps_per_call": 8, "device_data_budget": 2**30}),
+    ):
+        plugin = LossScalePrecision("32-true", DynamicLossScale(init_scale=2.0**10))
+        fit = compiled_fit("adamw", 4, dataset(), options, max_steps=12, plugins=[plugin])
+        fit["scale"] = plugin.scaler.scale.reshape(()).clone()
+        result[name] = fit
+    if dist.get_rank() == 0:
+        torch.save(result, out_dir / "several_per_call.pt")
+
+
 if __name__ == "__main__":
     compiled_choice.COMPILE_BACKEND = "aot_eager"
-    {"exactness": exactness, "overflow": overflow}[sys.argv[2]](Path(sys.argv[1]))
+    {"exactness": exactness, "overflow": overflow, "several_per_call": several_per_call}[sys.argv[2]](Path(sys.argv[1]))
     dist.barrier()  # tear gloo down before the interpreter exits; a live process group can abort it at exit
     dist.destroy_process_group()

@@ -15,8 +15,8 @@ from tests.distributed import run_launched
 COMPILED = "the accumulate and update programs are compiled whole"
 
 
-def launch(tmp_path, scenario: str) -> dict:
-    run_launched("tests.compiled.ddp_worker", tmp_path, scenario, timeout=300)
+def launch(tmp_path, scenario: str, timeout: int = 300) -> dict:
+    run_launched("tests.compiled.ddp_worker", tmp_path, scenario, timeout=timeout)
     return torch.load(tmp_path / f"{scenario}.pt", weights_only=False)
 
 
@@ -54,6 +54,21 @@ def test_an_overflow_on_one_rank_skips_the_window_on_both(tmp_path):
     assert [scaler.tolist() for scaler in fit["scalers"]] == [[2.0**9, 1.0]] * 2  # scale halved, one skip, each rank
     assert fit["reference"]["skipped"] == 1 and fit["global_step"] == 12  # (skipped windows count, as in Lightning)
     assert relative_error(rank0, fit["reference"]["params"]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_several_micro_batches_per_call_match_one_call_per_micro_batch(tmp_path):
+    """``SinkDDPStrategy(graph_mode="compile", micro_steps_per_call=8, device_data_budget=...)``: the same parameters,
+    bit for bit, on both ranks, as one compiled call per micro-batch; the fit says it unrolled 8 micro-steps."""
+    result = launch(tmp_path, "several_per_call", timeout=900)  # four builds, one of 8 unrolled micro-steps
+    one, several = result["one_per_call"], result["eight_per_call"]
+    for fit in (one, several):
+        assert_compiled(fit["said"])
+        assert fit["global_step"] == 12
+        assert torch.equal(fit["ranks"][0], fit["ranks"][1])
+    assert [line for line in several["said"] if "8 micro-steps unrolled into one program" in line], several["said"]
+    assert torch.equal(several["ranks"][0], one["ranks"][0])
+    assert torch.equal(several["scale"], one["scale"])
 
 
 def test_rank_sum_takes_one_route_and_several_ranks():

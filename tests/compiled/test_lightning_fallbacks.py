@@ -15,7 +15,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 
-import lightning_sink.strategies.compiled_choice as compiled_choice
+import lightning_sink.sink.programs.compiled_choice as compiled_choice
 import lightning_sink.strategies.fit_lifecycle as fit_lifecycle
 from tests.compiled.test_lightning_fit import Net, dataset, flat, loader, relative_error, trainer_for
 

@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning_sink.strategies.compiled_choice as compiled_choice
+import lightning_sink.sink.programs.compiled_choice as compiled_choice
 from lightning_sink import SinkStrategy
 from lightning_sink._torch_compat import compiled_graph_count
 from lightning_sink.loss_scale import DynamicLossScale

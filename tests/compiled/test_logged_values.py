@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import lightning_sink.strategies.compiled_choice as compiled_choice
+import lightning_sink.sink.programs.compiled_choice as compiled_choice
 from lightning_sink.compiled.logged_values import LoggedValues
 from tests.compiled.test_lightning_fit import Net, RecordingLogger, dataset, fit, trainer_for
 

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 import lightning_sink.compiled.forward_compile as forward_compile
-import lightning_sink.strategies.compiled_choice as compiled_choice
+import lightning_sink.sink.programs.compiled_choice as compiled_choice
 from lightning_sink import SinkStrategy
 from lightning_sink._torch_compat import compiled_graph_count
 from tests.helpers import RecordingLogger, quiet_trainer

@@ -1,5 +1,5 @@
 """A Lightning fit whose compiled programs gather their batches from the training set staged on the device
-(``SinkStrategy(graph_mode="compile", device_data_budget=...)``, ``staged_data.py``), against the same fit on the
+(``SinkStrategy(graph_mode="compile", device_data_budget=...)``, ``sink/staging.py``), against the same fit on the
 loader path (``device_data_budget=0``, or a loader that does not qualify): every parameter bit-identical, the
 ``self.log`` values equal, a resume mid-sink equal to the uninterrupted run.
 
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
-import lightning_sink.strategies.compiled_choice as compiled_choice
+import lightning_sink.sink.programs.compiled_choice as compiled_choice
 from lightning_sink import SinkStrategy
 from lightning_sink.compiled.device_dataset import SinkIndices
 from tests.compiled.test_lightning_fit import quick_backend  # noqa: F401  (the fixture: aot_eager, a fresh TorchDynamo per test)

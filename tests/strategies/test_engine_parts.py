@@ -14,15 +14,15 @@ from torch import nn
 from lightning_sink import LossScalePrecision, SinkStrategy
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.accumulation import GradientAccumulator, SingleStepGradients
-from lightning_sink.strategies.fsdp_window import FSDPWindow
-from lightning_sink.strategies.programs import (
+from lightning_sink.sink.logging import _logs_at_update
+from lightning_sink.sink.programs.eager import (
     DirectAccumulate,
     DirectUpdate,
     HookedAccumulate,
     HookedUpdate,
     SingleStepUpdate,
 )
-from lightning_sink.strategies.sink_logging import _logs_at_update
+from lightning_sink.strategies.fsdp_window import FSDPWindow
 from lightning_sink.window import FlatAllReduce, GradientStore, NoGradients, NoReduction, OverflowFlagAllReduce, Reducer
 from tests.helpers import TinyClassifier, flat_params, loader, make_dataset, quiet_trainer, relative_error
 

@@ -106,7 +106,7 @@ def test_the_logger_gets_a_row_per_update_with_its_loss(tmp_path, graph_mode):
     with open(tmp_path / "run" / "version_0" / "metrics.csv") as file:
         rows = [row for row in csv.DictReader(file) if row["train_loss"]]
     continuous = [loss for losses in reference for loss, _ in losses]  # 24 micro-batches, 8 sinks of 3
-    # log_every_n_steps=1: every update at u - 1, as without sinking (sink_logging.py writes those inside a sink)
+    # log_every_n_steps=1: every update at u - 1, as without sinking (sink/logging.py writes those inside a sink)
     assert [int(row["step"]) for row in rows] == list(range(24))
     assert [float(row["train_loss"]) for row in rows] == pytest.approx(continuous, rel=1e-5)
 

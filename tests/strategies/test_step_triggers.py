@@ -1,5 +1,5 @@
 """ModelCheckpoint(every_n_train_steps) and log_every_n_steps in sink mode: every multiple of n ends a segment of the
-sink (step_triggers.py, sink_schedule.py), so they fire at the same updates as without sinking."""
+sink (sink/step_triggers.py, sink/schedule.py), so they fire at the same updates as without sinking."""
 
 from __future__ import annotations
 

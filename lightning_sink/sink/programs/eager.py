@@ -6,7 +6,7 @@
   reduction, divide/unscale, the overflow agreement, ``on_before_optimizer_step`` and clipping, the optimizer step
   (or the skip), the loss-scale update and the window reset.
 
-Both satisfy ``StepProgram``: ``run(batch, batch_idx)`` trains one micro-batch (already on the device) and returns
+Both satisfy ``MicroBatchProgram``: ``run(batch, batch_idx)`` trains one micro-batch (already on the device) and returns
 its detached loss, ``None`` when ``training_step`` returned ``None``; the window state they work on
 (``lightning_sink.window.state.Window``) is given at construction and held, so a program that runs a whole step
 as one compiled function can keep it on the device. ``loss_divisor`` is what the program divides each loss by
@@ -38,7 +38,7 @@ from lightning_sink.strategies.engine import StepEngine, loss_of
 from lightning_sink.window.state import Window
 
 __all__ = [
-    "StepProgram",
+    "MicroBatchProgram",
     "SeveralSteps",
     "SinkPrograms",
     "SinkUpdates",
@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 
-class StepProgram(Protocol):
+class MicroBatchProgram(Protocol):
     """One micro-batch of a window: the accumulate program, or the update program that ends the window."""
 
     loss_divisor: int  # what each micro-batch's loss is divided by before its backward
@@ -137,7 +137,7 @@ class _Hooked:
         starts = window.micro_batches == 0
         if starts and window.store.micro_steps:
             self._engine.end_window()  # an optimizer_step hook that ran the closure without stepping
-        window.micro_batches += 1
+        window.count_micro_batch()
         return starts
 
 
@@ -154,7 +154,7 @@ class HookedUpdate(_Hooked):
         trainer = engine.trainer
         result: list[Tensor | None] = [None]
         closure = self._closure(batch, batch_idx, self._open(), result)
-        self._window.micro_batches = 0
+        self._window.close()
         self._updates.make(
             lambda: compat.call_lightning_module_hook(
                 trainer,
@@ -187,7 +187,7 @@ class _Direct:
                 self._store_checked = True
             window.store.zero_grad()  # what the default optimizer_zero_grad (set_to_none=True) leaves
             engine.counters.zero_grad()
-        window.micro_batches += 1
+        window.count_micro_batch()
         loss = loss_of(engine.forward(*_step_args(engine, batch, batch_idx)))
         if loss is not None:
             store = window.store
@@ -206,7 +206,7 @@ class DirectAccumulate(_Direct):
 class DirectUpdate(_Direct):
     def run(self, batch: Any, batch_idx: int) -> Tensor | None:
         loss = self._micro_step(batch, batch_idx, ends=True)
-        self._window.micro_batches = 0
+        self._window.close()
         self._updates.make(self._update)
         return loss
 
@@ -259,8 +259,8 @@ class SingleStepUpdate:
 class SinkPrograms:
     """The pair a sink runs: ``accumulate`` for micro-batches inside a window, ``update`` for its last one."""
 
-    accumulate: StepProgram
-    update: StepProgram
+    accumulate: MicroBatchProgram
+    update: MicroBatchProgram
     end_sink: Callable[[], None] | None = None  # called at the sink's end (compiled programs save the window there)
     several: SeveralSteps | None = None  # several micro-batches per call (compiled programs, micro_steps_per_call)
 

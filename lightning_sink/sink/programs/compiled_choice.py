@@ -1,8 +1,8 @@
 """``graph_mode="compile"`` / ``"cuda_graph"`` in sink mode: one fit's choice of step programs, each program one
-compiled function over the whole step (``lightning_sink.compiled``), behind the ``StepProgram`` seam of
-``programs.py``; the per-call programs the sink loop runs are ``compiled_pair.py``'s.
+compiled function over the whole step (``lightning_sink.compiled``), behind the ``MicroBatchProgram`` seam of
+``sink/programs/eager.py``; the per-call programs the sink loop runs are ``sink/programs/compiled.py``'s.
 
-``CompiledSteps`` is one fit's choice. At each sink's start ``choose`` hands the sink loop either the compiled pair
+``CompiledProgramChooser`` is one fit's choice. At each sink's start ``choose`` hands the sink loop either the compiled pair
 (``CompiledAccumulate`` / ``CompiledUpdate``) or, when the programs do not apply, the pair ``choose_programs`` picks
 (today's path: with ``"compile"`` the forward-compiled ``training_step``). Whether they apply is decided once, at the
 first micro-batch of the fit's first sink, before anything of the run changed: the run's own reasons (the
@@ -11,7 +11,7 @@ than autocast) first, then ``build_step_programs``'s (the optimizer, the module'
 hooks, a ``training_step`` that is not one graph). The fit logs one line either way: the programs compiled, or why
 not and what to change.
 
-With the training data staged on the device (``staged_data.py``) the programs are built at the first sink's start
+With the training data staged on the device (``sink/staging.py``) the programs are built at the first sink's start
 instead (they need no example batch: they gather their own from the staged dataset), and ``choose`` tells the
 staged data per sink whether the programs it returns gather (``StagedData.gathering``).
 
@@ -40,17 +40,17 @@ from torch import Tensor
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.accumulation import GradientAccumulator, SingleStepGradients, unique_trainable
 from lightning_sink.compiled import AutocastRegion, RankSum, StepPrograms, Unavailable, build_step_programs
-from lightning_sink.strategies.compiled_pair import CompiledAccumulate, CompiledSeveral, CompiledUpdate
+from lightning_sink.sink.programs.compiled import CompiledAccumulate, CompiledSeveral, CompiledUpdate
+from lightning_sink.sink.programs.eager import SinkPrograms, SinkUpdates, choose_programs
+from lightning_sink.sink.staging import StagedData
 from lightning_sink.strategies.engine import StepEngine
-from lightning_sink.strategies.programs import SinkPrograms, SinkUpdates, choose_programs
-from lightning_sink.strategies.staged_data import StagedData
 from lightning_sink.strategies.step_autocast import step_autocast
 from lightning_sink.window import FlatAllReduce, NoGradients
 
 __all__ = [
     "COMPILE_BACKEND",
     "DDP_SUM_ROUTE",
-    "CompiledSteps",
+    "CompiledProgramChooser",
     "compiled_choice",
 ]
 
@@ -77,7 +77,7 @@ _MODULE_HOOKS_BETWEEN = _CALLBACK_HOOKS_BETWEEN + (
 )
 
 
-class CompiledSteps:
+class CompiledProgramChooser:
     """One fit's compiled step programs, built at the first micro-batch of its first sink (they need an example
     batch), or the reason there are none."""
 
@@ -245,7 +245,7 @@ class CompiledSteps:
             backend=COMPILE_BACKEND,
             cuda_graph=self.graph_mode == "cuda_graph",
             autocast=self.autocast,
-            rank_sum=self._rank_sum(),
+            rank_sum=self._rank_sum(several),
             data=data,
             micro_steps_per_call=several,
             accumulation_steps=engine.accumulation_steps if several > 1 else 1,
@@ -281,13 +281,14 @@ class CompiledSteps:
         )
         return built
 
-    def _rank_sum(self) -> RankSum | None:
-        """Under DDP, the update's sum across the processes: the reducer's one flat all-reduce (``DDP_SUM_ROUTE``)."""
+    def _rank_sum(self, several: int) -> RankSum | None:
+        """Under DDP, the update's sum across the processes: the reducer's one flat all-reduce (``DDP_SUM_ROUTE``);
+        traced into the program with ``several`` micro-steps per call, whose updates all run inside one call."""
         reducer = self.engine.reducer
         if self.engine.host.world_size == 1 or not isinstance(reducer, FlatAllReduce):
             return None
         ranks = self.engine.window.ranks_in_sum
-        if DDP_SUM_ROUTE == "traced":
+        if DDP_SUM_ROUTE == "traced" or several > 1:
             return RankSum(ranks, group=dist.group.WORLD)
         return RankSum(ranks, all_reduce=reducer.sum_flat)
 
@@ -333,8 +334,8 @@ def compiled_choice(
     micro_steps_per_call: int = 1,
 ) -> Callable[[StepEngine, SinkUpdates], SinkPrograms]:
     """The sink loop's ``choose`` for ``graph_mode``: the compiled pair where it applies, else ``choose_programs``.
-    ``staging``: the fit's staged training data (``staged_data.py``), or why there is none; ``micro_steps_per_call``:
+    ``staging``: the fit's staged training data (``sink/staging.py``), or why there is none; ``micro_steps_per_call``:
     micro-batches per compiled call where that is exact (``CompiledSeveral``)."""
     if graph_mode == "eager":
         return choose_programs
-    return CompiledSteps(engine, graph_mode, staging, micro_steps_per_call).choose
+    return CompiledProgramChooser(engine, graph_mode, staging, micro_steps_per_call).choose

@@ -1,13 +1,13 @@
-"""Sink mode's loop: K micro-batches inside one Lightning batch, each trained by a step program (``programs.py``),
+"""Sink mode's loop: K micro-batches inside one Lightning batch, each trained by a step program (``sink/programs/eager.py``),
 with the logging and the LR schedulers that Lightning would have run per update done once per sink.
 
 Windows run on across sinks and data passes (the data is one endless stream), so ``partial_window`` does not apply
 here. A sink may run as several Lightning batches ("segments"), each ending at a point of the fit's schedule
-(``sink_schedule.py``) or at the sink's planned end; a ``max_steps`` reached inside the sink ends it, and so does a
+(``sink/schedule.py``) or at the sink's planned end; a ``max_steps`` reached inside the sink ends it, and so does a
 ``max_time`` deadline passed (the host clock is read once per micro-batch, only when a time limit is set). The data
 position records what was trained, including the micro-batches of the sink, so a resume continues the interrupted
 sink to its planned end. ``self.log`` calls are recorded during a segment and handed to Lightning at its end
-(``sink_logging.py``). Nothing is read back to the host: the losses stay on the device.
+(``sink/logging.py``). Nothing is read back to the host: the losses stay on the device.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from torch import Tensor
 
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.data import DataPosition
+from lightning_sink.sink.logging import SinkLogBuffer
+from lightning_sink.sink.programs.eager import SeveralSteps, SinkPrograms, SinkUpdates, choose_programs
+from lightning_sink.sink.schedule import Segment, SinkSchedule
+from lightning_sink.sink.staging import StagedBatch
 from lightning_sink.sink_data import PASS_END, MicroBatchStream
 from lightning_sink.strategies.engine import StepEngine
-from lightning_sink.strategies.programs import SeveralSteps, SinkPrograms, SinkUpdates, choose_programs
 from lightning_sink.strategies.recompile_watch import RecompileWatch
-from lightning_sink.strategies.sink_logging import SinkLogBuffer
-from lightning_sink.strategies.sink_schedule import Segment, SinkSchedule
-from lightning_sink.strategies.staged_data import StagedBatch
 
 __all__ = ["SinkLoop"]
 
@@ -58,7 +58,7 @@ class SinkLoop:
         the stream's ``next``; staged data: ``StagedData.batches``, whose ``StagedBatch`` items the programs gather
         on the device themselves). ``progress``: called after each step call (the progress bar, ``sink_progress.py``)."""
         self._engine = engine
-        self._choose = choose  # the pair each sink runs (compiled programs: ``compiled_choice.py``)
+        self._choose = choose  # the pair each sink runs (compiled programs: ``sink/programs/compiled_choice.py``)
         self._batches = batches
         self.stream = stream
         self._data_position = data_position
@@ -199,7 +199,7 @@ class SinkLoop:
                 micro_index += 1
                 self._ended_on_update = ends
                 if ends and buffer is not None:
-                    buffer.end_update()  # the loggers get this update's values at its step (sink_logging.py)
+                    buffer.end_update()  # the loggers get this update's values at its step (sink/logging.py)
             if self._progress is not None:
                 self._progress()
             if timed and self._out_of_time(deadline):  # (timed: one micro-batch per turn, several is None)

@@ -1,6 +1,6 @@
 """Sink mode's training data staged on the device: the compiled step programs gather each micro-batch themselves.
 
-With ``graph_mode="compile"`` or ``"cuda_graph"`` and the whole-step programs (``compiled_choice.py``), a training
+With ``graph_mode="compile"`` or ``"cuda_graph"`` and the whole-step programs (``sink/programs/compiled_choice.py``), a training
 loader over an in-memory ``TensorDataset`` can be read without reading it: its tensors are copied to the training
 device once per fit (``DeviceDataset``), and for each run of micro-batches the sampler's indices are uploaded in one
 copy (``SinkIndices.load``); each program call gathers its batch on the device with ``index_select``. The stream
@@ -125,7 +125,7 @@ class StagedData:
     ) -> None:
         self._loader, self._position, self._device, self._budget = loader, position, device, budget
         self._capacity, self._pass_batches = capacity, batches
-        self.batch_size: int = loader.batch_size  # type: ignore[assignment]  # (plan_staging checked it is set)
+        self.batch_size = cast(int, loader.batch_size)  # (plan_staging checked it is set)
         self._read = batch_reader(loader)
         self._tensors: list[Tensor] = list(cast(TensorDataset, loader.dataset).tensors)
         self._data: tuple[DeviceDataset, SinkIndices] | None = None

@@ -4,9 +4,9 @@ an epoch is.
 ``ModelCheckpoint(every_n_train_steps=n)`` saves at the end of a Lightning batch whose ``global_step`` is a
 multiple of n; ``Trainer(log_every_n_steps=n)`` writes the logs of a module that defines its own ``log`` (which
 bypasses the sink's log buffer) at such batch ends too. In sink mode each multiple of n that falls inside a sink ends
-a segment of it (``sink_schedule.py``), so both fire at the same updates as without sinking. Every other module's
+a segment of it (``sink/schedule.py``), so both fire at the same updates as without sinking. Every other module's
 logged values need no segment: the sink's log buffer writes every update's values at the steps Lightning would
-(``sink_logging.py``).
+(``sink/logging.py``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_sink import _lightning_compat as compat
-from lightning_sink.strategies.sink_logging import SinkLogBuffer
-from lightning_sink.strategies.sink_schedule import SchedulePoints, validation_points
+from lightning_sink.sink.logging import SinkLogBuffer
+from lightning_sink.sink.schedule import SchedulePoints, validation_points
 
 __all__ = ["schedule_points", "describe_sink_epoch"]
 

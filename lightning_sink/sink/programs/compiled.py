@@ -1,6 +1,6 @@
 """The compiled step programs as the sink loop calls them: ``CompiledAccumulate`` / ``CompiledUpdate`` (one
-micro-batch per call, ``StepProgram``) and ``CompiledSeveral`` (whole windows per call, ``SeveralSteps``), each a
-call of ``lightning_sink.compiled``'s ``StepPrograms``, which one fit's choice (``compiled_choice.py``) built.
+micro-batch per call, ``MicroBatchProgram``) and ``CompiledSeveral`` (whole windows per call, ``SeveralSteps``), each a
+call of ``lightning_sink.compiled``'s ``StepPrograms``, which one fit's choice (``sink/programs/compiled_choice.py``) built.
 
 What stays where it was:
 
@@ -12,9 +12,9 @@ What stays where it was:
 - The open window: the engine's ``Window`` counts its micro-batches and backward passes on the host as the eager
   path does (its fp32 sum is in the programs' buffers during a sink).
 - ``self.log`` inside ``training_step``: the values come out of the program and are handed to ``self.log`` (during
-  a sink, the log buffer of ``sink_logging.py``) after each call, with the options they were logged with.
+  a sink, the log buffer of ``sink/logging.py``) after each call, with the options they were logged with.
 
-A program given a ``StagedBatch`` (``staged_data.py``) runs without a batch argument: it gathers that batch itself.
+A program given a ``StagedBatch`` (``sink/staging.py``) runs without a batch argument: it gathers that batch itself.
 
 ``CompiledSeveral`` runs M micro-batches per call (``micro_steps_per_call``) where that is exact: at a window's start,
 no ``interval="step"`` LR scheduler (its value may change between the call's updates, which read the hyperparameters
@@ -32,16 +32,16 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from lightning_sink.compiled import StepOutputs, StepPrograms
+from lightning_sink.sink.programs.eager import SinkPrograms, SinkUpdates, choose_programs
+from lightning_sink.sink.staging import StagedBatch
 from lightning_sink.strategies.engine import StepEngine
-from lightning_sink.strategies.programs import SinkPrograms, SinkUpdates, choose_programs
-from lightning_sink.strategies.staged_data import StagedBatch
 from lightning_sink.window import FlatAllReduce
 
 __all__ = ["FitPrograms", "CompiledAccumulate", "CompiledUpdate", "CompiledSeveral"]
 
 
 class FitPrograms(Protocol):
-    """The fit's programs as the compiled pair reads them (``compiled_choice.CompiledSteps``): built at the first
+    """The fit's programs as the compiled pair reads them (``compiled_choice.CompiledProgramChooser``): built at the first
     micro-batch (``build``), or the reason there are none."""
 
     engine: StepEngine
@@ -90,7 +90,7 @@ class _Compiled:
         window = engine.window
         if window.micro_batches == 0:
             engine.counters.zero_grad()  # Lightning's zero-grad progress, as its loop counts it at a window start
-        window.micro_batches += 1
+        window.count_micro_batch()
 
     def _outputs(self, programs: StepPrograms, out: StepOutputs) -> Tensor:
         """The micro-batch's loss, its logged values handed to ``self.log``."""
@@ -124,7 +124,7 @@ class _Compiled:
         if scaling is not None:
             # (the scale and the skipped count come out of a call of several; a call of one leaves them None)
             engine.log_loss_scale(scaling, out.found_inf, out.scale, out.skipped)
-        engine.window.store.micro_steps = 0
+        engine.window.clear_backward_count()
         engine.window.end()
         return loss
 
@@ -136,7 +136,7 @@ class CompiledAccumulate(_Compiled):
             assert self._eager is not None
             return self._eager.accumulate.run(batch, batch_idx)
         out = programs.accumulate(_own_batch(batch))
-        self._engine.window.store.micro_steps += 1  # the backward passes of the window, counted on the host
+        self._engine.window.count_backward()  # the backward passes of the window, counted on the host
         return self._outputs(programs, out)
 
 
@@ -147,7 +147,7 @@ class CompiledUpdate(_Compiled):
             assert self._eager is not None
             return self._eager.update.run(batch, batch_idx)
         engine = self._engine
-        engine.window.micro_batches = 0
+        engine.window.close()
         result: list[Tensor] = []
 
         def update() -> None:
@@ -196,9 +196,9 @@ class CompiledSeveral(_Compiled):
         window = self._engine.window
         self._count_micro_batch()
         if not ends:
-            window.store.micro_steps += 1
+            window.count_backward()
             return self._outputs(programs, out)
-        window.micro_batches = 0
+        window.close()
         result: list[Tensor] = []
         self._updates.make(lambda: result.append(self._end_window(programs, out)))
         return result[0]
