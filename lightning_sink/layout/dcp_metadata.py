@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from lightning_sink.error_text import reason_of
 from lightning_sink.layout.from_state_dict import role_of
-from lightning_sink.layout.pickle_memo import memo_index_fault
+from lightning_sink.layout.pickle_claims import pickle_claim_fault
 from lightning_sink.layout.schema import Chunk, Layout, MeshLayout, PipelineLayout, TensorLayout
 from lightning_sink.layout.validation import validate_layout
 from lightning_sink.regular_file import open_regular
@@ -91,9 +91,9 @@ def read_dcp_metadata_and_digest(checkpoint_dir: str | os.PathLike) -> tuple[Met
             data = handle.read()
     except ValueError as error:
         raise ValueError(f"DCP metadata file: {error}") from None
-    memo_fault = memo_index_fault(data)  # before the unpickler would size its memo by it
-    if memo_fault is not None:
-        raise ValueError(f"DCP metadata file {str(path)!r} is unreadable or not DCP metadata: {memo_fault}")
+    claim = pickle_claim_fault(data)  # before the unpickler would size its memo or a buffer by it
+    if claim is not None:
+        raise ValueError(f"DCP metadata file {str(path)!r} is unreadable or not DCP metadata: {claim}")
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as error:  # a truncated or foreign pickle raises anything from EOFError to KeyError

@@ -16,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from lightning_sink.layout.dcp_metadata import read_dcp_metadata
-from lightning_sink.layout.pickle_memo import memo_index_fault
+from lightning_sink.layout.pickle_claims import pickle_claim_fault
 
 
 @pytest.fixture
@@ -97,7 +97,7 @@ def test_metadata_of_every_pickle_protocol_still_reads(folder: Path, protocol: i
     metadata = pickle.loads((folder / ".metadata").read_bytes())
     metadata.planner_data.update({f"extra.{n}": (f"extra{n}",) for n in range(300)})  # more than 256 memo entries
     data = pickle.dumps(metadata, protocol=protocol)
-    assert memo_index_fault(data) is None
+    assert pickle_claim_fault(data) is None
     if protocol >= 2:
         (folder / ".metadata").write_bytes(data)
         assert set(read_dcp_metadata(folder).state_dict_metadata) == {"w", "b", "step"}
@@ -112,9 +112,12 @@ def test_metadata_of_every_pickle_protocol_still_reads(folder: Path, protocol: i
         (b"(q\x05.", None),  # BINPUT: at most 255, nothing to bound
         (b"(\x8c\x02rr\x94.", None),  # an "r" inside a string's bytes is no opcode
         (b"(r", None),  # cut short: the unpickler refuses it, after no memo
+        (b"(\x96\x00\x00\x00\x80\x00\x00\x00\x00.", "byte 1 claims 2147483648 bytes, beyond the 1 bytes"),
+        (b"\x95\x00\x00\x00\x00\x01\x00\x00\x00.", "starts a frame of 4294967296 bytes"),
+        (b"\x8c\x05abc", "claims 5 bytes, beyond the 3 bytes"),
         (b"\xfe(r\xff\xff\xff\xff.", None),  # after a byte that is no opcode the unpickler stops
     ],
 )
 def test_the_memo_check_reads_opcodes_not_bytes(data: bytes, fault: str | None):
-    found = memo_index_fault(data)
+    found = pickle_claim_fault(data)
     assert (found is None) if fault is None else (found is not None and fault in found), found
