@@ -7,13 +7,18 @@ Formats and the entry point each mutated file goes through:
 - ``rank_file``: a rank file of a resharded folder with its manifest entry re-signed (so that the SHA-256 check
   passes and the parser is reached), through ``verify_checkpoint`` and ``load_resharded_checkpoint``;
 - ``dcp_metadata``: a DCP folder's ``.metadata``, through ``transform_checkpoints``;
+- ``dcp_ranks_metadata``: the ``.metadata`` of a DCP folder saved by several ranks (given: ``ranks_folder``; its
+  names are pickled twice, once per rank's copy), with and without its ``layout.json``, through
+  ``transform_checkpoints``;
 - ``distcp``: a DCP storage file, through ``transform_checkpoints``;
 - ``save_digests``: the ``SAVE_DIGESTS.json`` of a DCP folder this package saved, through the resume's check
   (``check_one_save``) and the conversion's (``check_save_digests``).
 
 The oracle: a mutated input gives a correct result or a clean refusal - a ``ValueError`` or ``FileNotFoundError``
 of one line naming the folder or file - never any other exception (a traceback for the user), never more than
-``SECONDS_PER_CASE`` for one input, and the process's peak RSS grows by less than ``MAX_GROWTH_MIB`` over a run.
+``SECONDS_PER_CASE`` for one input, and the process's peak RSS grows by less than ``MAX_GROWTH_MIB`` over a run
+and (where Linux lets the peak be reset) by less than ``MAX_CASE_GROWTH_MIB`` in any one case, whose files are a
+few KiB. A conversion that succeeds must give an output ``verify_checkpoint`` accepts.
 Used by ``tests/reshard/test_fuzz_formats.py`` (a fixed seed and a small budget) and
 ``benchmarks/fuzz_checkpoints.py`` (a larger one).
 """
@@ -44,7 +49,8 @@ __all__ = ["FORMATS", "MAX_GROWTH_MIB", "SECONDS_PER_CASE", "Finding", "fuzz"]
 
 SECONDS_PER_CASE = 20.0
 MAX_GROWTH_MIB = 512
-FORMATS = ("layout", "manifest", "rank_file", "dcp_metadata", "distcp", "save_digests")
+MAX_CASE_GROWTH_MIB = 256
+FORMATS = ("layout", "manifest", "rank_file", "dcp_metadata", "distcp", "save_digests", "dcp_ranks_metadata")
 _EXTREMES = [0, -1, 1, 2**31, 2**63, 10**30, 3 * 10**8, 1e308, -1e308, 0.5, True, None, "", "x", [], {}, [[]]]
 
 
@@ -66,6 +72,19 @@ class _Fixtures:
     saved: Path  # the same state saved by this package (with SAVE_DIGESTS.json)
     target: Path  # the two-rank target layout file
     files: dict[str, bytes] = field(default_factory=dict)
+    ranks: Path | None = None  # a DCP folder saved by several ranks, with its layout.json
+    ranks_target: Path | None = None  # its tensors in rows over two ranks
+
+
+def _ranks_fixtures(found: _Fixtures, ranks_folder: Path) -> None:
+    layout = load_layout(ranks_folder / "layout.json")
+    rows = layout_on_mesh(
+        layout,
+        MeshLayout.one_dimensional(2),
+        lambda fqn, tensor: ["Shard(0)"] if tensor.global_shape else ["Replicate()"],
+    )
+    found.ranks, found.ranks_target = ranks_folder, save_layout(rows, found.root / "ranks_two.json")
+    found.files["dcp_ranks_metadata"] = (ranks_folder / ".metadata").read_bytes()
 
 
 def _fixtures(root: Path) -> _Fixtures:
@@ -208,9 +227,30 @@ def _case(kind: str, fixtures: _Fixtures, data: bytes, work: Path) -> tuple[Call
             return check_save_digests(saved, names, f"DCP checkpoint {str(saved)!r}")
 
         return check_saved, [str(saved)]
+    if kind == "dcp_ranks_metadata":
+        assert fixtures.ranks is not None and fixtures.ranks_target is not None
+        folder = Path(shutil.copytree(fixtures.ranks, work / "ranks"))
+        if len(data) % 2:  # half the inputs without the layout file: the metadata alone then says everything
+            (folder / "layout.json").unlink()
+        (folder / ".metadata").write_bytes(data)
+        return _converted_and_verified(folder, work / "out", fixtures.ranks_target), [str(folder)]
     folder = Path(shutil.copytree(fixtures.dcp, work / "dcp"))
     (folder / (".metadata" if kind == "dcp_metadata" else "__0_0.distcp")).write_bytes(data)
-    return lambda: transform_checkpoints(folder, work / "out", "ckpt_", None, fixtures.target), [str(folder)]
+    return _converted_and_verified(folder, work / "out", fixtures.target), [str(folder)]
+
+
+def _converted_and_verified(folder: Path, out: Path, target: Path) -> Callable[[], object]:
+    """The conversion; when it succeeds, its output must be one ``verify_checkpoint`` accepts."""
+
+    def convert() -> object:
+        report = transform_checkpoints(folder, out, "ckpt_", None, target)
+        try:
+            verify_checkpoint(out)
+        except (ValueError, FileNotFoundError) as error:
+            raise AssertionError(f"the conversion wrote what verify refuses: {error}") from None
+        return report
+
+    return convert
 
 
 def _judge(call: Callable[[], object], names: list[str]) -> str | None:
@@ -229,25 +269,60 @@ def _judge(call: Callable[[], object], names: list[str]) -> str | None:
     return None
 
 
-def fuzz(seed: int, cases_per_format: int, formats: tuple[str, ...] = FORMATS) -> list[Finding]:
-    """Run ``cases_per_format`` mutations of each format; every input the oracle rejects, as a ``Finding``."""
+def _peak_reset() -> bool:
+    """Reset this process's peak RSS (VmHWM) where Linux allows it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _peak_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _run_case(kind: str, fixtures: _Fixtures, data: bytes, work: Path) -> str | None:
+    """The oracle's verdict on one input: None, or what is wrong."""
+    call, names = _case(kind, fixtures, data, work)
+    measured = _peak_reset()
+    before = _peak_mib() if measured else 0.0
+    started = time.perf_counter()
+    problem = _judge(call, names)
+    seconds = time.perf_counter() - started
+    growth = _peak_mib() - before if measured else 0.0
+    if problem is None and seconds > SECONDS_PER_CASE:
+        problem = f"took {seconds:.1f} s"
+    if problem is None and growth > MAX_CASE_GROWTH_MIB:
+        problem = f"peak RSS grew by {growth:.0f} MiB for a {len(data)}-byte file"
+    return problem
+
+
+def fuzz(
+    seed: int, cases_per_format: int, formats: tuple[str, ...] = FORMATS, ranks_folder: Path | None = None
+) -> list[Finding]:
+    """Run ``cases_per_format`` mutations of each format; every input the oracle rejects, as a ``Finding``.
+    ``ranks_folder``: the multi-rank DCP folder (with its ``layout.json``) that ``dcp_ranks_metadata`` needs."""
+    if "dcp_ranks_metadata" in formats and ranks_folder is None:
+        raise ValueError("the dcp_ranks_metadata format needs ranks_folder, a DCP folder saved by several ranks")
     findings: list[Finding] = []
     rng = random.Random(seed)
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     with tempfile.TemporaryDirectory(prefix="fuzz_checkpoints_") as scratch, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fixtures = _fixtures(Path(scratch))
+        if ranks_folder is not None:
+            _ranks_fixtures(fixtures, Path(ranks_folder))
         for kind in formats:
             for case in range(cases_per_format):
                 work = Path(scratch) / f"{kind}_{case}"
                 work.mkdir()
-                data = _mutated(kind, fixtures.files[kind], rng)
-                call, names = _case(kind, fixtures, data, work)
-                started = time.perf_counter()
-                problem = _judge(call, names)
-                seconds = time.perf_counter() - started
-                if problem is None and seconds > SECONDS_PER_CASE:
-                    problem = f"took {seconds:.1f} s"
+                problem = _run_case(kind, fixtures, _mutated(kind, fixtures.files[kind], rng), work)
                 if problem is not None:
                     findings.append(Finding(kind, case, problem))
                 shutil.rmtree(work, ignore_errors=True)

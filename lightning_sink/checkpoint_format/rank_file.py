@@ -43,6 +43,7 @@ __all__ = [
     "load_rank_payload",
     "read_rank_file_header",
     "check_rank_payload",
+    "check_loaded_rank_file",
     "unpickle_carried",
 ]
 
@@ -175,6 +176,19 @@ def check_rank_payload(payload: Mapping[str, Any], layout: Layout, rank: int, na
                 f"{name}: tensor {fqn!r} is {list(value.shape)} {value.dtype}, the layout says"
                 f" {list(chunk.sizes)} {tensor.dtype}"
             )
+
+
+def check_loaded_rank_file(payload: Any, layout: Layout, rank: int, path: Path, layout_json: str | None = None) -> None:
+    """Every check ``verify_checkpoint`` (against the folder's ``layout``) and ``load_resharded_checkpoint`` (against
+    the embedded layout) make of a loaded rank file of target ``rank``, but its SHA-256: its writer runs them on the
+    file it is writing, so that no conversion commits a file its own ``verify`` refuses. ``layout_json``: the text
+    of ``layout`` when the caller has it (an embedded layout of that very text is ``layout``, not parsed again)."""
+    _check_header(payload, path)
+    if payload["rank"] != rank:
+        raise ValueError(f"rank file {str(path)!r}: 'rank' is {payload['rank']}, written for rank {rank}")
+    if layout_json is None or payload.get("layout") != layout_json:
+        check_rank_payload(payload, _embedded_layout(payload, path), rank, str(path))
+    check_rank_payload(payload, layout, rank, str(path))
 
 
 def load_resharded_checkpoint(path: str | os.PathLike, *, verify: bool = True) -> dict[str, Any]:

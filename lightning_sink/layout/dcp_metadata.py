@@ -18,10 +18,17 @@ from pathlib import Path
 from typing import TypeGuard
 
 import torch
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 
 from lightning_sink.error_text import reason_of
 from lightning_sink.layout.from_state_dict import role_of
+from lightning_sink.layout.pickle_claims import pickle_claim_fault
 from lightning_sink.layout.schema import Chunk, Layout, MeshLayout, PipelineLayout, TensorLayout
 from lightning_sink.layout.validation import validate_layout
 from lightning_sink.regular_file import open_regular
@@ -84,6 +91,9 @@ def read_dcp_metadata_and_digest(checkpoint_dir: str | os.PathLike) -> tuple[Met
             data = handle.read()
     except ValueError as error:
         raise ValueError(f"DCP metadata file: {error}") from None
+    claim = pickle_claim_fault(data)  # before the unpickler would size its memo or a buffer by it
+    if claim is not None:
+        raise ValueError(f"DCP metadata file {str(path)!r} is unreadable or not DCP metadata: {claim}")
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except Exception as error:  # a truncated or foreign pickle raises anything from EOFError to KeyError
@@ -109,8 +119,6 @@ def _counts(value: object) -> TypeGuard[tuple[int, ...] | list[int]]:
 def _structure_fault(metadata: Metadata) -> str | None:
     """What is wrong with the shape of unpickled metadata (the unpickler builds objects without their constructors,
     so any field may be missing or of another kind), or None. Everything the package reads is checked here, once."""
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-
     items = getattr(metadata, "state_dict_metadata", None)
     storage = getattr(metadata, "storage_data", None)
     planner = getattr(metadata, "planner_data", None)
@@ -120,27 +128,16 @@ def _structure_fault(metadata: Metadata) -> str | None:
         return "storage_data is not a map"
     if planner is not None and not (
         isinstance(planner, dict)
-        and all(isinstance(v, (list, tuple)) and all(isinstance(k, (str, int)) for k in v) for v in planner.values())
+        and all(
+            isinstance(fqn, str) and isinstance(path, (list, tuple)) and all(isinstance(k, (str, int)) for k in path)
+            for fqn, path in planner.items()
+        )
     ):
-        return "planner_data is not a map of key paths"
+        return "planner_data is not a map of names to key paths"
     for fqn, item in items.items():
-        if not isinstance(fqn, str):
-            return f"entry {fqn!r} is not named by a string"
-        if isinstance(item, BytesStorageMetadata):
-            continue
-        if not isinstance(item, TensorStorageMetadata):
-            return f"entry {fqn!r} has unknown storage type {type(item).__name__}"
-        size, chunks = getattr(item, "size", None), getattr(item, "chunks", None)
-        dtype = getattr(getattr(item, "properties", None), "dtype", None)
-        if not _counts(size) or not isinstance(dtype, torch.dtype) or not isinstance(chunks, list):
-            return f"tensor {fqn!r} has no valid size, dtype or chunk list"
-        for chunk in chunks:
-            if not isinstance(chunk, ChunkStorageMetadata) or not (
-                _counts(getattr(chunk, "offsets", None))
-                and _counts(getattr(chunk, "sizes", None))
-                and len(chunk.offsets) == len(chunk.sizes) == len(size)
-            ):
-                return f"tensor {fqn!r} has a chunk without valid offsets and sizes"
+        fault = _item_fault(fqn, item)
+        if fault is not None:
+            return fault
     for index, info in (storage or {}).items():
         if not isinstance(index, MetadataIndex) or not isinstance(getattr(index, "fqn", None), str):
             return "storage_data has a key that is not a metadata index"
@@ -150,6 +147,42 @@ def _structure_fault(metadata: Metadata) -> str | None:
             and _is_count(getattr(info, "length", None))
         ):
             return f"the storage entry of {index.fqn!r} has no valid file name, offset or length"
+    return _index_fault(items, storage or {})
+
+
+def _item_fault(fqn: object, item: object) -> str | None:
+    """What is wrong with one entry of ``state_dict_metadata``, or None."""
+    if not isinstance(fqn, str):
+        return f"entry {fqn!r} is not named by a string"
+    if isinstance(item, BytesStorageMetadata):
+        return None
+    if not isinstance(item, TensorStorageMetadata):
+        return f"entry {fqn!r} has unknown storage type {type(item).__name__}"
+    size, chunks = getattr(item, "size", None), getattr(item, "chunks", None)
+    dtype = getattr(getattr(item, "properties", None), "dtype", None)
+    if not _counts(size) or not isinstance(dtype, torch.dtype) or not isinstance(chunks, list):
+        return f"tensor {fqn!r} has no valid size, dtype or chunk list"
+    for chunk in chunks:
+        if not isinstance(chunk, ChunkStorageMetadata) or not (
+            _counts(getattr(chunk, "offsets", None))
+            and _counts(getattr(chunk, "sizes", None))
+            and len(chunk.offsets) == len(chunk.sizes) == len(size)
+        ):
+            return f"tensor {fqn!r} has a chunk without valid offsets and sizes"
+    return None
+
+
+def _index_fault(items: dict[str, object], storage: dict) -> str | None:
+    """Every stored chunk and non-tensor value has the storage entry it is looked up by (its name, and a chunk's
+    offsets): a changed byte in a name or an offset leaves one without, which would otherwise surface as a
+    ``KeyError`` wherever it is read."""
+    for fqn, item in items.items():
+        if isinstance(item, TensorStorageMetadata):
+            for chunk in item.chunks:
+                if MetadataIndex(fqn, chunk.offsets) not in storage:
+                    return f"tensor {fqn!r} chunk at offsets {list(chunk.offsets)} has no storage entry"
+        elif MetadataIndex(fqn) not in storage:
+            return f"non-tensor value {fqn!r} has no storage entry"
     return None
 
 
@@ -215,8 +248,6 @@ def layout_from_dcp_metadata(
 
 
 def _stored_chunk(checkpoint_dir: Path, fqn: str, index: int, chunk, storage) -> Chunk:
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
     info = storage.get(MetadataIndex(fqn, chunk.offsets, index))
     if info is None:
         raise ValueError(

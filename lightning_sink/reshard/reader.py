@@ -24,7 +24,16 @@ from lightning_sink.error_text import reason_of
 from lightning_sink.reshard.integrity import PartCrc, RecordChecks, WholeCrc
 from lightning_sink.reshard.plan import Box
 
-__all__ = ["ReadStats", "TensorLocation", "RangeFile", "locate_tensors", "copy_region", "FileCache"]
+__all__ = [
+    "ReadStats",
+    "TensorLocation",
+    "RangeFile",
+    "locate_tensors",
+    "load_on_meta",
+    "locations_in",
+    "copy_region",
+    "FileCache",
+]
 
 READ_BUFFER_BYTES = 16 * 2**20  # the bounded staging buffer for regions that are contiguous only in the file
 SCATTER_RUN_BYTES = 4096  # target runs at least this long are read into place by scatter reads (preadv)
@@ -123,16 +132,26 @@ def locate_tensors(fd: int, path: Path, base: int, length: int, what: str, stats
     Returns the loaded object in which every tensor is replaced by its :class:`TensorLocation`; bytes objects
     and other plain values come back as they are. Loads with ``weights_only=True``: no code is unpickled.
     """
+    return locations_in(load_on_meta(fd, path, base, length, what, stats), path, base, what)
+
+
+def load_on_meta(fd: int, path: Path, base: int, length: int, what: str, stats: ReadStats) -> object:
+    """The ``torch.save`` blob at ``[base, base + length)`` of ``path`` loaded with ``weights_only=True``, its
+    tensors on the meta device (no tensor byte read)."""
     window = RangeFile(fd, base, length)
     try:
         # a binary file object (RawIOBase); torch.load reads any, its stub names only IO[bytes]
-        loaded = torch.load(cast(IO[bytes], window), map_location="meta", weights_only=True)
+        return torch.load(cast(IO[bytes], window), map_location="meta", weights_only=True)
     except Exception as error:  # a damaged zip raises RuntimeError, a damaged pickle UnpicklingError, ...
         raise ValueError(
             f"{what}: truncated or corrupt torch.save data at bytes {base}..{base + length}: {reason_of(error)}"
         ) from None
     finally:
         stats.header_bytes_read += window.bytes_read
+
+
+def locations_in(loaded: object, path: Path, base: int, what: str) -> object:
+    """``loaded`` (from ``load_on_meta``) with every tensor replaced by its :class:`TensorLocation`."""
     return _replace_tensors(loaded, lambda tensor: _location(tensor, path, base, what))
 
 

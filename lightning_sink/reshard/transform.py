@@ -43,6 +43,7 @@ from lightning_sink.checkpoint_format.manifest import Manifest, read_manifest, w
 from lightning_sink.checkpoint_format.rank_file import (
     RANK_FILE_FORMAT,
     RANK_FILE_VERSION,
+    check_loaded_rank_file,
     rank_file_name,
     read_rank_file_header,
     sidecar_path,
@@ -212,9 +213,16 @@ def _convert_rank(
     """Write target rank ``plan.rank``'s file; the parts of records it read in part are left in ``checks``."""
     stats = ReadStats()
     payload = _payload(plan, source, dst, stats, provenance)
+
+    def as_verify_reads_it(loaded: Any) -> None:
+        try:
+            check_loaded_rank_file(loaded, dst, plan.rank, out_path, payload["layout"])
+        except ValueError as error:  # the output's fault is the source's: say which, and that nothing is committed
+            raise ValueError(f"{source.description} converts to a file that verify refuses: {error}") from None
+
     with write_errors_in_words(out_path):
         try:
-            out = StreamedRankFile(out_path, payload)
+            out = StreamedRankFile(out_path, payload, as_verify_reads_it)
         except RuntimeError as error:  # torch.save says a failed write so ("unexpected pos", "iostream error")
             raise OSError(errno.EIO, f"torch.save could not write it ({error})") from None
         try:

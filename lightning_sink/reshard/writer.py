@@ -6,8 +6,10 @@ of fresh memory, plus torch's own CRC-32 of every record. Instead:
 1. the payload is saved with ``torch.serialization.skip_data``: torch writes the complete zip (pickle, record
    headers, directory) and reserves each storage's bytes without writing them, so the tensors can be untouched
    ``torch.empty`` placeholders (address space only);
-2. loading that skeleton on the meta device (``reader.locate_tensors``) gives each storage's offset; the bytes
-   between storages (headers, pickle, directory) are kept in memory;
+2. loading that skeleton on the meta device (``reader.load_on_meta``) gives each storage's offset; the bytes
+   between storages (headers, pickle, directory) are kept in memory; the caller's ``check`` sees the loaded
+   skeleton first (everything a reader of the file will load but the tensors' bytes), so a file its readers would
+   refuse is never filled;
 3. the file is then produced front to back through two page-aligned windows: the caller fills each band of rows
    in place inside the current window, the writer copies the header bytes around the bands, and a full window is
    handed to two background threads, one writing it and one hashing it (SHA-256), while the caller fills the
@@ -27,6 +29,7 @@ import errno
 import hashlib
 import mmap
 import os
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -34,7 +37,7 @@ from typing import Any, cast
 import torch
 
 from lightning_sink.regular_file import open_regular
-from lightning_sink.reshard.reader import ReadStats, TensorLocation, locate_tensors
+from lightning_sink.reshard.reader import ReadStats, TensorLocation, load_on_meta, locations_in
 
 __all__ = ["StreamedRankFile", "write_memory_bytes"]
 
@@ -116,10 +119,11 @@ class StreamedRankFile:
 
     ``payload`` holds its tensors only under ``payload["tensors"]`` (placeholders; anything else must be plain
     data). Use: ``offset()`` to order the work; per band of rows, in file order, ``band()`` then fill the returned
-    tensor in place; then ``finish()``. ``close()`` on failure (the caller removes the file).
+    tensor in place; then ``finish()``. ``close()`` on failure (the caller removes the file). ``check`` is called
+    with the saved payload as a reader loads it (tensors on the meta device) and may raise to refuse it.
     """
 
-    def __init__(self, path: Path, payload: dict[str, Any]) -> None:
+    def __init__(self, path: Path, payload: dict[str, Any], check: Callable[[Any], None] | None = None) -> None:
         _check_no_tensors_outside(payload)
         self.path = path
         # Created exclusively: never through a link planted at the name, never onto a file already there.
@@ -129,7 +133,11 @@ class StreamedRankFile:
         self.size = path.stat().st_size
         fd = open_regular(path)
         try:
-            located = locate_tensors(fd, path, 0, self.size, f"new rank file {str(path)!r}", ReadStats())
+            what = f"new rank file {str(path)!r}"
+            loaded = load_on_meta(fd, path, 0, self.size, what, ReadStats())
+            if check is not None:
+                check(loaded)
+            located = locations_in(loaded, path, 0, what)
             # the file this writer just saved: a dict whose "tensors" are located
             self._locations: dict[str, TensorLocation] = cast(dict[str, Any], located)["tensors"]
             storages = sorted(

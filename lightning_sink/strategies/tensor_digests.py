@@ -22,20 +22,48 @@ from torch import Tensor
 
 from lightning_sink.checkpoint_format.sink_section import DIGESTS_FIELD
 
-__all__ = ["DIGESTS_FIELD", "tensor_digests", "add_tensor_digests", "check_tensor_digests"]
+__all__ = [
+    "DIGESTS_FIELD",
+    "MAX_DEPTH",
+    "NestedTooDeep",
+    "tensor_digests",
+    "add_tensor_digests",
+    "check_tensor_digests",
+]
 
 _ALGORITHM = "sha256"
 
 
+# Far deeper than any checkpoint nests its containers (a state dict a handful of levels); each level's path grows
+# by a step, so an unbounded depth would make the paths alone cost the square of the file's size.
+MAX_DEPTH = 100
+
+
+class NestedTooDeep(ValueError):
+    """A checkpoint's containers nest deeper than ``MAX_DEPTH``."""
+
+
 def _tensors(node: object, where: str) -> Iterator[tuple[str, Tensor]]:
-    if isinstance(node, Tensor):
-        yield where, node
-    elif isinstance(node, dict):
-        for key, value in node.items():
-            yield from _tensors(value, f"{where}[{key!r}]" if where else str(key))
-    elif isinstance(node, (list, tuple)):
-        for index, value in enumerate(node):
-            yield from _tensors(value, f"{where}[{index}]")
+    """Each tensor in ``node`` and where it sits, depth first in the containers' order (without recursion, and one
+    container's children made one at a time: nothing per reference stays behind for the garbage collector)."""
+    stack: list[Iterator[tuple[str, object]]] = [iter([(where, node)])]
+    while stack:
+        for where, node in stack[-1]:
+            if isinstance(node, Tensor):
+                yield where, node
+            elif isinstance(node, (dict, list, tuple)):
+                if len(stack) > MAX_DEPTH:
+                    raise NestedTooDeep(f"{where} nests containers more than {MAX_DEPTH} deep")
+                stack.append(_children(node, where))
+                break
+        else:
+            stack.pop()
+
+
+def _children(node: dict | list | tuple, where: str) -> Iterator[tuple[str, object]]:
+    if isinstance(node, dict):
+        return ((f"{where}[{key!r}]" if where else str(key), value) for key, value in node.items())
+    return ((f"{where}[{index}]", value) for index, value in enumerate(node))
 
 
 def _digest(tensor: Tensor) -> str:
@@ -49,14 +77,49 @@ def _digest(tensor: Tensor) -> str:
 
 def tensor_digests(checkpoint: dict[str, Any], section: str) -> dict[str, str]:
     """Where each tensor of ``checkpoint`` sits and its digest (the digests' own field in ``section`` left out)."""
+    return dict(_digested(checkpoint, section))
+
+
+def _digested(checkpoint: dict[str, Any], section: str) -> Iterator[tuple[str, str]]:
+    """Each tensor's place and digest, one at a time.
+
+    A file can hold a million references to one small tensor for a few bytes each (the pickle's memo): each
+    distinct tensor - each object, and among objects each view of the same memory - is hashed once, so the digests
+    cost time in proportion to the file's bytes, not to the references in it."""
     own = checkpoint.get(section)
-    digests = {}
+    by_object: dict[int, str] = {}  # (the objects stay alive in ``checkpoint`` meanwhile: their ids are theirs)
+    by_view: dict[tuple, str] = {}
     for key, value in checkpoint.items():
         if key == section and isinstance(own, dict):
             value = {name: item for name, item in own.items() if name != DIGESTS_FIELD}
         for where, tensor in _tensors(value, str(key)):
-            digests[where] = _digest(tensor)
-    return digests
+            digest = by_object.get(id(tensor))
+            if digest is None:
+                view = _view(tensor)
+                digest = by_view.get(view) if view is not None else None
+                if digest is None:
+                    digest = _digest(tensor)
+                    if view is not None:
+                        by_view[view] = digest
+                by_object[id(tensor)] = digest
+            yield where, digest
+
+
+def _view(tensor: Tensor) -> tuple | None:
+    """What makes two tensors' digests equal without reading them: the same memory read the same way (None for a
+    layout whose elements this does not describe)."""
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        return None
+    return (
+        tensor.device,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.dtype,
+        tensor.is_conj(),
+        tensor.is_neg(),
+    )
 
 
 def add_tensor_digests(checkpoint: dict[str, Any], section: str) -> None:
@@ -79,15 +142,19 @@ def check_tensor_digests(checkpoint: dict[str, Any], section: str, checkpoint_pa
             f"{checkpoint_path}: the checkpoint's '{section}' state is not valid: {DIGESTS_FIELD} is not"
             f" {{'{_ALGORITHM}': {{tensor: hex digest}}}}"
         )
-    actual = tensor_digests(checkpoint, section)
-    for where, digest in actual.items():
-        if where not in recorded:
-            raise ValueError(f"{checkpoint_path}: tensor {where} is not one the checkpoint was saved with")
-        if recorded[where] != digest:
-            raise ValueError(
-                f"{checkpoint_path}: tensor {where} is damaged: its bytes differ from the SHA-256 saved with it"
-                " (the file changed after it was written). Resume from another checkpoint."
-            )
-    missing = sorted(set(recorded) - set(actual))
-    if missing:
+    try:
+        seen: set[str] = set()
+        for where, digest in _digested(checkpoint, section):  # refused at the first tensor that differs
+            if where not in recorded:
+                raise ValueError(f"{checkpoint_path}: tensor {where} is not one the checkpoint was saved with")
+            if recorded[where] != digest:
+                raise ValueError(
+                    f"{checkpoint_path}: tensor {where} is damaged: its bytes differ from the SHA-256 saved with it"
+                    " (the file changed after it was written). Resume from another checkpoint."
+                )
+            seen.add(where)
+    except NestedTooDeep as error:
+        raise ValueError(f"{checkpoint_path}: {error}") from None
+    if len(seen) != len(recorded):
+        missing = sorted(set(recorded) - seen)
         raise ValueError(f"{checkpoint_path}: tensor {missing[0]} the checkpoint was saved with is missing")
