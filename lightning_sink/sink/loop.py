@@ -56,7 +56,7 @@ class SinkLoop:
         once per micro-batch while a time limit is set, as Lightning's ``Timer`` broadcasts once per batch).
         ``batches``: per segment, given the stream and the segment's length, its next-micro-batch function (default:
         the stream's ``next``; staged data: ``StagedData.batches``, whose ``StagedBatch`` items the programs gather
-        on the device themselves). ``progress``: called after each step call (the progress bar, ``sink_progress.py``)."""
+        on the device themselves). ``progress``: called after each step call (the progress bar, ``sink/progress.py``)."""
         self._engine = engine
         self._choose = choose  # the pair each sink runs (compiled programs: ``sink/programs/compiled_choice.py``)
         self._batches = batches

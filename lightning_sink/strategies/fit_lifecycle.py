@@ -30,6 +30,7 @@ from lightning_sink.random_state import gather_random_states, restore_rank_rando
 from lightning_sink.sink.logging import SinkLogBuffer
 from lightning_sink.sink.loop import SinkLoop
 from lightning_sink.sink.programs.compiled_choice import compiled_choice
+from lightning_sink.sink.progress import SinkProgress, epoch_micro_batches
 from lightning_sink.sink.schedule import SinkSchedule
 from lightning_sink.sink.staging import StagedData, default_device_data_budget, plan_staging
 from lightning_sink.sink.step_triggers import describe_sink_epoch, schedule_points
@@ -38,7 +39,6 @@ from lightning_sink.sink_data import (
     SinkLoader,
     default_prefetch_depth,
 )
-from lightning_sink.sink_progress import SinkProgress, epoch_micro_batches
 from lightning_sink.strategies import checkpoint_state
 from lightning_sink.strategies.config import SinkConfig
 from lightning_sink.strategies.engine import EngineHost, EngineParts, StepEngine

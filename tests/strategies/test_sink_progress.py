@@ -127,8 +127,13 @@ def test_pytorch_lightnings_bar_counts_micro_batches_as_its_stock_run():
             def configure_optimizers(self) -> Any:
                 return torch.optim.SGD(self.parameters(), lr=0.1)
 
-        trainer = pl_.Trainer(
-            accelerator="cpu", max_epochs=2, logger=False, enable_checkpointing=False, strategy=strategy
+        trainer = pl_.Trainer(  # (the bar named: with rich installed, Lightning's default bar is Rich's)
+            accelerator="cpu",
+            max_epochs=2,
+            logger=False,
+            enable_checkpointing=False,
+            strategy=strategy,
+            callbacks=[pl_.callbacks.TQDMProgressBar()],
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -148,8 +153,8 @@ def test_the_rich_bar_counts_micro_batches_as_stock():
 
 @pytest.mark.slow  # builds the compiled programs (aot_eager)
 def test_compiled_calls_of_several_micro_batches_move_the_bar_once_per_call(monkeypatch, caplog):
-    from lightning_sink.sink_progress import SinkProgress
-    from lightning_sink.strategies import compiled_choice
+    from lightning_sink.sink.progress import SinkProgress
+    from lightning_sink.sink.programs import compiled_choice
     from tests.compiled.test_lightning_fit import Net, dataset
     from tests.compiled.test_lightning_fit import fit as compiled_fit
 
