@@ -153,8 +153,8 @@ def test_the_rich_bar_counts_micro_batches_as_stock():
 
 @pytest.mark.slow  # builds the compiled programs (aot_eager)
 def test_compiled_calls_of_several_micro_batches_move_the_bar_once_per_call(monkeypatch, caplog):
-    from lightning_sink.sink.progress import SinkProgress
     from lightning_sink.sink.programs import compiled_choice
+    from lightning_sink.sink.progress import SinkProgress
     from tests.compiled.test_lightning_fit import Net, dataset
     from tests.compiled.test_lightning_fit import fit as compiled_fit
 
