@@ -170,7 +170,12 @@ def test_compiled_calls_of_several_micro_batches_move_the_bar_once_per_call(monk
     ends = AtEpochEnd()
     strategy = SinkStrategy(accumulation_steps=2, sink_size=8, graph_mode="compile", micro_steps_per_call=4)
     trainer = pl.Trainer(
-        accelerator="cpu", logger=False, enable_checkpointing=False, max_epochs=2, strategy=strategy, callbacks=[ends]
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        max_epochs=2,
+        strategy=strategy,
+        callbacks=[ends, TQDMProgressBar()],  # (named: with rich installed, Lightning's default bar is Rich's)
     )
     compiled_fit(trainer, Net(), dataset(), caplog)
     # the first sink: two calls of four; the second crosses the data pass's end (10 micro-batches) after its second,
