@@ -14,7 +14,8 @@ betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2``), ``--sink`` micro-batches of 
 - **sink compile**: ``SinkStrategy(sink_size=K, graph_mode="compile")`` and nothing else set (the package's
   defaults decide the rest), and the same with a **warm-up + cosine step scheduler** (``LambdaLR``,
   ``interval="step"``, linear warm-up over the first 5% of the steps, then cosine to zero, sized from
-  ``trainer.estimated_stepping_batches``);
+  ``trainer.estimated_stepping_batches``), and that scheduled fit with **``micro_steps_per_call=8``** (the
+  scheduler's values for each update inside a call: not a default, the knob as a user sets it today);
 - with the optional ``anchors`` extra (``pip install lightning-sink[anchors]``: ``jax``, ``optax``): the same
   network in JAX (its parameters copied from the torch model's, the first batch's loss checked against torch's), the
   same data shapes, ``optax.adamw`` with the torch optimizer's own ``lr``/``betas``/``eps``/``weight_decay``:
@@ -70,7 +71,14 @@ from common import MODELS, make_model, quiet_trainer, synchronize
 
 LAYOUT = ("NCHW", "OIHW", "NCHW")  # torch's: inputs, convolution weights, outputs
 ONE_THREAD_XLA_FLAGS = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-LIGHTNING_CONFIGS = ("stock_lightning", "stock_lightning_compile", "sink_eager", "sink_compile", "sink_compile_sched")
+LIGHTNING_CONFIGS = (
+    "stock_lightning",
+    "stock_lightning_compile",
+    "sink_eager",
+    "sink_compile",
+    "sink_compile_sched",
+    "sink_compile_m8_sched",
+)
 
 
 class ScheduledClassifier(Classifier):
@@ -137,12 +145,16 @@ def lightning_fit(config: str, model: str, data: TensorDataset, hand: DeviceHand
     """One fit of ``1 + repeats`` sinks (stock: epochs) of ``config``, each timed and paired with a hand-loop run."""
     sink = len(data) // BATCH
     cuda = hand.device.type == "cuda"
-    module: Any = ScheduledClassifier("adamw", model) if config == "sink_compile_sched" else Classifier("adamw", model)
+    scheduled = config.endswith("_sched")
+    module: Any = ScheduledClassifier("adamw", model) if scheduled else Classifier("adamw", model)
     if config == "stock_lightning_compile":
         module = torch.compile(module, mode="reduce-overhead" if cuda else None)
     strategy: Any = "auto"
     if config.startswith("sink"):
-        strategy = SinkStrategy(sink_size=sink, **({} if config == "sink_eager" else {"graph_mode": "compile"}))
+        options: dict[str, Any] = {} if config == "sink_eager" else {"graph_mode": "compile"}
+        if config == "sink_compile_m8_sched":
+            options["micro_steps_per_call"] = 8  # the step scheduler inside calls of 8 micro-steps
+        strategy = SinkStrategy(sink_size=sink, **options)
     timing = DevicePaired("epoch" if config.startswith("stock") else "batch", sink, hand)
     trainer = quiet_trainer(
         accelerator="gpu" if cuda else "cpu", devices=1, strategy=strategy, max_epochs=1 + repeats, callbacks=[timing]

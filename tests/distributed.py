@@ -163,12 +163,26 @@ def init_process_group(rank: int, world_size: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
 
 
+def _run_then_leave_the_group(rank: int, target: Callable[..., None], *args: Any) -> None:
+    """One spawned rank: ``target``, then the process group destroyed after a barrier, so no rank's interpreter exits
+    while gloo still holds a connection to another (its background thread then aborts the process)."""
+    target(rank, *args)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def spawn(target: Callable[..., None], world_size: int, init_file: str | Path, *args: Any) -> None:
     """Run ``target(rank, world_size, init_file, *args)`` in ``world_size`` spawned processes; an exception in any
     of them is raised here."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        mp.start_processes(target, args=(world_size, str(init_file), *args), nprocs=world_size, start_method="spawn")
+        mp.start_processes(
+            _run_then_leave_the_group,
+            args=(target, world_size, str(init_file), *args),
+            nprocs=world_size,
+            start_method="spawn",
+        )
     finally:
         Path(init_file).unlink(missing_ok=True)
 

@@ -2,6 +2,7 @@
 GPU captured as a CUDA graph over a device-resident dataset. See docs/compiled_programs.md."""
 
 from lightning_sink.compiled.autocast_region import AutocastRegion
+from lightning_sink.compiled.optimizer_rules import OptimizerRule
 from lightning_sink.compiled.step_programs import (
     ProgramUnavailable,
     ProgramWindow,
@@ -14,6 +15,7 @@ from lightning_sink.compiled.support import Unavailable
 
 __all__ = [
     "AutocastRegion",
+    "OptimizerRule",
     "ProgramUnavailable",
     "RankSum",
     "StepOutputs",

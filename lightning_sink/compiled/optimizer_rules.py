@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -51,9 +52,9 @@ class OptimizerRule:
                 flags["decoupled"] = True
             self.groups.append(_Group(index, members, {}, flags, {}))
         device = params[0].device if params else torch.device("cpu")
-        names = _SGD_SCHEDULED if kind == "sgd" else _ADAM_SCHEDULED
+        self.names = _SGD_SCHEDULED if kind == "sgd" else _ADAM_SCHEDULED  # the scheduled hyperparameters, in order
         for rule_group in self.groups:
-            rule_group.scheduled = {name: torch.zeros((), dtype=torch.float64, device=device) for name in names}
+            rule_group.scheduled = {name: torch.zeros((), dtype=torch.float64, device=device) for name in self.names}
         self.group_of = {i: group for group in self.groups for i in group.members}
         self.created: list[Tensor] = []  # parameters whose optimizer state this rule created (see discard_created)
         self.state = [self._state_for(i) for i in range(len(params))]
@@ -74,12 +75,21 @@ class OptimizerRule:
         for group in self.groups:
             settings = self.optimizer.param_groups[group.index]
             for name, tensor in group.scheduled.items():
-                value = settings["betas"][0 if name == "beta1" else 1] if name.startswith("beta") else settings[name]
+                value = _setting(settings, name)
                 if isinstance(value, Tensor):
                     tensor.copy_(value, non_blocking=True)  # a tensor lr (allowed by torch.optim) stays on device
                 elif group.last_values.get(name) != value:
                     tensor.fill_(float(value))
                     group.last_values[name] = value
+
+    def current_values(self) -> list[list[float]]:
+        """The scheduled hyperparameters as ``param_groups`` hold them now: per group, one float per name of
+        ``names`` (a row of the table that gives each update of a call of several its own values)."""
+        rows = []
+        for group in self.groups:
+            settings = self.optimizer.param_groups[group.index]
+            rows.append([float(_setting(settings, name)) for name in self.names])
+        return rows
 
     def changed_flags(self) -> str | None:
         """The first build-time flag a ``param_groups`` entry no longer has (the program no longer applies)."""
@@ -200,6 +210,11 @@ class OptimizerRule:
         self._write(state["exp_avg_sq"], exp_avg_sq, skip)
         self._write(state["step"], step, skip)
         self._write(param, new_param, skip)
+
+
+def _setting(settings: dict, name: str) -> Any:
+    """A scheduled hyperparameter's value in a ``param_groups`` entry (Adam's betas are two of them)."""
+    return settings["betas"][0 if name == "beta1" else 1] if name.startswith("beta") else settings[name]
 
 
 def optimizer_rule(optimizer: torch.optim.Optimizer, params: list[Tensor]) -> OptimizerRule | str:

@@ -227,6 +227,15 @@ class StepPrograms:
         )
         self.batch_index = torch.zeros((), dtype=torch.int64, device=device)  # training_step's batch_idx
         states, hyper = rule.tensors()
+        # several micro-steps per call: (micro-steps per call, accumulation steps), the call ending on an update
+        self.several = several
+        # ... each update of such a call reads its own row of hyperparameters (one row per window, one table per
+        # param group, columns ``rule.names``), so an interval="step" scheduler stepped between them is in the call
+        windows = several[0] // several[1] if several is not None else 0
+        self.hyper_table = [
+            torch.zeros((windows, len(rule.names)), dtype=torch.float64, device=device) for _ in rule.groups
+        ]
+        self._table_rows: list[list[list[float]]] | None = None  # what the table was last filled with
         self._state: dict[str, Any] = {
             "params": [param.detach() for param in self.params],
             "buffers": [tensor.detach() for _, tensor in frozen + buffers],
@@ -236,6 +245,7 @@ class StepPrograms:
             "scaler": scaler_tensors(scaler) if scaler is not None else None,
             "optimizer": states,
             "hyper": hyper,
+            "hyper_table": self.hyper_table,
             "data": None if data is None else {"rows": data[1].rows, "cursor": data[1].cursor},
         }
         self._dataset = tuple(data[0].tensors) if data is not None else ()  # read only: never copied
@@ -250,8 +260,6 @@ class StepPrograms:
         # the eager route of the sum across processes: the update in two parts, the all-reduce between them
         self._update_sum = compiled(self._update_sum_program)
         self._update_apply = compiled(self._update_apply_program)
-        # several micro-steps per call: (micro-steps per call, accumulation steps), the call ending on an update
-        self.several = several
         self._several = compiled(self._several_program)
         self.compile_seconds: dict[str, float] = {}
         self.captured: dict[str, CapturedProgram] = {}
@@ -352,7 +360,9 @@ class StepPrograms:
         scaler = state["scaler"]
         for position, batch in enumerate(batches):
             if (position + 1) % accumulation == 0:
-                result: tuple[Any, ...] = self._update_program(state, batch)
+                window = position // accumulation
+                hyper = [dict(zip(self.rule.names, table[window].unbind())) for table in state["hyper_table"]]
+                result: tuple[Any, ...] = self._update_program({**state, "hyper": hyper}, batch)
                 if scaler is not None:
                     result = (*result, scaler["scale"].clone(), scaler["skipped"].clone())
                 outputs.append(result)
@@ -438,9 +448,13 @@ class StepPrograms:
         note_optimizer_step(self.rule.optimizer)
         return self._outputs(loss, values, side, found_inf)
 
-    def run_several(self, batches: list[Any] | None = None) -> list[StepOutputs]:
+    def run_several(
+        self, batches: list[Any] | None = None, hyperparameters: list[list[list[float]]] | None = None
+    ) -> list[StepOutputs]:
         """Run whole windows, ``micro_steps_per_call`` micro-batches (``None``: that many from the staged dataset),
-        in one call. The hyperparameters are read once per call: every update of the call uses the same ones."""
+        in one call. ``hyperparameters``: per window of the call, the values its update uses (per param group, one
+        float per name of ``rule.names``: ``OptimizerRule.current_values`` rows); ``None``: every update uses the
+        current ``param_groups``."""
         if self.several is None:
             raise ProgramUnavailable("built without micro_steps_per_call > 1: call accumulate/update instead")
         count = self.several[0]
@@ -450,6 +464,7 @@ class StepPrograms:
         if changed is not None:
             raise ProgramUnavailable(f"the update program no longer applies: {changed}")
         self.rule.refresh()
+        self._fill_table(hyperparameters)
         captured = self.captured.get("several")
         if captured is not None:
             results = captured(batches)
@@ -458,6 +473,19 @@ class StepPrograms:
                 results = self._several(self._state, batches if batches is not None else [None] * count)
         note_optimizer_step(self.rule.optimizer)
         return [self._outputs(*result[:3], *(tuple(result[3:]) + (None, None, None))[:3]) for result in results]
+
+    def _fill_table(self, rows: list[list[list[float]]] | None) -> None:
+        """Write each window's hyperparameters into the table the call reads (only when they changed)."""
+        assert self.several is not None
+        windows = self.several[0] // self.several[1]
+        rows = rows if rows is not None else [self.rule.current_values()] * windows
+        if len(rows) != windows:
+            raise ValueError(f"run_several takes hyperparameters for its {windows} updates; got {len(rows)}")
+        if rows == self._table_rows:
+            return
+        for index, table in enumerate(self.hyper_table):
+            table.copy_(torch.tensor([row[index] for row in rows], dtype=torch.float64))
+        self._table_rows = rows
 
     def _sums_eagerly(self) -> bool:
         """Whether the update runs as two compiled parts with an eager all-reduce between them."""

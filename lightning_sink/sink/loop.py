@@ -4,7 +4,8 @@ with the logging and the LR schedulers that Lightning would have run per update 
 Windows run on across sinks and data passes (the data is one endless stream), so ``partial_window`` does not apply
 here. A sink may run as several Lightning batches ("segments"), each ending at a point of the fit's schedule
 (``sink/schedule.py``) or at the sink's planned end; a ``max_steps`` reached inside the sink ends it, and so does a
-``max_time`` deadline passed (the host clock is read once per micro-batch, only when a time limit is set). The data
+``max_time`` deadline passed (the host clock is read after each call, one micro-batch or several, only when a time
+limit is set). The data
 position records what was trained, including the micro-batches of the sink, so a resume continues the interrupted
 sink to its planned end. ``self.log`` calls are recorded during a segment and handed to Lightning at its end
 (``sink/logging.py``). Nothing is read back to the host: the losses stay on the device.
@@ -53,7 +54,7 @@ class SinkLoop:
     ) -> None:
         """``time_left``: seconds until ``max_time`` (``None``: no limit checked per step). ``agree``: under
         several processes, rank 0's decision that the time is up, given to every rank (the strategy's ``broadcast``,
-        once per micro-batch while a time limit is set, as Lightning's ``Timer`` broadcasts once per batch).
+        once per call while a time limit is set, as Lightning's ``Timer`` broadcasts once per batch).
         ``batches``: per segment, given the stream and the segment's length, its next-micro-batch function (default:
         the stream's ``next``; staged data: ``StagedData.batches``, whose ``StagedBatch`` items the programs gather
         on the device themselves). ``progress``: called after each step call (the progress bar, ``sink/progress.py``)."""
@@ -167,7 +168,7 @@ class SinkLoop:
         losses: list[Tensor] = []
         micro_index = 0
         next_batch = stream.next if self._batches is None else self._batches(stream, length)
-        several = programs.several if not timed else None  # (max_time: the clock is read after each micro-batch)
+        several = programs.several
         # each turn: the micro-batches read (several trained in one call, each with a function doing its host
         # effects; or one, trained by the pair below), then every one's effects in order, written once for both
         trained: Sequence[tuple[Any, Callable[[], Tensor | None] | None]]
@@ -202,8 +203,10 @@ class SinkLoop:
                     buffer.end_update()  # the loggers get this update's values at its step (sink/logging.py)
             if self._progress is not None:
                 self._progress()
-            if timed and self._out_of_time(deadline):  # (timed: one micro-batch per turn, several is None)
-                break  # max_time: Lightning stops after this batch, as it would after this micro-batch
+            if timed and self._out_of_time(deadline):
+                # max_time: Lightning stops after this batch, as it would after this micro-batch; a call of several
+                # is not cut, so the limit is overshot by at most one call
+                break
         if micro_index == length:
             self.validation_due = segment.validates
             if self._sink_size == -1 and segment.ends_sink:

@@ -16,8 +16,8 @@ integers known ahead (micro-batch counts and update counts), so the sink reads n
   (the sink's log buffer writes every other module's values at the right steps itself): after the update that makes
   ``global_step`` a multiple of n.
 
-``max_time`` is not a point known ahead: the sink loop compares a host clock with the deadline once per
-micro-batch instead (``SinkLoop``).
+``max_time`` is not a point known ahead: the sink loop compares a host clock with the deadline after each
+call (one micro-batch, or several with ``micro_steps_per_call``) instead (``SinkLoop``).
 """
 
 from __future__ import annotations

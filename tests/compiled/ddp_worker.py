@@ -53,16 +53,21 @@ def make_net() -> nn.Sequential:
 class Net(pl.LightningModule):
     """Overrides nothing between forward and update."""
 
-    def __init__(self, optimizer: str) -> None:
+    def __init__(self, optimizer: str, one_cycle: bool = False) -> None:
         super().__init__()
-        self.net, self.optimizer_kind = make_net(), optimizer
+        self.net, self.optimizer_kind, self.one_cycle = make_net(), optimizer, one_cycle
 
     def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
         x, y = batch
         return F.cross_entropy(self.net(x), y)
 
     def configure_optimizers(self) -> Any:
-        return OPTIMIZERS[self.optimizer_kind](self.parameters())
+        optimizer = OPTIMIZERS[self.optimizer_kind](self.parameters())
+        if not self.one_cycle:
+            return optimizer
+        total = int(self.trainer.estimated_stepping_batches)
+        scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.05, total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def plain_ddp(optimizer_kind: str, steps: int, updates: int, data: TensorDataset, clip: float | None) -> dict:
@@ -113,7 +118,7 @@ def compiled_fit(
     optimizer: str, steps: int, data: TensorDataset, strategy_options: dict | None = None, **kwargs: Any
 ) -> dict:
     """The fit, with what it said at its start: the info lines and the warnings."""
-    model = Net(optimizer)
+    model = Net(optimizer, one_cycle=kwargs.pop("one_cycle", False))
     strategy = SinkDDPStrategy(
         accumulation_steps=steps,
         sink_size=12,
@@ -139,6 +144,8 @@ def compiled_fit(
     return {
         "ranks": gathered,
         "global_step": trainer.global_step,
+        "lr": trainer.optimizers[0].param_groups[0]["lr"],
+        "betas": trainer.optimizers[0].param_groups[0]["betas"],
         "said": lines.lines + [str(warning.message) for warning in caught],
     }
 
@@ -185,8 +192,28 @@ def several_per_call(out_dir: Path) -> None:
         torch.save(result, out_dir / "several_per_call.pt")
 
 
+def scheduled_per_call(out_dir: Path) -> None:
+    """AdamW in windows of 2 with OneCycleLR stepped per update (its learning rate and beta1 move every update),
+    sized from ``estimated_stepping_batches``: 8 micro-batches (four windows) per compiled call, and one call per
+    micro-batch, in the same two processes."""
+    result = {}
+    for name, options in (
+        ("one_per_call", {}),
+        ("eight_per_call", {"micro_steps_per_call": 8, "device_data_budget": 2**30}),
+    ):
+        result[name] = compiled_fit("adamw", 2, dataset(), options, one_cycle=True)
+    if dist.get_rank() == 0:
+        torch.save(result, out_dir / "scheduled_per_call.pt")
+
+
 if __name__ == "__main__":
     compiled_choice.COMPILE_BACKEND = "aot_eager"
-    {"exactness": exactness, "overflow": overflow, "several_per_call": several_per_call}[sys.argv[2]](Path(sys.argv[1]))
+    workers = {
+        "exactness": exactness,
+        "overflow": overflow,
+        "several_per_call": several_per_call,
+        "scheduled_per_call": scheduled_per_call,
+    }
+    workers[sys.argv[2]](Path(sys.argv[1]))
     dist.barrier()  # tear gloo down before the interpreter exits; a live process group can abort it at exit
     dist.destroy_process_group()

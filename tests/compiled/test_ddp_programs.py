@@ -71,6 +71,24 @@ def test_several_micro_batches_per_call_match_one_call_per_micro_batch(tmp_path)
     assert torch.equal(several["scale"], one["scale"])
 
 
+@pytest.mark.slow
+def test_a_step_scheduler_inside_calls_of_several_matches_one_call_per_micro_batch(tmp_path):
+    """OneCycleLR stepped per update inside calls of 8 micro-batches (four windows, four all-reduces) under
+    ``SinkDDPStrategy``: the same parameters, bit for bit, on both ranks, and the same final learning rate and beta1,
+    as one compiled call per micro-batch."""
+    result = launch(tmp_path, "scheduled_per_call", timeout=900)
+    one, several = result["one_per_call"], result["eight_per_call"]
+    for fit in (one, several):
+        assert_compiled(fit["said"])
+        assert fit["global_step"] == 24  # 4 sinks of 12 micro-batches, windows of 2
+        assert torch.equal(fit["ranks"][0], fit["ranks"][1])
+    assert [line for line in several["said"] if "8 micro-steps unrolled into one program" in line], several["said"]
+    assert not [line for line in several["said"] if "one micro-batch per call instead" in line], several["said"]
+    assert several["global_step"] == one["global_step"]
+    assert torch.equal(several["ranks"][0], one["ranks"][0])
+    assert (several["lr"], several["betas"]) == (one["lr"], one["betas"])
+
+
 def test_rank_sum_takes_one_route_and_several_ranks():
     with pytest.raises(ValueError, match="exactly one of group"):
         RankSum(2)

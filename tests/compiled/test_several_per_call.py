@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from lightning_sink import SinkStrategy
-from lightning_sink.compiled.step_programs import StepPrograms
 from lightning_sink.loss_scale import DynamicLossScale
 from lightning_sink.precision import LossScalePrecision
 from tests.compiled.test_lightning_fit import (
@@ -31,21 +30,6 @@ from tests.compiled.test_lightning_fit import (
     relative_error,
 )
 from tests.helpers import quiet_trainer
-
-
-@pytest.fixture
-def several_calls(monkeypatch) -> list[int]:
-    """How many micro-batches each ``run_several`` call of the fit trained."""
-    calls: list[int] = []
-    original = StepPrograms.run_several
-
-    def counted(self: StepPrograms, batches: Any = None) -> Any:
-        outputs = original(self, batches)
-        calls.append(len(outputs))
-        return outputs
-
-    monkeypatch.setattr(StepPrograms, "run_several", counted)
-    return calls
 
 
 def trainer_for(steps: int, sink_size: int, epochs: int, calls: int, **kwargs: Any) -> pl.Trainer:
@@ -111,21 +95,6 @@ def test_dynamic_loss_scaling_logs_each_updates_scale(caplog, several_calls):
     overflows = [point["overflow"] for _, point in several["points"] if "overflow" in point]
     assert len(set(scales)) >= 3 and 1.0 in overflows and 0.0 in overflows  # the values move within calls
     assert several["scaler"].scale.item() == one["scaler"].scale.item()
-
-
-@pytest.mark.parametrize("setting", ["step_scheduler", "max_time"])
-def test_one_micro_batch_per_call_where_a_call_would_not_be_exact(setting, caplog, several_calls):
-    """A step scheduler's learning rate may change between the updates of a call; ``max_time`` is checked after
-    each micro-batch: both run one micro-batch per call, with the one-per-call result."""
-    model = Net("adamw", step_lr=0.9 if setting == "step_scheduler" else None)
-    reference = copy.deepcopy(model.net)
-    extra = {"max_time": {"days": 1}} if setting == "max_time" else {}
-    trainer = trainer_for(2, 10, 3, 4, **extra)
-    fit(trainer, model, dataset(), caplog)
-    assert several_calls == []
-    expected = plain_loop(reference, "adamw", 30, 2, dataset(), step_lr=0.9 if setting == "step_scheduler" else None)
-    assert trainer.global_step == expected["updates"] == 15
-    assert relative_error(flat(model.net), flat(reference)) <= 1e-5
 
 
 def test_max_steps_inside_a_sink_stops_at_the_same_micro_batch(caplog, several_calls):

@@ -17,10 +17,10 @@ What stays where it was:
 A program given a ``StagedBatch`` (``sink/staging.py``) runs without a batch argument: it gathers that batch itself.
 
 ``CompiledSeveral`` runs M micro-batches per call (``micro_steps_per_call``) where that is exact: at a window's start,
-no ``interval="step"`` LR scheduler (its value may change between the call's updates, which read the hyperparameters
-once), the accumulation the program was built for. After the call every micro-batch's host effects are done in
-order, as the one-per-call pair does them (``SinkLoop`` asks the rest: segment, pass, ``max_steps`` and
-``max_time``).
+with the accumulation the program was built for. Each update of the call reads its own hyperparameters, which
+``SchedulerLookahead`` computes before the call from the fit's ``interval="step"`` schedulers. After the call every
+micro-batch's host effects are done in order, as the one-per-call pair does them, the schedulers' real steps
+included (``SinkLoop`` asks the rest: segment, pass and ``max_steps``; ``max_time`` is read between calls).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from torch import Tensor
 
 from lightning_sink.compiled import StepOutputs, StepPrograms
 from lightning_sink.sink.programs.eager import SinkPrograms, SinkUpdates, choose_programs
+from lightning_sink.sink.programs.scheduler_lookahead import SchedulerLookahead
 from lightning_sink.sink.staging import StagedBatch
 from lightning_sink.strategies.engine import StepEngine
 from lightning_sink.window import FlatAllReduce
@@ -113,7 +114,8 @@ class _Compiled:
         scaling = engine.scaling
         scaler = None if scaling is None else scaling.scaler
         # the schedulers hold after a skipped update: the one host read of the window's flag, as on the eager path,
-        # and only where a step scheduler needs it (never with several micro-batches per call: ready() refuses them)
+        # and only where a step scheduler needs it (never with several micro-batches per call: the chooser builds
+        # none then, SchedulerLookahead.reason)
         engine.last_update_skipped = (
             bool(engine.step_scheduler_configs)
             and scaler is not None
@@ -172,6 +174,7 @@ class CompiledSeveral(_Compiled):
     def __init__(self, steps: FitPrograms, updates: SinkUpdates) -> None:
         super().__init__(steps, updates)
         self.count = steps.micro_steps_per_call
+        self._lookahead = SchedulerLookahead(self._engine)
 
     def ready(self) -> bool:
         programs, engine = self._steps.programs, self._engine
@@ -180,7 +183,6 @@ class CompiledSeveral(_Compiled):
             and programs.several is not None
             and programs.several[1] == engine.accumulation_steps  # (a GradientAccumulationScheduler may change it)
             and engine.window.micro_batches == 0
-            and not engine.step_scheduler_configs
         )
 
     def run(self, batches: list[Any], batch_idx: int) -> list[Callable[[], Tensor | None]]:
@@ -188,7 +190,8 @@ class CompiledSeveral(_Compiled):
         assert programs is not None and programs.several is not None  # (ready() said so)
         steps = programs.several[1]
         programs.batch_index.fill_(batch_idx)  # the programs count it on per micro-step
-        outputs = programs.run_several([_own_batch(batch) for batch in batches])
+        hyperparameters = self._lookahead.rows(programs.rule, len(batches) // steps)
+        outputs = programs.run_several([_own_batch(batch) for batch in batches], hyperparameters)
         return [partial(self._finish, programs, out, (i + 1) % steps == 0) for i, out in enumerate(outputs)]
 
     def _finish(self, programs: StepPrograms, out: StepOutputs, ends: bool) -> Tensor:

@@ -42,6 +42,7 @@ from lightning_sink.accumulation import GradientAccumulator, SingleStepGradients
 from lightning_sink.compiled import AutocastRegion, RankSum, StepPrograms, Unavailable, build_step_programs
 from lightning_sink.sink.programs.compiled import CompiledAccumulate, CompiledSeveral, CompiledUpdate
 from lightning_sink.sink.programs.eager import SinkPrograms, SinkUpdates, choose_programs
+from lightning_sink.sink.programs.scheduler_lookahead import SchedulerLookahead
 from lightning_sink.sink.staging import StagedData
 from lightning_sink.strategies.engine import StepEngine
 from lightning_sink.strategies.step_autocast import step_autocast
@@ -226,6 +227,12 @@ class CompiledProgramChooser:
             rank_zero_warn(
                 f"micro_steps_per_call={several} is not a multiple of the fit's accumulation_steps="
                 f"{engine.accumulation_steps} (a call runs whole windows): one micro-batch per call instead."
+            )
+            several = 1
+        not_scheduled = SchedulerLookahead(engine).reason() if several > 1 else None
+        if not_scheduled is not None:
+            rank_zero_warn(
+                f"micro_steps_per_call={several}: one micro-batch per call instead, because {not_scheduled}."
             )
             several = 1
         data = self.staging.data() if self.staging is not None else None
