@@ -35,9 +35,11 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value
+from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_sink._torch_compat import inductor_option_names, note_optimizer_step, traced_all_reduce_sum
 from lightning_sink.compiled.autocast_region import AutocastRegion
+from lightning_sink.compiled.call_length import default_micro_steps
 from lightning_sink.compiled.cuda_graphs import CapturedProgram
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
 from lightning_sink.compiled.forward_compile import RANDOM_AS_EAGER
@@ -231,10 +233,11 @@ class StepPrograms:
         self.several = several
         # ... each update of such a call reads its own row of hyperparameters (one row per window, one table per
         # param group, columns ``rule.names``), so an interval="step" scheduler stepped between them is in the call
-        windows = several[0] // several[1] if several is not None else 0
-        self.hyper_table = [
-            torch.zeros((windows, len(rule.names)), dtype=torch.float64, device=device) for _ in rule.groups
-        ]
+        self.hyper_table: list[Tensor] = []
+        self._size_table()
+        self.call_note = (
+            ""  # why the calls are as long as they are, where the build chose it (micro_steps_per_call=None)
+        )
         self._table_rows: list[list[list[float]]] | None = None  # what the table was last filled with
         self._state: dict[str, Any] = {
             "params": [param.detach() for param in self.params],
@@ -487,6 +490,35 @@ class StepPrograms:
             table.copy_(torch.tensor([row[index] for row in rows], dtype=torch.float64))
         self._table_rows = rows
 
+    def _size_table(self) -> None:
+        """One row per window of a call of several (none without), one table per param group: resized in place, as
+        the state holds the list."""
+        windows = self.several[0] // self.several[1] if self.several is not None else 0
+        device = self.params[0].device
+        self.hyper_table[:] = [
+            torch.zeros((windows, len(self.rule.names)), dtype=torch.float64, device=device) for _ in self.rule.groups
+        ]
+
+    def unroll(self, micro_steps: int, accumulation_steps: int) -> None:
+        """Before ``compile``: also build ``run_several`` over ``micro_steps`` micro-steps (whole windows of
+        ``accumulation_steps``)."""
+        if micro_steps < 2 or micro_steps % accumulation_steps:
+            raise ValueError(f"micro_steps={micro_steps} must be a multiple of accumulation_steps={accumulation_steps}")
+        if self.compile_seconds:
+            raise ProgramUnavailable("unroll() comes before compile(): the programs are built already")
+        self.several = (micro_steps, accumulation_steps)
+        self._size_table()
+
+    def micro_step_flops(self, example_batch: Any) -> float:
+        """The FLOPs of one micro-step's matrix multiplies and convolutions (forward and backward), counted by
+        running the accumulate program once eagerly on copies of the state (nothing of the run changes, random
+        numbers included)."""
+        device = self.params[0].device
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), self._running(), FlopCounterMode(display=False) as counter:
+            self._accumulate_program(_clone(self._state), _clone(example_batch))
+        return float(counter.get_total_flops())
+
     def _sums_eagerly(self) -> bool:
         """Whether the update runs as two compiled parts with an eager all-reduce between them."""
         return self.rank_sum is not None and self.rank_sum.all_reduce is not None
@@ -543,7 +575,7 @@ def build_step_programs(
     backend: str = "inductor",
     cuda_graph: bool = False,
     data: tuple[DeviceDataset, SinkIndices] | None = None,
-    micro_steps_per_call: int = 1,
+    micro_steps_per_call: int | None = 1,
     accumulation_steps: int = 1,
     autocast: AutocastRegion | None = None,
     rank_sum: RankSum | None = None,
@@ -564,7 +596,9 @@ def build_step_programs(
         data: a staged dataset and the sink-indices buffer its batches are gathered from; then ``example_batch``
             is None and ``accumulate()`` / ``update()`` take no batch (load each sink's indices first).
         micro_steps_per_call: above 1, also build ``run_several``: that many micro-steps unrolled into one program
-            (whole windows of ``accumulation_steps``; a multiple of it).
+            (whole windows of ``accumulation_steps``; a multiple of it). ``None``: decided from the step's size
+            (``call_length.default_micro_steps``; one per call under ``RankSum(all_reduce=...)``), the reason in
+            ``programs.call_note``.
         accumulation_steps: the window length ``run_several`` assumes.
         autocast: mixed precision: each forward runs in this autocast region (the backward outside it, the
             window's sum in fp32); None: the module's own dtypes.
@@ -594,10 +628,12 @@ def build_step_programs(
     if isinstance(loss_scale, (DynamicLossScale, FixedLossScale)):
         loss_scale = LossScaler(loss_scale).to(device)
     clip = None if gradient_clip_val is None else (gradient_clip_algorithm, float(gradient_clip_val))
+    chosen = micro_steps_per_call is None  # the length decided from the step's size, below
+    micro_steps_per_call = 1 if micro_steps_per_call is None else micro_steps_per_call
     for name, value in (("micro_steps_per_call", micro_steps_per_call), ("accumulation_steps", accumulation_steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} is not valid: pass an int >= 1")
-    if micro_steps_per_call % accumulation_steps:
+    if not chosen and micro_steps_per_call % accumulation_steps:
         raise ValueError(
             f"micro_steps_per_call={micro_steps_per_call} is not a multiple of accumulation_steps="
             f"{accumulation_steps}: a call runs whole windows"
@@ -622,6 +658,12 @@ def build_step_programs(
     try:
         if data is not None:  # an example to compile with: the first row of the buffer (all zeros: sample 0)
             data[1].cursor.zero_()
+        if chosen and (rank_sum is None or rank_sum.all_reduce is None):
+            capacity = data[1].capacity if data is not None else None
+            flops = programs.micro_step_flops(example_batch)
+            count, programs.call_note = default_micro_steps(flops, accumulation_steps, device.type, capacity)
+            if count > 1:
+                programs.unroll(count, accumulation_steps)
         programs.compile(example_batch)
         if cuda_graph:
             programs.capture(example_batch)

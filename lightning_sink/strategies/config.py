@@ -51,7 +51,8 @@ class SinkConfig:
     checkpoint_random_state: bool = True
     checkpoint_digests: bool = True  # the .ckpt saves of SinkStrategy and SinkDDPStrategy (tensor_digests.py)
     device_data_budget: int | None = None  # bytes of training data the compiled programs may stage on the device
-    micro_steps_per_call: int = 1  # graph sinking: micro-batches per compiled call (sink/programs/compiled.py)
+    # graph sinking: micro-batches per compiled call (sink/programs/compiled.py); None: from the step's size
+    micro_steps_per_call: int | None = None
 
     def __post_init__(self) -> None:
         for name in _COUNTS:
@@ -101,10 +102,12 @@ class SinkConfig:
 
     def _check_micro_steps_per_call(self) -> None:
         calls = self.micro_steps_per_call
+        if calls is None:
+            return  # the compiled programs decide from the step's size (compiled/call_length.py)
         if not (_is_int(calls) and calls >= 1):
             raise ValueError(
-                f"micro_steps_per_call={calls!r} is not valid: pass an int >= 1 (micro-batches per compiled call; 1,"
-                " the default, runs one per call)."
+                f"micro_steps_per_call={calls!r} is not valid: pass an int >= 1 (micro-batches per compiled call; 1"
+                " runs one per call) or None (the default: decided from the step's size)."
             )
         if calls == 1:
             return
@@ -112,7 +115,7 @@ class SinkConfig:
             raise ValueError(
                 f"micro_steps_per_call={calls} needs the compiled step programs of sink mode, but graph_mode="
                 f"{self.graph_mode!r} and sink_size={self.sink_size!r}: set graph_mode='compile' (or 'cuda_graph')"
-                " and sink_size=K (or -1), or leave micro_steps_per_call=1."
+                " and sink_size=K (or -1), or leave micro_steps_per_call=None."
             )
         steps = self.accumulation_steps
         if steps is not None and calls % steps:

@@ -56,7 +56,8 @@ class SinkDDPStrategy(DDPStrategy):
             under DDP with several processes the batches keep the loader path (the fit's line on its programs says so).
         micro_steps_per_call: micro-batches (whole windows) per compiled call with ``graph_mode="compile"`` in sink
             mode; see ``SinkStrategy``. Above 1, the window's sum across the processes is traced into the program (a
-            functional all-reduce), as one call runs several updates.
+            functional all-reduce), as one call runs several updates. ``None`` (default) runs one per call under
+            several processes (the sum by the reducer's own all-reduce, between two compiled parts).
         **kwargs: everything ``lightning.pytorch.strategies.DDPStrategy`` takes (``process_group_backend``,
             ``start_method``, ``timeout``, ...).
     """
@@ -73,7 +74,7 @@ class SinkDDPStrategy(DDPStrategy):
         checkpoint_random_state: bool = True,
         checkpoint_digests: bool = True,
         device_data_budget: int | None = None,
-        micro_steps_per_call: int = 1,
+        micro_steps_per_call: int | None = None,
         **kwargs: Any,
     ) -> None:
         config = SinkConfig(

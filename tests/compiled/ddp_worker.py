@@ -145,7 +145,7 @@ def compiled_fit(
         "ranks": gathered,
         "global_step": trainer.global_step,
         "lr": trainer.optimizers[0].param_groups[0]["lr"],
-        "betas": trainer.optimizers[0].param_groups[0]["betas"],
+        "betas": trainer.optimizers[0].param_groups[0].get("betas"),
         "said": lines.lines + [str(warning.message) for warning in caught],
     }
 

@@ -47,7 +47,7 @@ class FitPrograms(Protocol):
 
     engine: StepEngine
     graph_mode: str
-    micro_steps_per_call: int
+    micro_steps_per_call: int | None
     programs: StepPrograms | None
     reason: str | None
 
@@ -173,8 +173,13 @@ class CompiledSeveral(_Compiled):
 
     def __init__(self, steps: FitPrograms, updates: SinkUpdates) -> None:
         super().__init__(steps, updates)
-        self.count = steps.micro_steps_per_call
         self._lookahead = SchedulerLookahead(self._engine)
+
+    @property
+    def count(self) -> int:
+        """The micro-batches of one call, as the programs were built (1 before the build or without several)."""
+        programs = self._steps.programs
+        return programs.several[0] if programs is not None and programs.several is not None else 1
 
     def ready(self) -> bool:
         programs, engine = self._steps.programs, self._engine

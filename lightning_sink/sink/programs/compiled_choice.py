@@ -21,7 +21,8 @@ start (so a resume mid-window, or a window that runs on across sinks, continues 
 
 With ``micro_steps_per_call=M`` (> 1) the programs are built with one compiled program of M micro-steps as well
 (whole windows, ``StepPrograms.run_several``) where M is a multiple of the accumulation (and, staged, no more than a
-sink stages), and ``choose`` adds ``CompiledSeveral`` to the pair.
+sink stages), and ``choose`` adds ``CompiledSeveral`` to the pair. With ``None`` (the default) the build decides M
+from the step's size (``compiled/call_length.py``) on one process; under DDP and for CUDA graphs it is 1.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class CompiledProgramChooser:
         engine: StepEngine,
         graph_mode: str,
         staging: StagedData | Unavailable | None = None,
-        micro_steps_per_call: int = 1,
+        micro_steps_per_call: int | None = None,
     ) -> None:
         self.engine = engine
         self.graph_mode = graph_mode
@@ -123,7 +124,7 @@ class CompiledProgramChooser:
             self._load_window()
         if self.staging is not None:
             self.staging.gathering = True
-        several = CompiledSeveral(self, updates) if self.micro_steps_per_call > 1 else None
+        several = CompiledSeveral(self, updates) if self.micro_steps_per_call != 1 else None
         return SinkPrograms(
             CompiledAccumulate(self, updates),
             CompiledUpdate(self, updates),
@@ -222,21 +223,24 @@ class CompiledProgramChooser:
         clip_val = trainer.gradient_clip_val or None
         algorithm = GradClipAlgorithmType(trainer.gradient_clip_algorithm or GradClipAlgorithmType.NORM).value
         start = time.perf_counter()
-        several = self.micro_steps_per_call
-        if several > 1 and several % engine.accumulation_steps:
+        several = self.micro_steps_per_call  # None: decided by the build from the step's size
+        if several is None and (engine.host.world_size > 1 or self.graph_mode == "cuda_graph"):
+            several = 1  # (DDP: the reducer's own all-reduce between two compiled parts; CUDA: not measured yet)
+        if several is not None and several > 1 and several % engine.accumulation_steps:
             rank_zero_warn(
                 f"micro_steps_per_call={several} is not a multiple of the fit's accumulation_steps="
                 f"{engine.accumulation_steps} (a call runs whole windows): one micro-batch per call instead."
             )
             several = 1
-        not_scheduled = SchedulerLookahead(engine).reason() if several > 1 else None
+        not_scheduled = SchedulerLookahead(engine).reason() if several != 1 else None
         if not_scheduled is not None:
-            rank_zero_warn(
-                f"micro_steps_per_call={several}: one micro-batch per call instead, because {not_scheduled}."
-            )
+            if several is not None:  # (asked for: a warning; chosen by default: the fit's line says why)
+                rank_zero_warn(
+                    f"micro_steps_per_call={several}: one micro-batch per call instead, because {not_scheduled}."
+                )
             several = 1
         data = self.staging.data() if self.staging is not None else None
-        if several > 1 and data is not None and data[1].capacity < several:
+        if several is not None and several > 1 and data is not None and data[1].capacity < several:
             rank_zero_warn(
                 f"micro_steps_per_call={several} is more than the {data[1].capacity} micro-batches a sink stages"
                 " (sink_size, or the data pass): one micro-batch per call instead."
@@ -255,7 +259,7 @@ class CompiledProgramChooser:
             rank_sum=self._rank_sum(several),
             data=data,
             micro_steps_per_call=several,
-            accumulation_steps=engine.accumulation_steps if several > 1 else 1,
+            accumulation_steps=engine.accumulation_steps if several != 1 else 1,
         )
         if engine.host.world_size > 1:
             # every rank runs the same pair, or the ranks' all-reduces would not pair up
@@ -280,7 +284,12 @@ class CompiledProgramChooser:
         across = ""
         if built.rank_sum is not None:
             across = f", the window summed across {built.rank_sum.ranks} processes by one all-reduce"
-        unrolled = f", and {several} micro-steps unrolled into one program" if several > 1 else ""
+        if several is None:  # the build's choice, with its reason
+            unrolled = f", and {built.call_note}"
+        else:
+            unrolled = f", and {several} micro-steps unrolled into one program" if several > 1 else ""
+        if not_scheduled is not None and self.micro_steps_per_call is None:
+            unrolled = f", one micro-step per call ({not_scheduled})"
         rank_zero_info(
             f"{type(engine.host).__name__}(graph_mode={self.graph_mode!r}): the accumulate and update programs are"
             f" {kind} whole (forward, backward, accumulation, {', '.join(parts)} update{across}){unrolled} in"
@@ -288,14 +297,14 @@ class CompiledProgramChooser:
         )
         return built
 
-    def _rank_sum(self, several: int) -> RankSum | None:
+    def _rank_sum(self, several: int | None) -> RankSum | None:
         """Under DDP, the update's sum across the processes: the reducer's one flat all-reduce (``DDP_SUM_ROUTE``);
         traced into the program with ``several`` micro-steps per call, whose updates all run inside one call."""
         reducer = self.engine.reducer
         if self.engine.host.world_size == 1 or not isinstance(reducer, FlatAllReduce):
             return None
         ranks = self.engine.window.ranks_in_sum
-        if DDP_SUM_ROUTE == "traced" or several > 1:
+        if DDP_SUM_ROUTE == "traced" or (several or 1) > 1:
             return RankSum(ranks, group=dist.group.WORLD)
         return RankSum(ranks, all_reduce=reducer.sum_flat)
 
@@ -338,11 +347,11 @@ def compiled_choice(
     engine: StepEngine,
     graph_mode: str,
     staging: StagedData | Unavailable | None = None,
-    micro_steps_per_call: int = 1,
+    micro_steps_per_call: int | None = None,
 ) -> Callable[[StepEngine, SinkUpdates], SinkPrograms]:
     """The sink loop's ``choose`` for ``graph_mode``: the compiled pair where it applies, else ``choose_programs``.
     ``staging``: the fit's staged training data (``sink/staging.py``), or why there is none; ``micro_steps_per_call``:
-    micro-batches per compiled call where that is exact (``CompiledSeveral``)."""
+    micro-batches per compiled call where that is exact (``CompiledSeveral``; ``None``: decided by the build)."""
     if graph_mode == "eager":
         return choose_programs
     return CompiledProgramChooser(engine, graph_mode, staging, micro_steps_per_call).choose

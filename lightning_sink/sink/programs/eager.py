@@ -64,7 +64,10 @@ class MicroBatchProgram(Protocol):
 class SeveralSteps(Protocol):
     """``count`` micro-batches (whole windows) trained in one call, where that is exact (``ready``)."""
 
-    count: int
+    @property
+    def count(self) -> int:
+        """The micro-batches of one call."""
+        ...
 
     def ready(self) -> bool:
         """Whether the next ``count`` micro-batches may run in one call (asked at each candidate micro-batch)."""

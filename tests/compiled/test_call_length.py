@@ -1,0 +1,123 @@
+"""``micro_steps_per_call=None`` (the default): the compiled programs decide how many micro-steps one call runs from
+the step's size (``compiled/call_length.py``). The rule itself; the FLOPs it reads, against ``FlopCounterMode`` on a
+plain forward and backward written here, counted without changing anything of the run; and fits with the default,
+bit for bit against one call per micro-batch, saying what was built and why.
+
+The programs are built with the ``aot_eager`` backend, as in ``test_several_per_call.py``."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from lightning_sink import SinkStrategy
+from lightning_sink.compiled import StepPrograms, build_step_programs
+from lightning_sink.compiled.call_length import SMALL_STEP_FLOPS, default_micro_steps
+from tests.compiled.test_lightning_fit import (
+    Net,
+    RecordingLogger,
+    dataset,
+    fit,
+    flat,
+    plain_loop,
+    quick_backend,  # noqa: F401  (the fixture: aot_eager, a fresh TorchDynamo per test)
+    relative_error,
+)
+from tests.helpers import quiet_trainer
+
+SMALL, LARGE = SMALL_STEP_FLOPS / 10, SMALL_STEP_FLOPS * 10
+
+
+@pytest.mark.parametrize(
+    "flops, steps, device, capacity, expected",
+    [
+        (SMALL, 1, "cpu", None, 8),
+        (SMALL, 2, "cpu", None, 8),
+        (SMALL, 3, "cpu", None, 6),  # whole windows: two of three
+        (SMALL, 5, "cpu", None, 5),  # one window, longer than half of eight
+        (SMALL, 12, "cpu", None, 12),  # one window, up to sixteen
+        (SMALL, 32, "cpu", None, 1),  # too long to unroll
+        (SMALL, 1, "cpu", 3, 3),  # a sink that stages three micro-batches
+        (SMALL, 4, "cpu", 3, 1),  # ... which a window of four does not fit
+        (LARGE, 1, "cpu", None, 1),
+        (SMALL, 1, "cuda", None, 1),
+    ],
+)
+def test_the_rule_unrolls_whole_windows_of_a_small_step_on_a_cpu(flops, steps, device, capacity, expected):
+    count, why = default_micro_steps(flops, steps, device, capacity)
+    assert count == expected
+    assert "MFLOP" in why or device != "cpu"
+    assert ("unrolled" in why) == (expected > 1)
+
+
+class Wide(pl.LightningModule):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, width), nn.Tanh(), nn.Dropout(0.1), nn.Linear(width, 4))
+
+    def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_the_flops_read_are_a_plain_forward_and_backward_and_change_nothing():
+    module = Wide(64)
+    optimizer = module.configure_optimizers()
+    batch = (torch.randn(16, 8), torch.randint(0, 4, (16,)))
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(copy.deepcopy(module.net)(batch[0]), batch[1]).backward()
+    programs = build_step_programs(module, optimizer, batch, backend="aot_eager", micro_steps_per_call=None)
+    assert isinstance(programs, StepPrograms), programs
+    before = flat(module.net), torch.random.get_rng_state()
+    assert programs.micro_step_flops(batch) == counter.get_total_flops() > 0
+    assert torch.equal(flat(module.net), before[0]) and torch.equal(torch.random.get_rng_state(), before[1])
+    assert not any(buffer.any() for buffer in programs.window.buffers)
+    assert programs.several == (8, 1) and "8 micro-steps unrolled" in programs.call_note
+
+
+def default_fit(model: pl.LightningModule, steps: int, calls: int | None, caplog: Any) -> dict[str, Any]:
+    logger = RecordingLogger()
+    strategy = SinkStrategy(accumulation_steps=steps, sink_size=10, graph_mode="compile", micro_steps_per_call=calls)
+    trainer = quiet_trainer(strategy=strategy, max_epochs=3, logger=logger, log_every_n_steps=1)
+    fit(trainer, model, dataset(), caplog)
+    said = [r.getMessage() for r in caplog.records if "whole" in r.getMessage()]
+    return {"model": model, "trainer": trainer, "points": logger.points, "said": said[0]}
+
+
+def test_the_default_unrolls_a_small_step_and_trains_what_one_per_call_trains(caplog, several_calls):
+    one = default_fit(Net("adamw"), 2, 1, caplog)
+    assert several_calls == []
+    model = Net("adamw")
+    reference = copy.deepcopy(model.net)
+    default = default_fit(model, 2, None, caplog)
+    # sinks of 10: one call of 8 micro-steps (four windows), the last 2 one per call
+    assert several_calls == [8, 8, 8]
+    assert "8 micro-steps unrolled into one program (a micro-step of" in default["said"], default["said"]
+    assert torch.equal(flat(default["model"].net), flat(one["model"].net))
+    assert default["points"] == one["points"] and default["trainer"].global_step == 15
+    expected = plain_loop(reference, "adamw", 30, 2, dataset())
+    assert relative_error(flat(model.net), flat(reference)) <= 1e-5 and expected["updates"] == 15
+
+
+def test_the_default_runs_a_large_step_one_per_call_and_says_so(caplog, several_calls):
+    class Large(Wide):
+        pass
+
+    model = Large(int(SMALL_STEP_FLOPS // (6 * 4 * 8)) + 64)  # (6 FLOPs a weight a sample: above the threshold)
+    large = default_fit(model, 1, None, caplog)
+    assert several_calls == []
+    assert "one micro-step per call (a micro-step of" in large["said"], large["said"]
+    assert large["trainer"].global_step == 30
