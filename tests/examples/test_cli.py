@@ -120,7 +120,7 @@ def test_printed_config_runs_again_unchanged(tmp_path):
             "checkpoint_random_state": True,
             "checkpoint_digests": True,
             "device_data_budget": None,
-            "micro_steps_per_call": 1,
+            "micro_steps_per_call": None,  # the default: decided at the build from the step's size
         },
     }
     callbacks = [c["class_path"] for c in config["trainer"]["callbacks"]]
