@@ -44,6 +44,8 @@ __all__ = [
     "set_first_batch_flag",
     "metric_step_value",
     "metric_step_value_set_to",
+    "logged_collection_items",
+    "COLLECTION_STATE_SHARING",
     "run_before_optimizer_step",
     "call_lightning_module_hook",
     "before_batch_transfer",
@@ -296,6 +298,21 @@ def metric_step_value_set_to(metric: Any, value: Any) -> Iterator[None]:
         yield
     finally:
         metric._forward_cache = saved
+
+
+# The MetricCollection method that makes the members of a compute group share (or copy) the group's state; its
+# public readers (``items``, ``values``, ``collection[key]``) call it and set a flag on the collection as they read.
+COLLECTION_STATE_SHARING = "_compute_groups_create_state_ref"
+
+
+def logged_collection_items(collection: Any) -> list[tuple[str, Any]]:
+    """What ``LightningModule.log_dict(collection)`` logs for a torchmetrics ``MetricCollection``: its entries under
+    their prefixed names, read with Lightning's own arguments (with compute groups, the members share their group's
+    state by reference rather than by copy, which ``items`` sets up as it is read)."""
+    options: dict[str, bool] = {"keep_base": False}
+    if collection._enable_compute_groups:
+        options["copy_state"] = False
+    return list(collection.items(**options))
 
 
 def run_before_optimizer_step(trainer: pl.Trainer, optimizer: Any) -> None:

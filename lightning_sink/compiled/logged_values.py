@@ -114,6 +114,12 @@ class LoggedValues:
         parameters = self._log_dict_parameters
         options = parameters.bind(args, kwargs)
         dictionary = options.pop(parameters.positional[0])
+        members = None if self.metric_calls is None else self.metric_calls.collection_entries(dictionary)
+        if members is not None:  # a MetricCollection: its members are read on the host, after its calls
+            for name, reference in members.items():
+                self.references[name] = reference
+                self.call_options[name] = dict(options)
+            return
         for name, value in dictionary.items():  # as LightningModule.log_dict: each entry logged with its options
             self.log(name, value, **options)
 

@@ -17,6 +17,13 @@ object and a logged forward result as the real result. The Metric therefore sees
 (the same inputs: the program's forward is the eager forward's), and every value Lightning logs from it is the
 eager run's.
 
+A ``MetricCollection`` is recorded as one Metric (its forward and update). Reading its members (``log_dict`` of it,
+``collection[key]``) makes the members of a compute group share or copy their state, a Python-side change that a
+trace would guard on: that call is recorded too, and ``log_dict`` of a collection is recorded as a call that reads
+the members as Lightning's ``log_dict`` does; the host replays them in the step's order, so the collection ends each
+step in the eager step's state. A member logged on its own (``self.log("f1", self.metrics["f1"])``) is handed on as
+that member.
+
 What a program cannot hold is refused at build time with one line naming the attribute and the call: another
 method of a Metric (``compute``, ``reset``, ...), or a forward result used other than by ``self.log``.
 """
@@ -32,6 +39,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_sink._lightning_compat import COLLECTION_STATE_SHARING, logged_collection_items
+
 __all__ = [
     "MetricCallRefused",
     "MetricCalls",
@@ -42,9 +51,10 @@ __all__ = [
     "split_tensors",
 ]
 
-_RECORDED = ("forward", "update")
+_RECORDED = ("forward", "update", COLLECTION_STATE_SHARING)
 _REFUSED = ("compute", "reset", "sync", "unsync", "merge_state", "plot", "clone")
 _EAGER = _RECORDED + _REFUSED  # the methods run outside TorchDynamo on the forward-compiled path
+_LOGGED_MEMBERS = "log_dict"  # a recorded call: a collection's members read as Lightning's log_dict reads them
 
 
 class MetricCallRefused(RuntimeError):
@@ -66,13 +76,19 @@ def metrics_of(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def _is_collection(metric: nn.Module) -> bool:
+    torchmetrics = sys.modules["torchmetrics"]  # (a Metric exists: torchmetrics is imported)
+    return isinstance(metric, torchmetrics.MetricCollection)
+
+
 @dataclass(frozen=True)
 class MetricValue:
     """What a Metric's ``forward`` returns inside a program: a reference to the result the host's call will give.
     ``self.log`` takes it; anything else refuses it."""
 
-    path: str
-    call: int  # the recorded call's position in the micro-batch's calls
+    path: str  # the Metric's attribute path (a collection's member: the collection's path, a dot, its key)
+    call: int  # the recorded call's position in the micro-batch's calls; -1: the Metric object itself
+    entry: str | None = None  # a logged collection's member, by the name log_dict logs it under
 
     def _refuse(self, *args: Any) -> Any:
         raise MetricCallRefused(_used_message(self.path))
@@ -102,11 +118,22 @@ class MetricCalls:
 
     def __init__(self, module: nn.Module) -> None:
         self.metrics = metrics_of(module)
+        # every object a step may log by identity: the Metrics, and each member of a collection under its own path
+        self._objects: dict[str, nn.Module] = {}
+        self._logged_names: dict[str, tuple[str, ...]] = {}  # per collection: the names log_dict logs it under
+        for path, metric in self.metrics:
+            self._objects[path] = metric
+            if _is_collection(metric):
+                members: Any = metric
+                self._objects.update({f"{path}.{key}": members[key] for key in members.keys(keep_base=True)})
+                self._logged_names[path] = tuple(members.keys(keep_base=False))  # (reading names changes nothing)
         self.calls: list[tuple[int, str, tuple[Any, ...], dict[str, Any]]] = []  # of the call being traced
         # made once, so that what is installed on each Metric is the same object at every call (no new guards)
-        self._installed = [(metric, self._recorders(index, path)) for index, (path, metric) in enumerate(self.metrics)]
+        self._installed = [
+            (metric, self._recorders(index, path, metric)) for index, (path, metric) in enumerate(self.metrics)
+        ]
 
-    def _recorders(self, index: int, path: str) -> dict[str, Any]:
+    def _recorders(self, index: int, path: str, metric: nn.Module) -> dict[str, Any]:
         calls = self
 
         def recorder(method: str) -> Any:
@@ -122,7 +149,8 @@ class MetricCalls:
 
             return refuse
 
-        return {**{name: recorder(name) for name in _RECORDED}, **{name: refuser(name) for name in _REFUSED}}
+        recorded = {name: recorder(name) for name in _RECORDED if hasattr(metric, name)}
+        return {**recorded, **{name: refuser(name) for name in _REFUSED}}
 
     @contextlib.contextmanager
     def installed_on(self) -> Iterator[None]:
@@ -145,25 +173,43 @@ class MetricCalls:
 
     def reference(self, value: Any) -> MetricValue | None:
         """A logged value that is one of the Metrics (by identity): the reference to hand on; else None."""
-        for path, metric in self.metrics:
+        for path, metric in self._objects.items():
             if value is metric:
                 return MetricValue(path, -1)
         return value if isinstance(value, MetricValue) else None
+
+    def collection_entries(self, dictionary: Any) -> dict[str, MetricValue] | None:
+        """A ``log_dict`` argument that is one of the module's MetricCollections: the read of its members recorded
+        as a call, and a reference per member under the name Lightning logs it by; else None (a plain dictionary,
+        logged entry by entry)."""
+        for index, (path, metric) in enumerate(self.metrics):
+            if dictionary is metric and path in self._logged_names:
+                self.calls.append((index, _LOGGED_MEMBERS, (), {}))
+                call = len(self.calls) - 1
+                return {name: MetricValue(path, call, entry=name) for name in self._logged_names[path]}
+        return None
 
     def replay(self, calls: list[tuple[int, str, tuple[Any, ...], dict[str, Any]]]) -> list[Any]:
         """Make ``calls`` on the real Metrics, in order (outside ``installed_on``); each call's result."""
         results = []
         for index, method, args, kwargs in calls:
             metric: Any = self.metrics[index][1]
-            results.append(metric(*args, **kwargs) if method == "forward" else metric.update(*args, **kwargs))
+            if method == "forward":
+                results.append(metric(*args, **kwargs))
+            elif method == _LOGGED_MEMBERS:
+                results.append(dict(logged_collection_items(metric)))
+            else:
+                results.append(getattr(metric, method)(*args, **kwargs))
         return results
 
     def resolve(self, value: Any, results: list[Any]) -> Any:
         """A logged value as the host hands it to ``self.log``: the Metric itself, or the result of its call."""
         if not isinstance(value, MetricValue):
             return value
+        if value.entry is not None:  # a member, from the recorded read of the collection's members
+            return results[value.call][value.entry]
         if value.call < 0:
-            return dict(self.metrics)[value.path]
+            return self._objects[value.path]
         return results[value.call]
 
     def refusal_in(self, error: BaseException) -> str | None:

@@ -19,7 +19,9 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
-from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics import MetricCollection
+from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
+from torchmetrics.functional import accuracy
 
 import lightning_sink.compiled.forward_compile as forward_compile
 import lightning_sink.sink.programs.compiled_choice as compiled_choice
@@ -82,6 +84,27 @@ class ComputesInStep(RealisticCNN):
     def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
         self.log("acc_so_far", self.train_acc.compute())
+        return loss
+
+
+class LogsACollection(RealisticCNN):
+    """A MetricCollection logged with ``log_dict``, one of its members logged on its own, and a torchmetrics
+    functional metric computed in the step (its lazy package checks must not reach a trace)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        kinds = {"acc": MulticlassAccuracy(num_classes=4), "f1": MulticlassF1Score(num_classes=4)}
+        self.train_metrics = MetricCollection(kinds, prefix="train_")
+
+    def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
+        x, y = batch
+        logits = self.net(x)
+        loss = F.cross_entropy(logits, y)
+        self.train_metrics(logits, y)
+        self.log_dict(self.train_metrics, on_step=True, on_epoch=True)
+        self.log("f1_alone", self.train_metrics["f1"], on_epoch=True, on_step=False)
+        self.log("batch_acc", accuracy(logits, y, task="multiclass", num_classes=4), prog_bar=True)
+        self.log("loss", loss)
         return loss
 
 
@@ -148,6 +171,18 @@ def test_a_metric_pattern_the_programs_cannot_hold_falls_back_once_naming_it():
     counts = compiled[3].counts  # the forward-compiled step runs the Metric eagerly: no recompile storm
     assert counts == [counts[0]] * len(counts)
     assert_same_fit(compiled, eager)
+
+
+@pytest.mark.slow
+def test_a_metric_collection_and_a_functional_metric_compile_and_log_as_the_eager_sink_run():
+    eager = fit(LogsACollection, "eager")
+    compiled = fit(LogsACollection, "compile")
+    assert compiled[2] == []  # whole-step programs: no fallback
+    counts = compiled[3].counts
+    assert counts == [counts[0]] * len(counts)
+    assert_same_fit(compiled, eager)
+    names = {name for _, name, _ in compiled[1].values()}
+    assert {"train_acc_step", "train_f1_epoch", "f1_alone", "batch_acc"} <= names
 
 
 class DropoutMLP(pl.LightningModule):
