@@ -155,7 +155,7 @@ def idle_worker_rss() -> int:
 
     probe = _BOOTSTRAP.replace(
         "sys.exit(worker_main(json.loads(sys.stdin.read())))",
-        "from lightning_sink.reshard.transform import peak_rss_bytes; print(peak_rss_bytes())",
+        "from lightning_sink.reshard.rank_conversion import peak_rss_bytes; print(peak_rss_bytes())",
     )
     done = subprocess.run(
         [sys.executable, "-c", probe, str(REPO), str(os.getpid())], capture_output=True, text=True, check=True

@@ -4,12 +4,8 @@ from lightning_sink.checkpoint_format.live_state import load_into_state_dict, to
 from lightning_sink.checkpoint_format.rank_file import load_resharded_checkpoint, unpickle_carried
 from lightning_sink.checkpoint_format.resharded_folder import verify_checkpoint
 from lightning_sink.layout.merge import merge_pipeline_strategies
-from lightning_sink.reshard.transform import (
-    ReshardReport,
-    rank_list_for_transform,
-    transform_checkpoint_by_rank,
-    transform_checkpoints,
-)
+from lightning_sink.reshard.transform import ReshardReport, transform_checkpoints
+from lightning_sink.reshard.transform_by_rank import rank_list_for_transform, transform_checkpoint_by_rank
 
 __all__ = [
     "ReshardReport",

@@ -32,6 +32,8 @@ __all__ = [
     "load_on_meta",
     "locations_in",
     "copy_region",
+    "SourceChunk",
+    "CopyTarget",
     "FileCache",
 ]
 
@@ -194,50 +196,75 @@ def _as_bytes(tensor: torch.Tensor) -> memoryview:
     return tensor.reshape(-1).view(torch.uint8).numpy().data
 
 
+@dataclass(frozen=True)
+class SourceChunk:
+    """A stored chunk to copy from: its open file, where its bytes lie in it, and its global offsets."""
+
+    fd: int
+    location: TensorLocation
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CopyTarget:
+    """Where a copied region lands: a contiguous tensor and the global offsets of its first element."""
+
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """A region of row-major storage as runs: ``sizes`` elements from ``src_start`` of the stored chunk to
+    ``dst_start`` of the target (both local), each run covering dims ``split..`` (see ``_split_dim``)."""
+
+    fd: int
+    source: TensorLocation
+    src_start: tuple[int, ...]
+    sizes: tuple[int, ...]
+    split: int
+    target: torch.Tensor
+    dst_start: tuple[int, ...]
+
+
 def copy_region(
-    fd: int,
-    source: TensorLocation,
-    source_offsets: tuple[int, ...],
-    region: Box,
-    target: torch.Tensor,
-    target_offsets: tuple[int, ...],
-    stats: ReadStats,
-    checks: RecordChecks | None = None,
+    chunk: SourceChunk, region: Box, target: CopyTarget, stats: ReadStats, checks: RecordChecks | None = None
 ) -> None:
-    """Read ``region`` (global box) of the stored chunk at ``source_offsets`` into the contiguous ``target`` shard
-    at ``target_offsets``, reading only the region's bytes (plus, for non-row-major storage, its whole span).
+    """Read ``region`` (global box) of the stored chunk at ``chunk.offsets`` into the contiguous ``target`` shard
+    at ``target.offsets``, reading only the region's bytes (plus, for non-row-major storage, its whole span).
 
     The bytes are CRC-checked: a record read whole at once, a part through ``checks`` (its register is kept
     there until ``checks.finish()`` has all the parts; without ``checks``, only whole records are checked)."""
     checks = RecordChecks() if checks is None else checks
+    fd, source = chunk.fd, chunk.location
     item = source.dtype.itemsize
     stats.bytes_needed += math.prod(region[1]) * item
     if source.stride != _contiguous_strides(source.shape):
-        _copy_region_strided(fd, source, source_offsets, region, target, target_offsets, stats, checks)
+        _copy_region_strided(chunk, region, target, stats, checks)
         return
     region_offsets, sizes = region
-    src_start = [r - s for r, s in zip(region_offsets, source_offsets)]
-    dst_start = [r - t for r, t in zip(region_offsets, target_offsets)]
-    src_shape, dst_shape = source.shape, tuple(target.shape)
+    src_start = tuple(r - s for r, s in zip(region_offsets, chunk.offsets))
+    dst_start = tuple(r - t for r, t in zip(region_offsets, target.offsets))
+    src_shape, dst_shape = source.shape, tuple(target.tensor.shape)
     whole_record = (
         source.storage_offset == 0 and sizes == src_shape and math.prod(src_shape) * item == source.storage_nbytes
     )
     crc = None if not checks.needs_crc(source.path) else WholeCrc() if whole_record else PartCrc()
     split = _split_dim(sizes, src_shape, dst_shape)
-    run = math.prod(sizes[split:])
+    runs = _Runs(fd, source, src_start, sizes, split, target.tensor, dst_start)
     if _split_dim(sizes, src_shape, src_shape) != 0:
-        _copy_runs_direct(fd, source, src_start, sizes, split, target, dst_start, stats, crc)
-    elif run * item >= SCATTER_RUN_BYTES:
+        _copy_runs_direct(runs, stats, crc)
+    elif math.prod(sizes[split:]) * item >= SCATTER_RUN_BYTES:
         # One span of the file, runs of the target (e.g. half-rows into full rows): the kernel scatters it
         # straight into the target, up to IOV_MAX runs per read.
-        _copy_span_scattered(fd, source, src_start, sizes, split, target, dst_start, stats, crc)
+        _copy_span_scattered(runs, stats, crc)
     else:
         # Runs too short for a syscall vector each: few big reads into a bounded buffer, scattered by torch.
-        _copy_span_buffered(fd, source, src_start, region, target, dst_start, stats, crc)
+        _copy_span_buffered(runs, stats, crc)
     if isinstance(crc, WholeCrc):
         checks.whole(fd, source, crc.value, stats)
     elif crc is not None:
-        checks.part(fd, source, (tuple(src_start), tuple(sizes)), crc.finish(source.storage_nbytes), stats)
+        checks.part(fd, source, (src_start, tuple(sizes)), crc.finish(source.storage_nbytes), stats)
 
 
 def _split_dim(sizes, src_shape, dst_shape) -> int:
@@ -259,36 +286,38 @@ def _run_elements(sizes, split, start, strides) -> list[int]:
     return offsets.tolist()
 
 
-def _copy_runs_direct(fd, source: TensorLocation, src_start, sizes, split, target, dst_start, stats, crc) -> None:
+def _copy_runs_direct(runs: _Runs, stats: ReadStats, crc: WholeCrc | PartCrc | None) -> None:
+    source, sizes, split = runs.source, runs.sizes, runs.split
     item = source.dtype.itemsize
     run = math.prod(sizes[split:])
-    src_strides, dst_strides = _contiguous_strides(source.shape), _contiguous_strides(tuple(target.shape))
-    out = _as_bytes(target)
-    src_runs = _run_elements(sizes, split, src_start, src_strides)
-    for src_element, dst_element in zip(src_runs, _run_elements(sizes, split, dst_start, dst_strides)):
+    src_strides, dst_strides = _contiguous_strides(source.shape), _contiguous_strides(tuple(runs.target.shape))
+    out = _as_bytes(runs.target)
+    src_runs = _run_elements(sizes, split, runs.src_start, src_strides)
+    for src_element, dst_element in zip(src_runs, _run_elements(sizes, split, runs.dst_start, dst_strides)):
         src_element += source.storage_offset
         view = out[dst_element * item : (dst_element + run) * item]
-        _pread_exact(fd, view, source.data_offset + src_element * item, source)
+        _pread_exact(runs.fd, view, source.data_offset + src_element * item, source)
         stats.payload_bytes_read += len(view)
         if crc is not None:
             crc.feed(src_element * item, view)
 
 
-def _copy_span_scattered(fd, source: TensorLocation, src_start, sizes, split, target, dst_start, stats, crc) -> None:
+def _copy_span_scattered(runs: _Runs, stats: ReadStats, crc: WholeCrc | PartCrc | None) -> None:
     """The region is one contiguous span of the file whose runs land apart in the target: ``preadv`` with one
     buffer per run, in file order, so the bytes go to their place with no staging copy."""
+    source, sizes, split = runs.source, runs.sizes, runs.split
     item = source.dtype.itemsize
     run_bytes = math.prod(sizes[split:]) * item
-    dst_strides = _contiguous_strides(tuple(target.shape))
-    out = _as_bytes(target)
-    src_element = source.storage_offset + sum(b * s for b, s in zip(src_start, _contiguous_strides(source.shape)))
+    dst_strides = _contiguous_strides(tuple(runs.target.shape))
+    out = _as_bytes(runs.target)
+    src_element = source.storage_offset + sum(b * s for b, s in zip(runs.src_start, _contiguous_strides(source.shape)))
     offset = source.data_offset + src_element * item
     views: list[memoryview] = []
 
     def read_batch() -> None:
         nonlocal offset
         wanted = len(views) * run_bytes
-        got = os.preadv(fd, views, offset)
+        got = os.preadv(runs.fd, views, offset)
         if got != wanted:
             raise ValueError(
                 f"{source.what}: truncated: wanted {wanted} bytes at offset {offset}, the file ended after {got}"
@@ -302,7 +331,7 @@ def _copy_span_scattered(fd, source: TensorLocation, src_start, sizes, split, ta
         stats.payload_bytes_read += got
         views.clear()
 
-    for dst_element in _run_elements(sizes, split, dst_start, dst_strides):
+    for dst_element in _run_elements(sizes, split, runs.dst_start, dst_strides):
         dst_byte = dst_element * item
         views.append(out[dst_byte : dst_byte + run_bytes])
         if len(views) == _IOV_MAX:
@@ -311,31 +340,31 @@ def _copy_span_scattered(fd, source: TensorLocation, src_start, sizes, split, ta
         read_batch()
 
 
-def _copy_span_buffered(fd, source: TensorLocation, src_start, region, target, dst_start, stats, crc) -> None:
+def _copy_span_buffered(runs: _Runs, stats: ReadStats, crc: WholeCrc | PartCrc | None) -> None:
     """The region is one contiguous span of the file (rows of the stored chunk): read it in blocks of whole
     dim-0 slices that fit the buffer, copying each block into the target's strided view."""
+    source, sizes = runs.source, runs.sizes
     item = source.dtype.itemsize
-    sizes = region[1]
     row_elements = math.prod(sizes[1:]) if sizes else 1
     rows = sizes[0] if sizes else 1
     rows_per_block = max(1, READ_BUFFER_BYTES // max(row_elements * item, 1))
     buffer = torch.empty(min(rows, rows_per_block) * row_elements, dtype=source.dtype)
     raw = _as_bytes(buffer)
-    start_element = source.storage_offset + (src_start[0] * math.prod(source.shape[1:]) if sizes else 0)
+    start_element = source.storage_offset + (runs.src_start[0] * math.prod(source.shape[1:]) if sizes else 0)
     for first in range(0, rows, rows_per_block):
         count = min(rows_per_block, rows - first)
         view = raw[: count * row_elements * item]
         at = (start_element + first * row_elements) * item
-        _pread_exact(fd, view, source.data_offset + at, source)
+        _pread_exact(runs.fd, view, source.data_offset + at, source)
         stats.payload_bytes_read += len(view)
         if crc is not None:
             crc.feed(at, view)
         block = buffer[: count * row_elements].view(count, *sizes[1:]) if sizes else buffer.view(())
         index = tuple(
             slice(d + (first if dim == 0 else 0), d + (first + count if dim == 0 else n))
-            for dim, (d, n) in enumerate(zip(dst_start, sizes))
+            for dim, (d, n) in enumerate(zip(runs.dst_start, sizes))
         )
-        target[index].copy_(block)
+        runs.target[index].copy_(block)
 
 
 def _pread_exact(fd: int, view: memoryview, offset: int, source: TensorLocation) -> None:
@@ -347,9 +376,10 @@ def _pread_exact(fd: int, view: memoryview, offset: int, source: TensorLocation)
 
 
 def _copy_region_strided(
-    fd, source: TensorLocation, source_offsets, region, target, target_offsets, stats, checks: RecordChecks
+    chunk: SourceChunk, region: Box, target: CopyTarget, stats: ReadStats, checks: RecordChecks
 ) -> None:
     """Non-row-major storage (e.g. a saved transpose): read the storage span once and slice it in memory."""
+    fd, source = chunk.fd, chunk.location
     span = bytearray(source.storage_nbytes)
     got = os.preadv(fd, [span], source.data_offset)
     if got != len(span):
@@ -360,6 +390,6 @@ def _copy_region_strided(
     stored = torch.frombuffer(span, dtype=torch.uint8).view(source.dtype)
     stored = stored.as_strided(source.shape, source.stride, source.storage_offset)
     region_offsets, sizes = region
-    src_index = tuple(slice(r - s, r - s + n) for r, s, n in zip(region_offsets, source_offsets, sizes))
-    dst_index = tuple(slice(r - t, r - t + n) for r, t, n in zip(region_offsets, target_offsets, sizes))
-    target[dst_index] = stored[src_index]
+    src_index = tuple(slice(r - s, r - s + n) for r, s, n in zip(region_offsets, chunk.offsets, sizes))
+    dst_index = tuple(slice(r - t, r - t + n) for r, t, n in zip(region_offsets, target.offsets, sizes))
+    target.tensor[dst_index] = stored[src_index]

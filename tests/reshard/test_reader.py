@@ -77,14 +77,14 @@ READ_CASES = {
 
 @pytest.mark.parametrize("case", sorted(READ_CASES))
 def test_each_read_path_equals_slicing_and_reads_only_the_region(case, tmp_path: Path):
-    from lightning_sink.reshard.reader import ReadStats, copy_region
+    from lightning_sink.reshard.reader import CopyTarget, ReadStats, SourceChunk, copy_region
 
     chunk_shape, chunk_offsets, target_shape, target_offsets, region = READ_CASES[case]
     stored = torch.randn(chunk_shape, generator=torch.Generator().manual_seed(1))
     _, fd, location = _stored(tmp_path, stored)
     target, stats = torch.zeros(target_shape), ReadStats()
     try:
-        copy_region(fd, location, chunk_offsets, region, target, target_offsets, stats)
+        copy_region(SourceChunk(fd, location, chunk_offsets), region, CopyTarget(target, target_offsets), stats)
     finally:
         os.close(fd)
     (offsets, sizes) = region
@@ -98,7 +98,7 @@ def test_each_read_path_equals_slicing_and_reads_only_the_region(case, tmp_path:
 
 
 def test_a_flipped_byte_in_a_record_read_whole_by_scatter_reads_fails_its_crc(tmp_path: Path):
-    from lightning_sink.reshard.reader import ReadStats, copy_region
+    from lightning_sink.reshard.reader import CopyTarget, ReadStats, SourceChunk, copy_region
 
     chunk_shape, chunk_offsets, target_shape, target_offsets, region = READ_CASES["scattered"]
     _, fd, location = _stored(tmp_path, torch.randn(chunk_shape))
@@ -106,7 +106,8 @@ def test_a_flipped_byte_in_a_record_read_whole_by_scatter_reads_fails_its_crc(tm
         byte = os.pread(fd, 1, location.data_offset + 123_457)
         os.pwrite(fd, bytes([byte[0] ^ 0x10]), location.data_offset + 123_457)
         with pytest.raises(ValueError, match="test chunk: corrupt: CRC-32"):
-            copy_region(fd, location, chunk_offsets, region, torch.zeros(target_shape), target_offsets, ReadStats())
+            target = CopyTarget(torch.zeros(target_shape), target_offsets)
+            copy_region(SourceChunk(fd, location, chunk_offsets), region, target, ReadStats())
     finally:
         os.close(fd)
 
@@ -152,7 +153,7 @@ def test_bands_hold_whole_copies_tile_the_shard_and_cut_at_every_source_row_boun
 def test_the_memory_budget_caps_workers_by_the_largest_band():
     from lightning_sink.reshard.plan import plan_rank
     from lightning_sink.reshard.reader import READ_BUFFER_BYTES
-    from lightning_sink.reshard.transform import WORKER_BASELINE_BYTES, worker_count
+    from lightning_sink.reshard.workers import WORKER_BASELINE_BYTES, worker_count
     from lightning_sink.reshard.writer import write_memory_bytes
 
     one = Layout(
