@@ -1,72 +1,54 @@
 """A sink strategy's fit, from construction to teardown: its settings resolved against the Trainer, the data it
-reads, the engine built at train start from the parts the strategy passes, the loop rules installed for the fit
-and removed after it, and the checkpoint state (``checkpoint_state.py``). The step itself is in ``engine.py``."""
+reads, and the checkpoint state (``checkpoint_state.py``). At train start it has its engine assembled
+(``engine_assembly.py``) and, in sink mode, its sink loop wired (``sink/fit_wiring.py``), and it undoes both at
+train end. The step itself is in ``engine.py``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.trainer.states import RunningStage
-from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.data import has_len_all_ranks
-from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.nn import Parameter
 
 from lightning_sink import _lightning_compat as compat
-from lightning_sink.accumulation import UPDATING_PARTIAL_WINDOWS, GradientAccumulator, SingleStepGradients
-from lightning_sink.compiled import Unavailable
+from lightning_sink.accumulation import GradientAccumulator, SingleStepGradients
 from lightning_sink.data import DataPosition
-from lightning_sink.device_prefetch import CudaBatchCopier
 from lightning_sink.indexed_batches import IndexedLoaderReads
 from lightning_sink.loss_scale import DynamicLossScale
 from lightning_sink.precision import LossScalePrecision
 from lightning_sink.random_state import gather_random_states, restore_rank_random_state
-from lightning_sink.sink.logging import SinkLogBuffer
+from lightning_sink.sink.fit_wiring import SinkSettings, SinkWiring
 from lightning_sink.sink.loop import SinkLoop
-from lightning_sink.sink.programs.compiled_choice import compiled_choice
-from lightning_sink.sink.progress import SinkProgress, epoch_micro_batches
-from lightning_sink.sink.schedule import SinkSchedule
-from lightning_sink.sink.staging import StagedData, default_device_data_budget, plan_staging
-from lightning_sink.sink.step_triggers import describe_sink_epoch, schedule_points
-from lightning_sink.sink_data import (
-    MicroBatchStream,
-    SinkLoader,
-    default_prefetch_depth,
-)
+from lightning_sink.sink_data import SinkLoader
 from lightning_sink.strategies import checkpoint_state
 from lightning_sink.strategies.config import SinkConfig
-from lightning_sink.strategies.engine import EngineHost, EngineParts, StepEngine
-from lightning_sink.strategies.fit_checks import (
-    check_module_and_optimizer,
-    draws_own_batches,
-    settle_accumulation_steps,
+from lightning_sink.strategies.engine import EngineHost, StepEngine
+from lightning_sink.strategies.engine_assembly import (
+    EngineSettings,
+    WindowParts,
+    assemble_engine,
+    bind_backward,
+    install_window_rules,
+    unbind_backward,
 )
-from lightning_sink.strategies.graph_modes import check_graph_mode_device, step_function
+from lightning_sink.strategies.fit_checks import draws_own_batches, settle_accumulation_steps
+from lightning_sink.strategies.graph_modes import step_function
 from lightning_sink.strategies.hooks import HookPlan
 from lightning_sink.strategies.progress_ranges import check_progress_against_fit, whole_count
-from lightning_sink.strategies.recompile_watch import RecompileWatch
 from lightning_sink.strategies.resume_check import check_resume_settings
 from lightning_sink.strategies.sink_state_check import FitFacts, check_state_against_fit
 from lightning_sink.strategies.tensor_digests import add_tensor_digests, check_tensor_digests
 from lightning_sink.training_passes import TrainingPasses
-from lightning_sink.window import GradientStore, Reducer
+from lightning_sink.window import GradientStore
 
+# WindowParts is engine_assembly's; the strategies import it from here, with the SinkFit they give it to.
 __all__ = ["WindowParts", "SinkFit", "fit_setting"]
-
-
-@dataclass(frozen=True)
-class WindowParts:
-    """What distinguishes the strategies: where a window's gradient sum lives and how the ranks combine it."""
-
-    make_store: Callable[[list[Parameter]], GradientStore]
-    reducer: Reducer
-    ranks_in_sum: int  # ranks whose gradients the reduced sum adds up (1 where the reduction averages)
 
 
 def fit_setting(name: str) -> Any:
@@ -98,8 +80,7 @@ class SinkFit:
         self._pending_random_states: list[Any] | None = None  # a checkpoint's random generators, also at train start
         self._pending_path: Any = None  # the checkpoint the pending state came from, for error messages
         self.engine: StepEngine | None = None  # this fit's engine (automatic optimization only)
-        self.sink_loop: SinkLoop | None = None
-        self._progress: SinkProgress | None = None  # sink mode: the progress bar counts micro-batches
+        self._sink = SinkWiring()  # sink mode: the sink loop, from train start to train end
         self.direct_transfer = False  # batch_to_device may skip the transfer-hook dispatch (during a fit)
         self._trainer: pl.Trainer | None = None
         self._val_check_interval: int | float | None = None  # the Trainer's, held during a sink-mode fit
@@ -133,6 +114,11 @@ class SinkFit:
     @property
     def hooks(self) -> HookPlan | None:
         return self.engine.hooks if self.engine is not None else None
+
+    @property
+    def sink_loop(self) -> SinkLoop | None:
+        """In sink mode, the fit's sink loop (from train start to train end)."""
+        return self._sink.loop
 
     @property
     def micro_steps_in_window(self) -> int | None:
@@ -222,85 +208,54 @@ class SinkFit:
 
     # ------------------------------------------------------------------ the fit
     def start(self, parts: WindowParts) -> None:
-        """At train start: check the run, build the engine from ``parts`` and the fit's own, install the loop rules."""
+        """At train start: check the run, have the engine assembled from ``parts`` and the fit's own settings, and
+        install the loop rules (the sink loop's in sink mode)."""
         self._restore_random_states()
         if not self.accumulating:
             return
         host, trainer = self.host, self.trainer
-        module = trainer.lightning_module
-        optimizers = host.optimizers
-        if len(optimizers) != 1:
-            raise ValueError(f"{type(host).__name__} supports exactly one optimizer; got {len(optimizers)}.")
-        scaling = self.loss_scaling
-        check_module_and_optimizer(
-            type(host).__name__,
-            module,
-            optimizers[0],
+        settings = EngineSettings(
             accumulation_steps=self.accumulation_steps,
+            partial_window=self.partial_window,
             sink_size=self.sink_size,
             scheduled=self.scheduled,
-            world_size=host.world_size,
-            loss_scaling=scaling is not None,
+            graph_mode=self.graph_mode,
         )
-        passthrough = (
-            self.sink_size is None
-            and self.accumulation_steps == 1
-            and host.world_size == 1
-            and scaling is None
-            and not self.scheduled
-        )
-        hooks = HookPlan.for_run(trainer)
-        self.direct_transfer = hooks.direct_transfer
-        check_graph_mode_device(self.graph_mode, host.root_device)
-        kind = type(host.precision_plugin)
-        self.engine = engine = StepEngine(
-            EngineParts(
-                host=host,
-                trainer=trainer,
-                make_store=parts.make_store,
-                reducer=parts.reducer,
-                ranks_in_sum=parts.ranks_in_sum,
-                scaling=scaling,
-                hooks=hooks,
-                counters=compat.UpdateCounters(trainer),
-                passes=self.passes,
-                accumulation_steps=self.accumulation_steps,
-                partial_window=self.partial_window,
-                sink_size=self.sink_size,
-                step_function=step_function(module.training_step, self.graph_mode),
-                # as Lightning builds the arguments: batch_idx only for a training_step that takes it
-                step_takes_batch_idx=is_param_in_hook_signature(module.training_step, "batch_idx", min_args=2),
-                needs_step_context=not (
-                    kind.train_step_context is Precision.train_step_context
-                    and kind.forward_context is Precision.forward_context
-                ),
-                step_scheduler_configs=[
-                    config
-                    for config in trainer.lr_scheduler_configs
-                    if config.interval == "step" and not config.reduce_on_plateau
-                ],
-                passthrough=passthrough,
-            )
-        )
-        if hooks.direct_backward and not passthrough:
-            # Nothing would run in Lightning's Strategy.backward but loss.backward() (no backward hooks, a plain
-            # precision plugin; see HookPlan): this fit's backward is the engine's, skipping four hook dispatches per
-            # micro-batch. An attribute of the strategy object, removed at fit end (not when someone replaced it).
-            vars(host)["backward"] = engine.window_backward
-        elif scaling is not None and scaling.skip_window_on_overflow and not passthrough:
-            vars(host)["backward"] = engine.hooked_backward  # Lightning's, told when a window already overflowed
-        if scaling is not None:
-            scaling.to_device(host.root_device)
+        # step_function is read from this module at each start: the fallback tests (tests/compiled) replace it here
+        # with a quicker compiler backend.
+        self.engine = engine = assemble_engine(host, trainer, parts, settings, self.passes, step_function)
+        self.direct_transfer = engine.hooks.direct_transfer
+        bind_backward(host, engine)
         if self.pending_state is not None:
-            check_resume_settings(self.pending_state, self.window_settings(), self._pending_path)
-            facts = self._fit_facts()
-            check_state_against_fit(self.pending_state, facts, self._pending_path)
-            check_progress_against_fit(self.pending_state, facts, self._pending_path)
-            checkpoint_state.load_window(engine.window, self.pending_state, host)
-            self.pending_state = None
+            self._apply_pending_state(engine)
         if self.sink_size is None:
             self.passes.skip_trained_batches(trainer)  # after a mid-pass resume
-        self._install_loop_rules(trainer, engine)
+        if self._sink_loader is not None:
+            self._sink.wire(host, trainer, engine, self._sink_loader, self.data_position, self._sink_settings())
+        else:
+            install_window_rules(trainer, engine, self.partial_window)
+
+    def _apply_pending_state(self, engine: StepEngine) -> None:
+        """A checkpoint's state, checked against this fit, into the new engine's window."""
+        assert self.pending_state is not None
+        check_resume_settings(self.pending_state, self.window_settings(), self._pending_path)
+        facts = self._fit_facts()
+        check_state_against_fit(self.pending_state, facts, self._pending_path)
+        check_progress_against_fit(self.pending_state, facts, self._pending_path)
+        checkpoint_state.load_window(engine.window, self.pending_state, self.host)
+        self.pending_state = None
+
+    def _sink_settings(self) -> SinkSettings:
+        assert self.sink_size is not None
+        return SinkSettings(
+            sink_size=self.sink_size,
+            accumulation_steps=self.accumulation_steps,
+            graph_mode=self.graph_mode,
+            micro_steps_per_call=self.micro_steps_per_call,
+            prefetch_depth=self.prefetch_depth,
+            device_data_budget=self.sink_config.device_data_budget,
+            val_check_interval=self._val_check_interval,
+        )
 
     def _restore_random_states(self) -> None:
         """A resumed run's global random generators continue from the checkpoint's. Restored at train start, after
@@ -330,81 +285,6 @@ class SinkFit:
             self.accumulation_steps, batches, trainer.current_epoch, trainer.global_step, per_epoch, automatic
         )
 
-    def _install_loop_rules(self, trainer: pl.Trainer, engine: StepEngine) -> None:
-        if self._sink_loader is not None:
-            assert self.sink_size is not None
-            staging = self._staging(engine)
-            stream = MicroBatchStream(
-                self._sink_loader.loader,
-                self.data_position,
-                self._prefetch_depth(),
-                copier=self._device_copier(),
-                read_pass=staging.read_pass if isinstance(staging, StagedData) else None,
-            )
-            module = trainer.lightning_module
-            watch = RecompileWatch(self.sink_size, self.graph_mode) if self.graph_mode != "eager" else None
-            loader = self._sink_loader.loader
-            pass_length = sized_len(loader)
-            self.data_position.sink_mode = True
-            points = schedule_points(trainer, self._val_check_interval, pass_length, self.sink_size)
-            schedule = SinkSchedule(points, self.sink_size, self.accumulation_steps, pass_length)
-            done = self.data_position
-            self._progress = SinkProgress.install(
-                trainer, epoch_micro_batches(self.sink_size, pass_length), lambda: done.trained_in_sink
-            )
-            self.sink_loop = loop = SinkLoop(
-                engine,
-                stream,
-                self.data_position,
-                SinkLogBuffer(module),
-                schedule,
-                time_left=lambda: compat.step_time_left(trainer),
-                # Ranks reading their own clocks could end a segment at different micro-batches, and their updates'
-                # collectives would then no longer pair up: rank 0's clock decides, as Lightning's Timer does.
-                agree=self.host.broadcast if self.host.world_size > 1 else None,
-                recompile_watch=watch,
-                choose=compiled_choice(engine, self.graph_mode, staging, self.micro_steps_per_call),
-                batches=staging.batches if isinstance(staging, StagedData) else None,
-                progress=self._progress.advance if self._progress is not None else None,
-            )
-            self._sink_loader.sink_continues = loop.sink_continues
-            scheduled = None
-            if points.validate_every_in_fit or points.validate_every_in_pass:
-                scheduled = self._validates_after_segment(trainer, loop, points.validate_every_n_passes)
-
-            def validates(lightning_decides: Callable[[], bool]) -> bool:
-                return loop.decide_validation(scheduled() if scheduled is not None else lightning_decides())
-
-            overrides = compat.LoopOverrides.for_sinks(loop.made_no_update, lambda: loop.sink_finished, validates)
-            compat.install_loop_overrides(trainer, overrides)
-            rank_zero_info(
-                describe_sink_epoch(self.sink_size, self.accumulation_steps, pass_length, trainer.max_epochs)
-            )
-            return
-        holds = engine.scaling is not None and bool(engine.step_scheduler_configs)
-        rules = compat.LoopOverrides(
-            batch_has_no_update=None if self.partial_window in UPDATING_PARTIAL_WINDOWS else engine.batch_has_no_update,
-            hold_step_schedulers=(lambda: engine.last_update_skipped) if holds else None,
-        )
-        compat.install_loop_overrides(trainer, rules)
-
-    def _validates_after_segment(
-        self, trainer: pl.Trainer, loop: SinkLoop, every_n_passes: int | None
-    ) -> Callable[[], bool]:
-        """Lightning's "validate after this batch?" for a step-based ``val_check_interval``: at the segment ends the
-        schedule placed, and when the fit is told to stop (as Lightning validates before an early stop)."""
-        position = self.data_position
-
-        def validates() -> bool:
-            if not trainer.enable_validation:
-                return False
-            if loop.validation_due:
-                return True
-            in_validated_pass = every_n_passes is None or (position.pass_index + 1) % every_n_passes == 0
-            return trainer.should_stop and compat.can_stop_early(trainer) and in_validated_pass
-
-        return validates
-
     def estimated_updates(self) -> int | float:
         """``trainer.estimated_stepping_batches`` in sink mode: the optimizer updates of ``max_epochs`` sinks (a
         window's micro-batches may span sinks), capped by ``max_steps``; Lightning's own answer where the number of
@@ -420,38 +300,6 @@ class SinkFit:
         updates = max(epochs, 1) * per_sink // self.accumulation_steps
         return min(updates, trainer.max_steps) if trainer.max_steps != -1 else updates
 
-    def _staging(self, engine: StepEngine) -> StagedData | Unavailable:
-        """The training data staged on the device for the compiled programs (``sink/staging.py``), or why not."""
-        assert self._sink_loader is not None and self.sink_size is not None
-        host = self.host
-        budget = self.sink_config.device_data_budget
-        return plan_staging(
-            self._sink_loader.loader,
-            graph_mode=self.graph_mode,
-            world_size=host.world_size,
-            prefetch_depth=self._prefetch_depth(),
-            direct_transfer=engine.hooks.direct_transfer,
-            converts_input=type(host.precision_plugin).convert_input is not Precision.convert_input,
-            budget=default_device_data_budget(host.root_device) if budget is None else budget,
-            position=self.data_position,
-            device=host.root_device,
-            sink_size=self.sink_size,
-        )
-
-    def _prefetch_depth(self) -> int:
-        """``prefetch_depth``, or by default (``default_prefetch_depth``) from the device and the loader."""
-        if self.prefetch_depth is not None:
-            return self.prefetch_depth
-        assert self._sink_loader is not None
-        return default_prefetch_depth(self.host.root_device, self._sink_loader.loader)
-
-    def _device_copier(self) -> CudaBatchCopier | None:
-        """On CUDA, the prefetch thread copies batches to the GPU, unless transfer hooks must run in this thread."""
-        device = self.host.root_device
-        if device.type != "cuda" or not self.direct_transfer or self._prefetch_depth() == 0:
-            return None
-        return CudaBatchCopier(device)
-
     def batch_started(self) -> None:
         """At each Lightning batch's start (``on_train_batch_start``)."""
         if self.sink_loop is not None:
@@ -463,18 +311,10 @@ class SinkFit:
             if steps != self.accumulation_steps:  # a GradientAccumulationScheduler
                 self.accumulation_steps = engine.accumulation_steps = engine.window.loss_divisor = steps
 
-    def _close_stream(self) -> None:
-        if self._progress is not None:
-            self._progress.remove()
-            self._progress = None
-        if self.sink_loop is not None:
-            self.sink_loop.close()
-            self.sink_loop = None
-
     def end(self) -> None:
         """At train end."""
-        self._close_stream()
-        self._unbind_direct_backward()
+        self._sink.unwire()
+        unbind_backward(self.host, self.engine)
         compat.remove_loop_overrides(self.trainer)
 
     def teardown(self) -> None:
@@ -483,17 +323,11 @@ class SinkFit:
         self._val_check_interval = None
         if self._trainer is not None:
             compat.set_estimated_stepping_batches(self._trainer, None)
-        self._close_stream()  # also when training raised and on_train_end never ran
-        self._unbind_direct_backward()
+        self._sink.unwire()  # also when training raised and on_train_end never ran
+        unbind_backward(self.host, self.engine)
         self.direct_transfer = False
         self.passes.release()
         self._indexed_reads.release()
-
-    def _unbind_direct_backward(self) -> None:
-        engine = self.engine
-        bound = vars(self.host).get("backward")
-        if engine is not None and bound in (engine.window_backward, engine.hooked_backward):  # ours, not a wrapper
-            del self.host.backward
 
     # ------------------------------------------------------------------ checkpoints
     def window_settings(self) -> dict[str, Any]:

@@ -1,0 +1,176 @@
+"""A fit's sink loop wired into Lightning at train start (``SinkFit.start`` in sink mode): the micro-batch stream
+over the user's loader (the training data staged on the device where it fits, ``staging.py``), the schedule of
+segment ends (``schedule.py``), the progress bar counting micro-batches (``progress.py``), the programs each segment
+runs (``programs/compiled_choice.py``), and the loop rules Lightning follows for sinks; all of it undone at fit end."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.data import sized_len
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_sink import _lightning_compat as compat
+from lightning_sink.compiled import Unavailable
+from lightning_sink.data import DataPosition
+from lightning_sink.device_prefetch import CudaBatchCopier
+from lightning_sink.sink.logging import SinkLogBuffer
+from lightning_sink.sink.loop import SinkLoop
+from lightning_sink.sink.programs.compiled_choice import compiled_choice
+from lightning_sink.sink.progress import SinkProgress, epoch_micro_batches
+from lightning_sink.sink.schedule import SinkSchedule
+from lightning_sink.sink.staging import StagedData, default_device_data_budget, plan_staging
+from lightning_sink.sink.step_triggers import describe_sink_epoch, schedule_points
+from lightning_sink.sink_data import MicroBatchStream, SinkLoader, default_prefetch_depth
+from lightning_sink.strategies.engine import EngineHost, StepEngine
+from lightning_sink.strategies.recompile_watch import RecompileWatch
+
+__all__ = ["SinkSettings", "SinkWiring"]
+
+
+@dataclass(frozen=True)
+class SinkSettings:
+    """The fit's settings the sink loop is wired from (``SinkFit`` holds them, settled against the Trainer)."""
+
+    sink_size: int
+    accumulation_steps: int
+    graph_mode: str
+    micro_steps_per_call: int | None
+    prefetch_depth: int | None  # None: from the device and the loader (``default_prefetch_depth``)
+    device_data_budget: int | None  # None: from the device (``default_device_data_budget``)
+    val_check_interval: int | float | None  # the Trainer's own, which the sink schedule reads in its place
+
+
+class SinkWiring:
+    """One fit's sink loop and the progress bar it advances, held from ``wire`` to ``unwire``."""
+
+    def __init__(self) -> None:
+        self.loop: SinkLoop | None = None
+        self._progress: SinkProgress | None = None  # the progress bar counts micro-batches
+
+    def wire(
+        self,
+        host: EngineHost,
+        trainer: pl.Trainer,
+        engine: StepEngine,
+        sink_loader: SinkLoader,
+        position: DataPosition,
+        settings: SinkSettings,
+    ) -> SinkLoop:
+        """Build the sink loop over ``sink_loader``'s loader and install Lightning's loop rules for sinks."""
+        loader, sink_size = sink_loader.loader, settings.sink_size
+        depth = _prefetch_depth(host, loader, settings)
+        staging = _staging(host, engine, loader, position, settings, depth)
+        staged = staging if isinstance(staging, StagedData) else None
+        stream = MicroBatchStream(
+            loader,
+            position,
+            depth,
+            copier=_device_copier(host, engine, depth),
+            read_pass=staged.read_pass if staged is not None else None,
+        )
+        watch = RecompileWatch(sink_size, settings.graph_mode) if settings.graph_mode != "eager" else None
+        pass_length = sized_len(loader)
+        position.sink_mode = True
+        points = schedule_points(trainer, settings.val_check_interval, pass_length, sink_size)
+        schedule = SinkSchedule(points, sink_size, settings.accumulation_steps, pass_length)
+        self._progress = SinkProgress.install(
+            trainer, epoch_micro_batches(sink_size, pass_length), lambda: position.trained_in_sink
+        )
+        self.loop = loop = SinkLoop(
+            engine,
+            stream,
+            position,
+            SinkLogBuffer(trainer.lightning_module),
+            schedule,
+            time_left=lambda: compat.step_time_left(trainer),
+            # Ranks reading their own clocks could end a segment at different micro-batches, and their updates'
+            # collectives would then no longer pair up: rank 0's clock decides, as Lightning's Timer does.
+            agree=host.broadcast if host.world_size > 1 else None,
+            recompile_watch=watch,
+            choose=compiled_choice(engine, settings.graph_mode, staging, settings.micro_steps_per_call),
+            batches=staged.batches if staged is not None else None,
+            progress=self._progress.advance if self._progress is not None else None,
+        )
+        sink_loader.sink_continues = loop.sink_continues
+        scheduled = None
+        if points.validate_every_in_fit or points.validate_every_in_pass:
+            scheduled = _validates_after_segment(trainer, loop, position, points.validate_every_n_passes)
+
+        def validates(lightning_decides: Callable[[], bool]) -> bool:
+            return loop.decide_validation(scheduled() if scheduled is not None else lightning_decides())
+
+        overrides = compat.LoopOverrides.for_sinks(loop.made_no_update, lambda: loop.sink_finished, validates)
+        compat.install_loop_overrides(trainer, overrides)
+        rank_zero_info(describe_sink_epoch(sink_size, settings.accumulation_steps, pass_length, trainer.max_epochs))
+        return loop
+
+    def unwire(self) -> None:
+        """Give the progress bar its hooks back and close the loop (its stream's reading thread); Lightning's loop
+        rules are removed by whoever removes the fit's (``compat.remove_loop_overrides``)."""
+        if self._progress is not None:
+            self._progress.remove()
+            self._progress = None
+        if self.loop is not None:
+            self.loop.close()
+            self.loop = None
+
+
+def _validates_after_segment(
+    trainer: pl.Trainer, loop: SinkLoop, position: DataPosition, every_n_passes: int | None
+) -> Callable[[], bool]:
+    """Lightning's "validate after this batch?" for a step-based ``val_check_interval``: at the segment ends the
+    schedule placed, and when the fit is told to stop (as Lightning validates before an early stop)."""
+
+    def validates() -> bool:
+        if not trainer.enable_validation:
+            return False
+        if loop.validation_due:
+            return True
+        in_validated_pass = every_n_passes is None or (position.pass_index + 1) % every_n_passes == 0
+        return trainer.should_stop and compat.can_stop_early(trainer) and in_validated_pass
+
+    return validates
+
+
+def _staging(
+    host: EngineHost,
+    engine: StepEngine,
+    loader: Any,
+    position: DataPosition,
+    settings: SinkSettings,
+    prefetch_depth: int,
+) -> StagedData | Unavailable:
+    """The training data staged on the device for the compiled programs (``staging.py``), or why not."""
+    budget = settings.device_data_budget
+    return plan_staging(
+        loader,
+        graph_mode=settings.graph_mode,
+        world_size=host.world_size,
+        prefetch_depth=prefetch_depth,
+        direct_transfer=engine.hooks.direct_transfer,
+        converts_input=type(host.precision_plugin).convert_input is not Precision.convert_input,
+        budget=default_device_data_budget(host.root_device) if budget is None else budget,
+        position=position,
+        device=host.root_device,
+        sink_size=settings.sink_size,
+    )
+
+
+def _prefetch_depth(host: EngineHost, loader: Any, settings: SinkSettings) -> int:
+    """``prefetch_depth``, or by default (``default_prefetch_depth``) from the device and the loader."""
+    if settings.prefetch_depth is not None:
+        return settings.prefetch_depth
+    return default_prefetch_depth(host.root_device, loader)
+
+
+def _device_copier(host: EngineHost, engine: StepEngine, prefetch_depth: int) -> CudaBatchCopier | None:
+    """On CUDA, the prefetch thread copies batches to the GPU, unless transfer hooks must run in this thread."""
+    device = host.root_device
+    if device.type != "cuda" or not engine.hooks.direct_transfer or prefetch_depth == 0:
+        return None
+    return CudaBatchCopier(device)
