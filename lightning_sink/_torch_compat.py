@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
 
 __all__ = [
+    "inductor_cache_counts",
     "StridedShard",
     "MetadataCheckedReader",
     "WeightsOnlyLoadPlanner",
@@ -243,6 +244,14 @@ def compiled_graph_count() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"].get("unique_graphs", 0))
+
+
+def inductor_cache_counts() -> tuple[int, int]:
+    """How many graphs Inductor has taken from its on-disk cache of compiled graphs in this process so far, and how
+    many it compiled and stored there (hits, misses): torch's own counters, which have no public reader."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"].get("fxgraph_cache_hit", 0)), int(counters["inductor"].get("fxgraph_cache_miss", 0))
 
 
 def traced_all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:

@@ -267,3 +267,15 @@ def test_the_inductor_settings_of_the_cpu_programs_are_known_to_this_torch():
     assert inductor_options(torch.device("cpu")) == cpu_settings
     assert inductor_options(torch.device("meta")) is None
     assert "no_such_setting" not in compat.inductor_option_names()
+
+
+def test_the_inductor_cache_counts_see_a_graph_stored_and_then_reused(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch._dynamo.reset()
+    hits, misses = compat.inductor_cache_counts()
+    torch.compile(lambda x: x.sin() * 3, backend="inductor", dynamic=False)(torch.ones(4))
+    assert compat.inductor_cache_counts() == (hits, misses + 1)  # compiled, then stored
+    torch._dynamo.reset()  # forget the compiled function: the next compile looks in the cache
+    torch.compile(lambda x: x.sin() * 3, backend="inductor", dynamic=False)(torch.ones(4))
+    assert compat.inductor_cache_counts() == (hits + 1, misses + 1)
+    torch._dynamo.reset()

@@ -39,6 +39,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 
 from lightning_sink import _lightning_compat as compat
+from lightning_sink._torch_compat import inductor_cache_counts
 from lightning_sink.accumulation import GradientAccumulator, SingleStepGradients, unique_trainable
 from lightning_sink.compiled import AutocastRegion, RankSum, StepPrograms, Unavailable, build_step_programs
 from lightning_sink.sink.programs.compiled import CompiledAccumulate, CompiledSeveral, CompiledUpdate
@@ -218,36 +219,14 @@ class CompiledProgramChooser:
         programs (compiling them now, on copies of the state), or fall back with the reason."""
         engine = self.engine
         trainer = engine.trainer
-        module = trainer.lightning_module
         scaling = engine.scaling
         clip_val = trainer.gradient_clip_val or None
         algorithm = GradClipAlgorithmType(trainer.gradient_clip_algorithm or GradClipAlgorithmType.NORM).value
-        start = time.perf_counter()
-        several = self.micro_steps_per_call  # None: decided by the build from the step's size
-        if several is None and (engine.host.world_size > 1 or self.graph_mode == "cuda_graph"):
-            several = 1  # (DDP: the reducer's own all-reduce between two compiled parts; CUDA: not measured yet)
-        if several is not None and several > 1 and several % engine.accumulation_steps:
-            rank_zero_warn(
-                f"micro_steps_per_call={several} is not a multiple of the fit's accumulation_steps="
-                f"{engine.accumulation_steps} (a call runs whole windows): one micro-batch per call instead."
-            )
-            several = 1
-        not_scheduled = SchedulerLookahead(engine).reason() if several != 1 else None
-        if not_scheduled is not None:
-            if several is not None:  # (asked for: a warning; chosen by default: the fit's line says why)
-                rank_zero_warn(
-                    f"micro_steps_per_call={several}: one micro-batch per call instead, because {not_scheduled}."
-                )
-            several = 1
+        start, cache_before = time.perf_counter(), inductor_cache_counts()
         data = self.staging.data() if self.staging is not None else None
-        if several is not None and several > 1 and data is not None and data[1].capacity < several:
-            rank_zero_warn(
-                f"micro_steps_per_call={several} is more than the {data[1].capacity} micro-batches a sink stages"
-                " (sink_size, or the data pass): one micro-batch per call instead."
-            )
-            several = 1
+        several, not_scheduled = self._call_length(data)
         built = build_step_programs(
-            module,
+            trainer.lightning_module,
             engine.optimizer(),
             batch,
             loss_scale=None if scaling is None else scaling.scaler,
@@ -278,24 +257,57 @@ class CompiledProgramChooser:
             parts.append("loss scale")
         if clip_val is not None:
             parts.append(f"{algorithm} clipping")
+        took = f"{time.perf_counter() - start:.1f} s{_cache_note(cache_before, inductor_cache_counts())}"
+        rank_zero_info(self._build_line(built, parts, self._length_note(built, several, not_scheduled), took))
+        return built
+
+    def _call_length(self, data: Any) -> tuple[int | None, str | None]:
+        """The micro-steps per compiled call to build (None: the build decides from the step's size), and why a
+        step scheduler keeps the calls at one micro-step, where one does."""
+        engine = self.engine
+        several = self.micro_steps_per_call
+        if several is None and (engine.host.world_size > 1 or self.graph_mode == "cuda_graph"):
+            several = 1  # (DDP: the reducer's own all-reduce between two compiled parts; CUDA: not measured yet)
+        if several is not None and several > 1 and several % engine.accumulation_steps:
+            rank_zero_warn(
+                f"micro_steps_per_call={several} is not a multiple of the fit's accumulation_steps="
+                f"{engine.accumulation_steps} (a call runs whole windows): one micro-batch per call instead."
+            )
+            several = 1
+        not_scheduled = SchedulerLookahead(engine).reason() if several != 1 else None
+        if not_scheduled is not None:
+            if several is not None:  # (asked for: a warning; chosen by default: the fit's line says why)
+                rank_zero_warn(
+                    f"micro_steps_per_call={several}: one micro-batch per call instead, because {not_scheduled}."
+                )
+            several = 1
+        if several is not None and several > 1 and data is not None and data[1].capacity < several:
+            rank_zero_warn(
+                f"micro_steps_per_call={several} is more than the {data[1].capacity} micro-batches a sink stages"
+                " (sink_size, or the data pass): one micro-batch per call instead."
+            )
+            several = 1
+        return several, not_scheduled
+
+    def _length_note(self, built: StepPrograms, several: int | None, not_scheduled: str | None) -> str:
+        if not_scheduled is not None and self.micro_steps_per_call is None:
+            return f", one micro-step per call ({not_scheduled})"
+        if several is None:  # the build's choice, with its reason
+            return f", and {built.call_note}"
+        return f", and {several} micro-steps unrolled into one program" if several > 1 else ""
+
+    def _build_line(self, built: StepPrograms, parts: list[str], length: str, took: str) -> str:
         region = self.autocast
         where = "" if region is None else f"; the forward under autocast({region.device_type!r}, {region.dtype})"
         kind = "compiled and captured as CUDA graphs" if self.graph_mode == "cuda_graph" else "compiled"
         across = ""
         if built.rank_sum is not None:
             across = f", the window summed across {built.rank_sum.ranks} processes by one all-reduce"
-        if several is None:  # the build's choice, with its reason
-            unrolled = f", and {built.call_note}"
-        else:
-            unrolled = f", and {several} micro-steps unrolled into one program" if several > 1 else ""
-        if not_scheduled is not None and self.micro_steps_per_call is None:
-            unrolled = f", one micro-step per call ({not_scheduled})"
-        rank_zero_info(
-            f"{type(engine.host).__name__}(graph_mode={self.graph_mode!r}): the accumulate and update programs are"
-            f" {kind} whole (forward, backward, accumulation, {', '.join(parts)} update{across}){unrolled} in"
-            f" {time.perf_counter() - start:.1f} s{where}; {self._data_note()}"
+        return (
+            f"{type(self.engine.host).__name__}(graph_mode={self.graph_mode!r}): the accumulate and update programs"
+            f" are {kind} whole (forward, backward, accumulation, {', '.join(parts)} update{across}){length} in"
+            f" {took}{where}; {self._data_note()}"
         )
-        return built
 
     def _rank_sum(self, several: int | None) -> RankSum | None:
         """Under DDP, the update's sum across the processes: the reducer's one flat all-reduce (``DDP_SUM_ROUTE``);
@@ -325,6 +337,19 @@ class CompiledProgramChooser:
             f"{type(self.engine.host).__name__}(graph_mode={self.graph_mode!r}): no whole-step programs, {path}"
             f" runs instead (the eager step programs): {reason}."
         )
+
+
+def _cache_note(before: tuple[int, int], after: tuple[int, int]) -> str:
+    """What Inductor's on-disk cache of compiled graphs did for this build (it outlives the process: an identical
+    fit, in this process or a later one, takes its graphs from there)."""
+    hits, misses = after[0] - before[0], after[1] - before[1]
+    if hits and not misses:
+        return f" (all {hits} graphs from Inductor's on-disk cache: an identical build ran before)"
+    if hits:
+        return f" ({hits} of {hits + misses} graphs from Inductor's on-disk cache)"
+    if misses:
+        return f" ({misses} graphs compiled and kept in Inductor's on-disk cache: an identical fit builds faster)"
+    return ""
 
 
 def _hooks_between(trainer: Any) -> list[str]:
