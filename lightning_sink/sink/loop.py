@@ -13,7 +13,6 @@ sink to its planned end. ``self.log`` calls are recorded during a segment and ha
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -149,76 +148,103 @@ class SinkLoop:
         return output
 
     def _micro_batches(self) -> dict[str, Tensor] | None:
-        engine, stream, buffer, position = self._engine, self.stream, self._log_buffer, self._data_position
-        trainer, window, updates = engine.trainer, engine.window, self.updates
+        trainer = self._engine.trainer
         # the updates this segment may make before max_steps (global_step moves only through its updates)
         updates_allowed = trainer.max_steps - trainer.global_step if trainer.max_steps != -1 else -1
-        segment = self._next_segment()
-        if self.sink_finished:
-            position.trained_in_sink = 0  # a new sink
-        self._pass_ended = False
-        self.validation_due = False
+        segment, deadline, programs = self._begin_segment()
         length = segment.length
-        seconds = self._time_left()
-        timed = seconds is not None
-        deadline = time.monotonic() + seconds if seconds is not None else math.inf
-        self.programs = programs = self._choose(engine, updates)
-        window.loss_divisor = programs.update.loss_divisor
-        accumulate, update, steps = programs.accumulate.run, programs.update.run, engine.accumulation_steps
+        next_batch = self.stream.next if self._batches is None else self._batches(self.stream, length)
         losses: list[Tensor] = []
         micro_index = 0
-        next_batch = stream.next if self._batches is None else self._batches(stream, length)
-        several = programs.several
-        # each turn: the micro-batches read (several trained in one call, each with a function doing its host
-        # effects; or one, trained by the pair below), then every one's effects in order, written once for both
-        trained: Sequence[tuple[Any, Callable[[], Tensor | None] | None]]
+        # each turn: the micro-batches of one call read and trained (several in one call, each with a function
+        # doing its host effects; or one, trained by the pair), then every one's effects in order
         while micro_index < length:
-            if updates_allowed != -1 and updates.count >= updates_allowed:
+            if updates_allowed != -1 and self.updates.count >= updates_allowed:
                 break
-            if several is not None and self._fits_in_call(several, length - micro_index, updates_allowed):
-                trained = self._run_several(several, next_batch)
-            else:
-                batch = next_batch()
-                if batch is PASS_END:
-                    if self._sink_size == -1 and micro_index:
-                        self._pass_ended = True
-                        break  # one data pass per sink
-                    continue
-                trained = ((self._prepared(batch), None),)
+            trained = self._next_call(programs, next_batch, length - micro_index, updates_allowed, micro_index)
+            if trained is None:
+                self._pass_ended = True
+                break  # one data pass per sink: the pass ended
+            if not trained:
+                continue  # the pass ended before the sink's first micro-batch: the stream starts the next
             for batch, finish in trained:
-                if buffer is not None:
-                    buffer.begin_micro_step(batch)
-                ends = window.micro_batches + 1 >= steps
-                if finish is not None:
-                    loss = finish()
-                else:
-                    index = position.trained_in_sink  # the micro-batch's index in its sink (training_step's batch_idx)
-                    loss = update(batch, index) if ends else accumulate(batch, index)
+                loss = self._micro_step(programs, batch, finish)
                 if loss is not None:
                     losses.append(loss)
-                position.advance()
                 micro_index += 1
-                self._ended_on_update = ends
-                if ends and buffer is not None:
-                    buffer.end_update()  # the loggers get this update's values at its step (sink/logging.py)
             if self._progress is not None:
                 self._progress()
-            if timed and self._out_of_time(deadline):
+            if deadline is not None and self._out_of_time(deadline):
                 # max_time: Lightning stops after this batch, as it would after this micro-batch; a call of several
                 # is not cut, so the limit is overshot by at most one call
                 break
-        if micro_index == length:
-            self.validation_due = segment.validates
-            if self._sink_size == -1 and segment.ends_sink:
-                self._pass_ended = True
-        position.sink_open = not self.sink_finished  # (saved: a resume continues an open sink in its epoch)
-        if programs.end_sink is not None:
-            programs.end_sink()  # the compiled programs' window sum into the store (checkpoints read it there)
-        compat.set_logging_step(trainer, updated=updates.count > 0)  # (the log buffer writes each update's step)
+        self._end_segment(segment, programs, complete=micro_index == length)
         if not losses:
             return None  # every micro-batch returned None: Lightning skips the batch, as for a None step
         stacked = torch.stack(losses)
         return {"loss": stacked[-1], "mean_loss": stacked.mean(), "losses": stacked}
+
+    def _begin_segment(self) -> tuple[Segment, float | None, SinkPrograms]:
+        """The segment about to run, the ``max_time`` deadline (None: no limit; read before the programs are chosen,
+        so a build counts against it), and the programs it runs."""
+        segment = self._next_segment()
+        if self.sink_finished:
+            self._data_position.trained_in_sink = 0  # a new sink
+        self._pass_ended = False
+        self.validation_due = False
+        seconds = self._time_left()
+        deadline = time.monotonic() + seconds if seconds is not None else None
+        self.programs = programs = self._choose(self._engine, self.updates)
+        self._engine.window.loss_divisor = programs.update.loss_divisor
+        return segment, deadline, programs
+
+    def _next_call(
+        self,
+        programs: SinkPrograms,
+        next_batch: Callable[[], Any],
+        left: float,
+        updates_allowed: int,
+        micro_index: int,
+    ) -> Sequence[tuple[Any, Callable[[], Tensor | None] | None]] | None:
+        """The micro-batches of the next call: several trained in one call, each with its host effects to run; or
+        one, to be trained by the pair (no function). Empty: the data pass ended before the sink's first
+        micro-batch; None: it ended inside a sink of one pass (``sink_size=-1``)."""
+        several = programs.several
+        if several is not None and self._fits_in_call(several, left, updates_allowed):
+            return self._run_several(several, next_batch)
+        batch = next_batch()
+        if batch is PASS_END:
+            return None if self._sink_size == -1 and micro_index else ()
+        return ((self._prepared(batch), None),)
+
+    def _micro_step(self, programs: SinkPrograms, batch: Any, finish: Callable[[], Tensor | None] | None) -> Any:
+        """One micro-batch's effects, in order: trained by the pair (or its call's host effects), the data position
+        advanced, and at a window's end the update's logged values handed on."""
+        buffer, window, position = self._log_buffer, self._engine.window, self._data_position
+        if buffer is not None:
+            buffer.begin_micro_step(batch)
+        ends = window.micro_batches + 1 >= self._engine.accumulation_steps
+        if finish is not None:
+            loss = finish()
+        else:
+            index = position.trained_in_sink  # the micro-batch's index in its sink (training_step's batch_idx)
+            loss = programs.update.run(batch, index) if ends else programs.accumulate.run(batch, index)
+        position.advance()
+        self._ended_on_update = ends
+        if ends and buffer is not None:
+            buffer.end_update()  # the loggers get this update's values at its step (sink/logging.py)
+        return loss
+
+    def _end_segment(self, segment: Segment, programs: SinkPrograms, complete: bool) -> None:
+        if complete:
+            self.validation_due = segment.validates
+            if self._sink_size == -1 and segment.ends_sink:
+                self._pass_ended = True
+        position = self._data_position
+        position.sink_open = not self.sink_finished  # (saved: a resume continues an open sink in its epoch)
+        if programs.end_sink is not None:
+            programs.end_sink()  # the compiled programs' window sum into the store (checkpoints read it there)
+        compat.set_logging_step(self._engine.trainer, updated=self.updates.count > 0)  # (the buffer writes steps)
 
     def _fits_in_call(self, several: SeveralSteps, left_in_segment: float, updates_allowed: int) -> bool:
         """Whether the next ``several.count`` micro-batches may run in one call: the segment (whose end is a point
