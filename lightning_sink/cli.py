@@ -17,6 +17,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from lightning_sink import __version__
 from lightning_sink.cli_parser import OneLineErrorParser
@@ -126,39 +127,61 @@ def _check_reshard_arguments(parser: argparse.ArgumentParser, args: argparse.Nam
 
 
 def _run_reshard(args: argparse.Namespace) -> int:
-    from lightning_sink.reshard import rank_list_for_transform, transform_checkpoint_by_rank, transform_checkpoints
+    if args.rank_id is not None:
+        return _reshard_one_rank(args)
+    return _reshard_all_ranks(args)
+
+
+def _reshard_one_rank(args: argparse.Namespace) -> int:
+    """``--rank-id``: print the source ranks one target rank needs, or convert that rank alone in this process."""
+    from lightning_sink.reshard import rank_list_for_transform, transform_checkpoint_by_rank
     from lightning_sink.reshard.open_source import source_files_for_ranks
 
-    if args.rank_id is not None:
-        src_layout = args.src_strategy_file or args.src_checkpoints_dir
-        needed = rank_list_for_transform(args.rank_id, src_layout, args.dst_strategy_file)
-        if args.list_ranks:
-            print(json.dumps(needed))
-            return 0
-        result = transform_checkpoint_by_rank(
-            args.rank_id,
-            source_files_for_ranks(args.src_checkpoints_dir, needed),
-            args.save_checkpoint_file_name,
-            args.src_strategy_file,
-            args.dst_strategy_file,
-            overwrite=args.overwrite,
-        )
-        print(f"wrote {result.relative_path}: {result.bytes_written} bytes, sha256 {result.sha256}")
+    src_layout = args.src_strategy_file or args.src_checkpoints_dir
+    needed = rank_list_for_transform(args.rank_id, src_layout, args.dst_strategy_file)
+    if args.list_ranks:
+        print(json.dumps(needed))
         return 0
-    bar = None
+    result = transform_checkpoint_by_rank(
+        args.rank_id,
+        source_files_for_ranks(args.src_checkpoints_dir, needed),
+        args.save_checkpoint_file_name,
+        args.src_strategy_file,
+        args.dst_strategy_file,
+        overwrite=args.overwrite,
+    )
+    print(f"wrote {result.relative_path}: {result.bytes_written} bytes, sha256 {result.sha256}")
+    return 0
 
-    def progress(done: int, total: int) -> None:
+
+class _ByteProgressBar:
+    """The whole conversion's progress bar over target bytes written (none with ``--no-progress``)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bar: Any = None
+
+    def __call__(self, done: int, total: int) -> None:
         # The bar appears with the first bytes written: every refusal comes before those, as one line on its own.
-        nonlocal bar
-        if args.no_progress:
+        if not self.enabled:
             return
-        if bar is None:
+        if self.bar is None:
             from tqdm import tqdm
 
-            bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard", file=sys.stderr)
-        bar.total = total
-        bar.update(done - bar.n)
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard", file=sys.stderr)
+        self.bar.total = total
+        self.bar.update(done - self.bar.n)
 
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _reshard_all_ranks(args: argparse.Namespace) -> int:
+    """A whole conversion into ``--dst-checkpoints-dir``; prints its summary as one JSON line."""
+    from lightning_sink.reshard import transform_checkpoints
+
+    progress = _ByteProgressBar(enabled=not args.no_progress)
     try:
         report = transform_checkpoints(
             args.src_checkpoints_dir,
@@ -172,8 +195,7 @@ def _run_reshard(args: argparse.Namespace) -> int:
             progress=progress,
         )
     finally:
-        if bar is not None:
-            bar.close()
+        progress.close()
     stats = report.stats
     print(
         json.dumps(

@@ -9,6 +9,7 @@ package's metadata unpickler (DCP itself would ``pickle.load`` it), DCP's non-te
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from lightning_sink.checkpoint_format.save_digests import (
 from lightning_sink.error_text import reason_of
 from lightning_sink.layout.dcp_metadata import DCP_METADATA_FILE, read_dcp_metadata
 
-__all__ = ["check_one_save", "load_dcp_folder"]
+__all__ = ["RankInWorld", "check_one_save", "load_dcp_folder"]
 
 
 def _load(state: dict[str, Any], folder: Path) -> None:
@@ -104,14 +105,22 @@ def _agree(checked: list[str], failure: str | None, needed: list[str], world_siz
         )
 
 
+@dataclass(frozen=True)
+class RankInWorld:
+    """The loading process's global rank among the ``world_size`` processes that load the same folder together
+    (and share the check of its files, ``check_one_save``); the default is a single process."""
+
+    global_rank: int = 0
+    world_size: int = 1
+
+
 def load_dcp_folder(
     folder: Path,
     module: torch.nn.Module,
     optimizers: list[torch.optim.Optimizer],
     strict: bool,
     weights_only: bool | None,
-    global_rank: int = 0,
-    world_size: int = 1,
+    rank: RankInWorld = RankInWorld(),
 ) -> dict[str, Any]:
     """Fill ``module`` and ``optimizers`` (keys ``state_dict``, ``optimizer_{i}``) from the DCP folder; return the
     rest of the checkpoint (``meta.pt``: Lightning's loops, callbacks, schedulers...)."""
@@ -122,7 +131,7 @@ def load_dcp_folder(
         set_optimizer_state_dict,
     )
 
-    check_one_save(folder, global_rank, world_size)
+    check_one_save(folder, rank.global_rank, rank.world_size)
     read_dcp_metadata(folder)  # a foreign or hostile .metadata fails here, naming the file, before any collective
     model_state = {"state_dict": get_model_state_dict(module)}
     _load(model_state, folder)

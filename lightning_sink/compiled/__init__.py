@@ -3,14 +3,11 @@ GPU captured as a CUDA graph over a device-resident dataset. See docs/compiled_p
 
 from lightning_sink.compiled.autocast_region import AutocastRegion
 from lightning_sink.compiled.optimizer_rules import OptimizerRule
-from lightning_sink.compiled.step_programs import (
-    ProgramUnavailable,
-    ProgramWindow,
-    RankSum,
-    StepOutputs,
-    StepPrograms,
-    build_step_programs,
-)
+from lightning_sink.compiled.program_build import build_step_programs
+from lightning_sink.compiled.program_results import ProgramUnavailable, StepOutputs
+from lightning_sink.compiled.program_state import ProgramWindow
+from lightning_sink.compiled.rank_sum import RankSum
+from lightning_sink.compiled.step_programs import StepPrograms
 from lightning_sink.compiled.support import Unavailable
 
 __all__ = [

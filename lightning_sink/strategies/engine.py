@@ -43,7 +43,14 @@ from lightning_sink.accumulation import UPDATING_PARTIAL_WINDOWS, MicroStep, pla
 from lightning_sink.precision import LossScalePrecision
 from lightning_sink.strategies.hooks import HookPlan
 from lightning_sink.training_passes import TrainingPasses
-from lightning_sink.window import GradientStore, NoGradients, Reducer, finish_window, ready_window_gradient
+from lightning_sink.window import (
+    GradientStore,
+    NoGradients,
+    Reducer,
+    WindowGradient,
+    finish_window,
+    ready_window_gradient,
+)
 from lightning_sink.window.state import Window
 
 __all__ = ["EngineHost", "EngineParts", "StepEngine", "loss_of"]
@@ -290,15 +297,7 @@ class StepEngine:
         if window.store.micro_steps == 0:
             window.end()
             return loss  # no micro-batch of this window returned a loss: nothing to apply
-        found_inf = finish_window(
-            window.store,
-            self.reducer,
-            scaling,
-            optimizer,
-            window.mean_divisor(),
-            lambda: self.before_optimizer_step(optimizer),
-            **kwargs,
-        )
+        found_inf = finish_window(self._window_gradient(optimizer), scaling, optimizer, **kwargs)
         window.end()
         self.last_update_skipped = bool(self.step_scheduler_configs) and scaling.window_overflowed(found_inf)
         self.log_loss_scale(scaling, found_inf)
@@ -323,18 +322,18 @@ class StepEngine:
         """The window's mean gradient in ``.grad``, then the ``on_before_optimizer_step`` hooks and clipping. A window
         where no ``training_step`` returned a loss has no gradient (``.grad`` is ``None``, so the step changes
         nothing); its hooks still run, as stock runs them."""
-        window = self.window
-        if window.store.micro_steps:
-            ready_window_gradient(
-                window.store,
-                self.reducer,
-                None,
-                window.mean_divisor(),
-                lambda: self.before_optimizer_step(optimizer),
-            )
+        if self.window.store.micro_steps:
+            ready_window_gradient(self._window_gradient(optimizer), None)
         else:
             forget_gradients(optimizer)
             self.before_optimizer_step(optimizer)
+
+    def _window_gradient(self, optimizer: Optimizer) -> WindowGradient:
+        """The current window's gradient, its mean to be stepped by ``optimizer`` after the hooks and clipping."""
+        window = self.window
+        return WindowGradient(
+            window.store, self.reducer, window.mean_divisor(), lambda: self.before_optimizer_step(optimizer)
+        )
 
     def end_window(self) -> None:
         if self.window.store.micro_steps:

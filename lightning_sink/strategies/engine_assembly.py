@@ -19,7 +19,7 @@ from lightning_sink import _lightning_compat as compat
 from lightning_sink.accumulation import UPDATING_PARTIAL_WINDOWS
 from lightning_sink.precision import LossScalePrecision
 from lightning_sink.strategies.engine import EngineHost, EngineParts, StepEngine
-from lightning_sink.strategies.fit_checks import check_module_and_optimizer
+from lightning_sink.strategies.fit_checks import UpdateMakeup, check_module_and_optimizer
 from lightning_sink.strategies.graph_modes import check_graph_mode_device
 from lightning_sink.strategies.hooks import HookPlan
 from lightning_sink.training_passes import TrainingPasses
@@ -115,16 +115,14 @@ def _check_run(
     optimizers = host.optimizers
     if len(optimizers) != 1:
         raise ValueError(f"{type(host).__name__} supports exactly one optimizer; got {len(optimizers)}.")
-    check_module_and_optimizer(
-        type(host).__name__,
-        module,
-        optimizers[0],
+    update = UpdateMakeup(
         accumulation_steps=settings.accumulation_steps,
         sink_size=settings.sink_size,
         scheduled=settings.scheduled,
         world_size=host.world_size,
         loss_scaling=scaling is not None,
     )
+    check_module_and_optimizer(type(host).__name__, module, optimizers[0], update)
 
 
 def _step_scheduler_configs(trainer: pl.Trainer) -> list[Any]:

@@ -5,12 +5,19 @@ that the strategy's windows cannot serve. Each raises ``ValueError`` with the va
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.optim import Optimizer
 
-__all__ = ["draws_own_batches", "needs_closure", "settle_accumulation_steps", "check_module_and_optimizer"]
+__all__ = [
+    "draws_own_batches",
+    "needs_closure",
+    "settle_accumulation_steps",
+    "UpdateMakeup",
+    "check_module_and_optimizer",
+]
 
 
 def draws_own_batches(module: pl.LightningModule) -> bool:
@@ -63,38 +70,44 @@ def settle_accumulation_steps(
     return steps
 
 
+@dataclass(frozen=True)
+class UpdateMakeup:
+    """What goes into one optimizer update of this fit: the micro-batches of a window (``accumulation_steps``;
+    ``scheduled`` when a ``GradientAccumulationScheduler`` sets it per epoch; ``sink_size`` when a sink runs them),
+    the processes whose gradients are summed (``world_size``), and whether a loss scale checks the gradients first."""
+
+    accumulation_steps: int
+    sink_size: int | None
+    scheduled: bool
+    world_size: int
+    loss_scaling: bool
+
+
 def check_module_and_optimizer(
-    strategy: str,
-    module: pl.LightningModule,
-    optimizer: Optimizer,
-    *,
-    accumulation_steps: int,
-    sink_size: int | None,
-    scheduled: bool,
-    world_size: int,
-    loss_scaling: bool,
+    strategy: str, module: pl.LightningModule, optimizer: Optimizer, update: UpdateMakeup
 ) -> None:
     """A ``training_step(dataloader_iter)`` and an optimizer that needs a closure both assume one batch per update."""
-    why = f"sink_size={sink_size}" if sink_size is not None else f"accumulation_steps={accumulation_steps}"
-    windows = sink_size is not None or accumulation_steps > 1 or scheduled
+    steps, sink_size = update.accumulation_steps, update.sink_size
+    why = f"sink_size={sink_size}" if sink_size is not None else f"accumulation_steps={steps}"
+    windows = sink_size is not None or steps > 1 or update.scheduled
     if windows and draws_own_batches(module):
         raise ValueError(
             f"training_step(dataloader_iter) draws its own batches, but {strategy}({why}) must see every micro-batch"
             " to close its windows: take `batch` (and `batch_idx`) instead, or train with accumulation_steps=1 and"
             " no sink_size."
         )
-    one_batch_per_update = sink_size is None and accumulation_steps == 1 and world_size == 1 and not loss_scaling
+    one_batch_per_update = sink_size is None and steps == 1 and update.world_size == 1 and not update.loss_scaling
     if needs_closure(optimizer) and not one_batch_per_update:
         raise ValueError(
             f"{type(optimizer).__name__}.step needs a closure that re-evaluates the loss, but {strategy}"
-            f" {_no_closure_reason(accumulation_steps, sink_size, scheduled, world_size, loss_scaling)}: use it"
-            " with accumulation_steps=1, no sink_size, one process and no loss scale, or choose an optimizer that"
-            " steps without a closure."
+            f" {_no_closure_reason(update)}: use it with accumulation_steps=1, no sink_size, one process and no loss"
+            " scale, or choose an optimizer that steps without a closure."
         )
 
 
-def _no_closure_reason(steps: int, sink_size: int | None, scheduled: bool, world_size: int, scaling: bool) -> str:
+def _no_closure_reason(update: UpdateMakeup) -> str:
     """Why no closure can re-evaluate the loss here, in the terms of the setting that prevents it."""
+    steps, sink_size, scheduled = update.accumulation_steps, update.sink_size, update.scheduled
     if sink_size is not None:
         return f"runs the micro-batches inside a sink (sink_size={sink_size}), where no closure re-runs one"
     if steps > 1 or scheduled:
@@ -102,9 +115,9 @@ def _no_closure_reason(steps: int, sink_size: int | None, scheduled: bool, world
             f"steps once per window of {steps} micro-batches (accumulation_steps={steps}{', scheduled' if scheduled else ''})"
             " on their averaged gradient and cannot re-run them"
         )
-    if world_size > 1:
+    if update.world_size > 1:
         return (
-            f"sums the gradients of its {world_size} processes in one reduction before each step, which a closure's"
-            " re-evaluation would skip"
+            f"sums the gradients of its {update.world_size} processes in one reduction before each step, which a"
+            " closure's re-evaluation would skip"
         )
     return "unscales the gradients and checks them for overflow before each step (a loss scale), which a closure's re-evaluation would skip"

@@ -25,7 +25,7 @@ from lightning_sink import _lightning_compat as compat
 from lightning_sink.checkpoint_format.agreement import agree_on_checkpoint_path
 from lightning_sink.checkpoint_format.atomic import check_checkpoint_dir
 from lightning_sink.checkpoint_format.dcp_folder import save_dcp_atomically
-from lightning_sink.checkpoint_format.dcp_load import load_dcp_folder
+from lightning_sink.checkpoint_format.dcp_load import RankInWorld, load_dcp_folder
 from lightning_sink.checkpoint_format.resharded_folder import is_resharded_checkpoint
 from lightning_sink.checkpoint_format.resharded_load import adapt_sink_state, load_resharded_into_strategy
 from lightning_sink.checkpoint_format.resume_agreement import agree_on_resume
@@ -281,8 +281,7 @@ class SinkModelParallelStrategy(ModelParallelStrategy):
                 self.optimizers,
                 module.strict_loading,
                 weights_only,
-                self.global_rank,
-                self.world_size,
+                RankInWorld(self.global_rank, self.world_size),
             )
             self.sink_fit.restore(checkpoint, path)
             return checkpoint

@@ -1,7 +1,7 @@
 """One accumulation window: where its gradient sum lives (store), how ranks combine it (reducer), and the update
 that ends it (``finish_window``). The strategies only choose a store and a reducer."""
 
-from lightning_sink.window.finish import finish_window, ready_window_gradient
+from lightning_sink.window.finish import WindowGradient, finish_window, ready_window_gradient
 from lightning_sink.window.protocols import GradientStore, Reducer
 from lightning_sink.window.reducers import (
     FlatAllReduce,
@@ -17,6 +17,7 @@ __all__ = [
     "NoReduction",
     "FlatAllReduce",
     "OverflowFlagAllReduce",
+    "WindowGradient",
     "finish_window",
     "ready_window_gradient",
 ]

@@ -1,0 +1,34 @@
+"""What a step program's call gives back: its outputs on the device, or, raised, that the program no longer
+applies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from lightning_sink.compiled.metric_calls import MetricValue
+
+__all__ = ["ProgramUnavailable", "StepOutputs"]
+
+
+class ProgramUnavailable(RuntimeError):
+    """A program stopped applying after it was built (e.g. a ``param_groups`` flag it was compiled for changed)."""
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    """What one program call returns, on the device (reading any of it is the caller's host sync, not ours)."""
+
+    loss: Tensor  # the micro-batch's loss as training_step returned it (unscaled, detached)
+    logs: dict[str, Tensor] = field(default_factory=dict)  # self.log values of this micro-batch, by name
+    found_inf: Tensor | None = None  # update with loss scaling: the window overflowed and was skipped
+    # an update of several in one call (``run_several``) with loss scaling: the scale and the skipped-window count
+    # right after it (the scaler's own tensors hold the call's last values by the time the caller reads them)
+    scale: Tensor | None = None
+    skipped: Tensor | None = None
+    # the micro-batch's torchmetrics Metric calls, recorded in the program, and the logged Metrics: made and
+    # resolved on the host by ``StepPrograms.host_logs`` (metric_calls.py)
+    metric_calls: list[Any] = field(default_factory=list)
+    references: dict[str, MetricValue] = field(default_factory=dict)
