@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import io
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "inductor_cache_counts",
+    "inductor_cache_folder",
     "StridedShard",
     "MetadataCheckedReader",
     "WeightsOnlyLoadPlanner",
@@ -244,6 +246,14 @@ def compiled_graph_count() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"].get("unique_graphs", 0))
+
+
+def inductor_cache_folder() -> Path:
+    """The folder of Inductor's on-disk caches: ``TORCHINDUCTOR_CACHE_DIR``, else torch's default (a private
+    function; torch's public ``cache_dir`` would also create the folder and set the variable)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()).absolute()
 
 
 def inductor_cache_counts() -> tuple[int, int]:

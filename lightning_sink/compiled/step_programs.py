@@ -286,6 +286,40 @@ class StepPrograms:
             self._traced.accumulate_program(clone_tree(self._state), clone_tree(example_batch))
         return float(counter.get_total_flops())
 
+    def step_seconds(self, example_batch: Any, accumulation_steps: int) -> tuple[float, float] | None:
+        """Seconds of one micro-step with the programs' bodies run eagerly (plain PyTorch) and compiled, on one copy
+        of the state (nothing of the run changes, random numbers included). Each program is timed as the faster of
+        its second and third runs (the first warms the caches); a window's accumulates and update are averaged over its micro-steps. None where
+        a timed call alone is not the step: captured CUDA graphs, and a sum across processes (its collective)."""
+        if self.captured or self.rank_sum is not None:
+            return None
+        device = self.params[0].device
+        devices = [device] if device.type == "cuda" else []
+        state, batch = clone_tree(self._state), clone_tree(example_batch)
+
+        def timed(program: Callable[..., Any], argument: Any) -> float:
+            runs = []
+            for _ in range(3):
+                if state["data"] is not None:
+                    state["data"]["cursor"].zero_()  # (each run reads its batches from the first row)
+                start = time.perf_counter()
+                program(state, argument)
+                if devices:
+                    torch.cuda.synchronize(device)
+                runs.append(time.perf_counter() - start)
+            return min(runs[1:])
+
+        traced, steps = self._traced, accumulation_steps
+        with torch.random.fork_rng(devices=devices), self._running():
+            eager = (
+                (steps - 1) * timed(traced.accumulate_program, batch) + timed(traced.update_program, batch)
+            ) / steps
+            if self.several is not None:
+                compiled = timed(self._several, [batch] * self.several[0]) / self.several[0]
+            else:
+                compiled = ((steps - 1) * timed(self._accumulate, batch) + timed(self._update, batch)) / steps
+        return eager, compiled
+
     def _sums_eagerly(self) -> bool:
         """Whether the update runs as two compiled parts with an eager all-reduce between them."""
         return self.rank_sum is not None and self.rank_sum.all_reduce is not None

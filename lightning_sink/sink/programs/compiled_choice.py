@@ -42,6 +42,8 @@ from lightning_sink import _lightning_compat as compat
 from lightning_sink._torch_compat import inductor_cache_counts
 from lightning_sink.accumulation import GradientAccumulator, SingleStepGradients, unique_trainable
 from lightning_sink.compiled import AutocastRegion, RankSum, StepPrograms, Unavailable, build_step_programs
+from lightning_sink.compiled.build_record import BuildFigures
+from lightning_sink.sink.programs.build_notice import BuildNotice, cache_note, step_times
 from lightning_sink.sink.programs.compiled import CompiledAccumulate, CompiledSeveral, CompiledUpdate
 from lightning_sink.sink.programs.eager import SinkPrograms, SinkUpdates, choose_programs
 from lightning_sink.sink.programs.scheduler_lookahead import SchedulerLookahead
@@ -102,6 +104,21 @@ class CompiledProgramChooser:
         self.reason: str | None = None  # why there are no programs (then the eager pair runs)
         self._trainable: tuple[int, ...] = ()  # the parameters the programs were built over
         self.autocast: AutocastRegion | None = None  # the precision plugin's autocast, built into the forward
+        self.notice = BuildNotice(engine, graph_mode, self._build_settings())
+
+    def _build_settings(self) -> dict[str, Any]:
+        """What besides the module and optimizer decides the build (and so how long it takes)."""
+        engine = self.engine
+        return {
+            "graph_mode": self.graph_mode,
+            "backend": COMPILE_BACKEND,
+            "accumulation_steps": engine.accumulation_steps,
+            "micro_steps_per_call": self.micro_steps_per_call,
+            "processes": engine.host.world_size,
+            "staged": self.staging is not None,
+            "precision": type(engine.host.precision_plugin).__name__,
+            "device": str(engine.host.root_device.type),
+        }
 
     # ------------------------------------------------------------------ at each sink's start and end
     def choose(self, engine: StepEngine, updates: SinkUpdates) -> SinkPrograms:
@@ -257,8 +274,11 @@ class CompiledProgramChooser:
             parts.append("loss scale")
         if clip_val is not None:
             parts.append(f"{algorithm} clipping")
-        took = f"{time.perf_counter() - start:.1f} s{_cache_note(cache_before, inductor_cache_counts())}"
+        seconds = time.perf_counter() - start
+        figures = BuildFigures(seconds, *(built.step_seconds(batch, engine.accumulation_steps) or (None, None)))
+        took = f"{seconds:.1f} s{cache_note(cache_before, inductor_cache_counts())}{step_times(figures)}"
         rank_zero_info(self._build_line(built, parts, self._length_note(built, several, not_scheduled), took))
+        self.notice.after_build(figures)
         return built
 
     def _call_length(self, data: Any) -> tuple[int | None, str | None]:
@@ -339,19 +359,6 @@ class CompiledProgramChooser:
         )
 
 
-def _cache_note(before: tuple[int, int], after: tuple[int, int]) -> str:
-    """What Inductor's on-disk cache of compiled graphs did for this build (it outlives the process: an identical
-    fit, in this process or a later one, takes its graphs from there)."""
-    hits, misses = after[0] - before[0], after[1] - before[1]
-    if hits and not misses:
-        return f" (all {hits} graphs from Inductor's on-disk cache: an identical build ran before)"
-    if hits:
-        return f" ({hits} of {hits + misses} graphs from Inductor's on-disk cache)"
-    if misses:
-        return f" ({misses} graphs compiled and kept in Inductor's on-disk cache: an identical fit builds faster)"
-    return ""
-
-
 def _hooks_between(trainer: Any) -> list[str]:
     """The hooks between a micro-batch's forward and the window's update that this run overrides, named with who
     overrides them."""
@@ -379,4 +386,6 @@ def compiled_choice(
     micro-batches per compiled call where that is exact (``CompiledSeveral``; ``None``: decided by the build)."""
     if graph_mode == "eager":
         return choose_programs
-    return CompiledProgramChooser(engine, graph_mode, staging, micro_steps_per_call).choose
+    chooser = CompiledProgramChooser(engine, graph_mode, staging, micro_steps_per_call)
+    chooser.notice.at_fit_start()
+    return chooser.choose
