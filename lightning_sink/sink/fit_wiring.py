@@ -19,11 +19,11 @@ from lightning_sink.compiled import Unavailable
 from lightning_sink.data import DataPosition
 from lightning_sink.device_prefetch import CudaBatchCopier
 from lightning_sink.sink.logging import SinkLogBuffer
-from lightning_sink.sink.loop import SinkLoop
+from lightning_sink.sink.loop import MaxTimeRule, SinkLoop, SinkLoopHooks
 from lightning_sink.sink.programs.compiled_choice import compiled_choice
 from lightning_sink.sink.progress import SinkProgress, epoch_micro_batches
 from lightning_sink.sink.schedule import SinkSchedule
-from lightning_sink.sink.staging import StagedData, default_device_data_budget, plan_staging
+from lightning_sink.sink.staging import StagedData, StagingConditions, default_device_data_budget, plan_staging
 from lightning_sink.sink.step_triggers import describe_sink_epoch, schedule_points
 from lightning_sink.sink_data import MicroBatchStream, SinkLoader, default_prefetch_depth
 from lightning_sink.strategies.engine import EngineHost, StepEngine
@@ -87,14 +87,13 @@ class SinkWiring:
             position,
             SinkLogBuffer(trainer.lightning_module),
             schedule,
-            time_left=lambda: compat.step_time_left(trainer),
-            # Ranks reading their own clocks could end a segment at different micro-batches, and their updates'
-            # collectives would then no longer pair up: rank 0's clock decides, as Lightning's Timer does.
-            agree=host.broadcast if host.world_size > 1 else None,
-            recompile_watch=watch,
-            choose=compiled_choice(engine, settings.graph_mode, staging, settings.micro_steps_per_call),
-            batches=staged.batches if staged is not None else None,
-            progress=self._progress.advance if self._progress is not None else None,
+            SinkLoopHooks(
+                max_time=_max_time_rule(host, trainer),
+                recompile_watch=watch,
+                choose=compiled_choice(engine, settings.graph_mode, staging, settings.micro_steps_per_call),
+                batches=staged.batches if staged is not None else None,
+                progress=self._progress.advance if self._progress is not None else None,
+            ),
         )
         sink_loader.sink_continues = loop.sink_continues
         scheduled = None
@@ -137,6 +136,16 @@ def _validates_after_segment(
     return validates
 
 
+def _max_time_rule(host: EngineHost, trainer: pl.Trainer) -> MaxTimeRule:
+    """The Trainer's ``max_time`` as the loop reads it between calls."""
+    return MaxTimeRule(
+        time_left=lambda: compat.step_time_left(trainer),
+        # Ranks reading their own clocks could end a segment at different micro-batches, and their updates'
+        # collectives would then no longer pair up: rank 0's clock decides, as Lightning's Timer does.
+        agree=host.broadcast if host.world_size > 1 else None,
+    )
+
+
 def _staging(
     host: EngineHost,
     engine: StepEngine,
@@ -147,13 +156,16 @@ def _staging(
 ) -> StagedData | Unavailable:
     """The training data staged on the device for the compiled programs (``staging.py``), or why not."""
     budget = settings.device_data_budget
-    return plan_staging(
-        loader,
+    conditions = StagingConditions(
         graph_mode=settings.graph_mode,
         world_size=host.world_size,
         prefetch_depth=prefetch_depth,
         direct_transfer=engine.hooks.direct_transfer,
         converts_input=type(host.precision_plugin).convert_input is not Precision.convert_input,
+    )
+    return plan_staging(
+        loader,
+        conditions,
         budget=default_device_data_budget(host.root_device) if budget is None else budget,
         position=position,
         device=host.root_device,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,7 +32,42 @@ from lightning_sink.sink_data import PASS_END, MicroBatchStream
 from lightning_sink.strategies.engine import StepEngine
 from lightning_sink.strategies.recompile_watch import RecompileWatch
 
-__all__ = ["SinkLoop"]
+__all__ = ["MaxTimeRule", "SinkLoop", "SinkLoopHooks"]
+
+
+def _no_time_limit() -> float | None:
+    """The default ``time_left``: no ``max_time`` to check."""
+    return None
+
+
+@dataclass(frozen=True)
+class MaxTimeRule:
+    """How the loop applies the fit's ``max_time`` between calls (by default: no limit checked per step)."""
+
+    time_left: Callable[[], float | None] = _no_time_limit
+    """Seconds until ``max_time`` (``None``: no limit checked per step)."""
+    agree: Callable[[bool], bool] | None = None
+    """Under several processes, rank 0's decision that the time is up, given to every rank (the strategy's
+    ``broadcast``, once per call while a time limit is set, as Lightning's ``Timer`` broadcasts once per batch)."""
+
+
+@dataclass(frozen=True)
+class SinkLoopHooks:
+    """What a fit plugs into its sink loop, each default what a loop on its own needs (one object, so that the
+    loop's constructor names the parts it runs on rather than every seam a fit may fill)."""
+
+    max_time: MaxTimeRule = field(default_factory=MaxTimeRule)
+    """The ``max_time`` deadline's clock and the ranks' agreement on it."""
+    recompile_watch: RecompileWatch | None = None
+    """Graph modes: TorchDynamo compiles the step, and the watch is told where each sink ends."""
+    choose: Callable[[StepEngine, SinkUpdates], SinkPrograms] = choose_programs
+    """The pair each segment runs (compiled programs: ``sink/programs/compiled_choice.py``)."""
+    batches: Callable[[MicroBatchStream, float], Callable[[], Any]] | None = None
+    """Per segment, given the stream and the segment's length, its next-micro-batch function (``None``: the
+    stream's ``next``; staged data: ``StagedData.batches``, whose ``StagedBatch`` items the programs gather on the
+    device themselves)."""
+    progress: Callable[[], None] | None = None
+    """Called after each step call (the progress bar, ``sink/progress.py``)."""
 
 
 class SinkLoop:
@@ -44,31 +80,22 @@ class SinkLoop:
         data_position: DataPosition,
         log_buffer: SinkLogBuffer | None,
         schedule: SinkSchedule,
-        time_left: Callable[[], float | None] = lambda: None,
-        agree: Callable[[bool], bool] | None = None,
-        recompile_watch: RecompileWatch | None = None,
-        choose: Callable[[StepEngine, SinkUpdates], SinkPrograms] = choose_programs,
-        batches: Callable[[MicroBatchStream, float], Callable[[], Any]] | None = None,
-        progress: Callable[[], None] | None = None,
+        hooks: SinkLoopHooks = SinkLoopHooks(),
     ) -> None:
-        """``time_left``: seconds until ``max_time`` (``None``: no limit checked per step). ``agree``: under
-        several processes, rank 0's decision that the time is up, given to every rank (the strategy's ``broadcast``,
-        once per call while a time limit is set, as Lightning's ``Timer`` broadcasts once per batch).
-        ``batches``: per segment, given the stream and the segment's length, its next-micro-batch function (default:
-        the stream's ``next``; staged data: ``StagedData.batches``, whose ``StagedBatch`` items the programs gather
-        on the device themselves). ``progress``: called after each step call (the progress bar, ``sink/progress.py``)."""
+        """``hooks``: what the fit plugs in (``SinkLoopHooks``; by default no time limit, no recompile watch, the
+        eager pair, the stream's ``next`` and no progress bar)."""
         self._engine = engine
-        self._choose = choose  # the pair each sink runs (compiled programs: ``sink/programs/compiled_choice.py``)
-        self._batches = batches
+        self._choose = hooks.choose  # the pair each sink runs (compiled programs: ``sink/programs/compiled_choice.py``)
+        self._batches = hooks.batches
         self.stream = stream
         self._data_position = data_position
         self._log_buffer = log_buffer
         self._schedule = schedule
         self._sink_size = schedule.sink_size
-        self._time_left = time_left
-        self._agree = agree
-        self._recompile_watch = recompile_watch  # (graph modes: TorchDynamo compiles the step)
-        self._progress = progress
+        self._time_left = hooks.max_time.time_left
+        self._agree = hooks.max_time.agree
+        self._recompile_watch = hooks.recompile_watch  # (graph modes: TorchDynamo compiles the step)
+        self._progress = hooks.progress
         self.updates = SinkUpdates(engine)
         self._ended_on_update = False  # the last segment's last micro-batch closed a window
         self.validation_pending = False  # Lightning decided to validate after the batch and has not zero-grad yet

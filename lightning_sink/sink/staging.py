@@ -45,7 +45,14 @@ from lightning_sink.data import DataPosition, pass_length
 from lightning_sink.indexed_batches import batch_reader, reads_by_indexing
 from lightning_sink.sink_data import PASS_END, MicroBatchStream
 
-__all__ = ["StagedBatch", "StagedData", "default_device_data_budget", "plan_staging", "CUDA_BUDGET_SHARE"]
+__all__ = [
+    "StagedBatch",
+    "StagedData",
+    "StagingConditions",
+    "default_device_data_budget",
+    "plan_staging",
+    "CUDA_BUDGET_SHARE",
+]
 
 CUDA_BUDGET_SHARE = 4  # on CUDA the default budget is a quarter of the device's memory: the rest is the model's
 
@@ -70,23 +77,37 @@ def default_device_data_budget(device: torch.device) -> int:
     return 0  # another device kind: not staged unless a budget is given
 
 
+@dataclass(frozen=True)
+class StagingConditions:
+    """The fit's facts that decide, besides its loader, whether its training data can be staged (this module's
+    docstring gives the rules)."""
+
+    graph_mode: str
+    """The strategy's ``graph_mode``: only ``"compile"`` and ``"cuda_graph"`` run the programs that gather."""
+    world_size: int
+    """The number of processes: staging runs on one (``SinkStrategy``)."""
+    prefetch_depth: int
+    """The stream's settled ``prefetch_depth``: staging reads in the training thread (0)."""
+    direct_transfer: bool
+    """No batch-transfer hook is overridden (a hook would not see the gathered batches)."""
+    converts_input: bool
+    """The precision plugin converts each batch (``"16-true"`` does), which the gathered batches would skip."""
+
+
 def plan_staging(
     loader: Any,
+    conditions: StagingConditions,
     *,
-    graph_mode: str,
-    world_size: int,
-    prefetch_depth: int,
-    direct_transfer: bool,
-    converts_input: bool,
     budget: int,
     position: DataPosition,
     device: torch.device,
     sink_size: int,
 ) -> StagedData | Unavailable:
     """The fit's staged data, or why its loader keeps the loader path (the rules in this module's docstring)."""
+    graph_mode, prefetch_depth = conditions.graph_mode, conditions.prefetch_depth
     if graph_mode not in ("compile", "cuda_graph"):
         return Unavailable(f"graph_mode={graph_mode!r} runs no whole-step programs")
-    if world_size > 1:
+    if conditions.world_size > 1:
         return Unavailable("staging runs on one process (SinkStrategy)")
     if not reads_by_indexing(loader) or type(loader.dataset) is not TensorDataset:
         return Unavailable(
@@ -95,9 +116,9 @@ def plan_staging(
         )
     if prefetch_depth != 0:
         return Unavailable(f"prefetch_depth={prefetch_depth} reads the batches in a background thread")
-    if not direct_transfer:
+    if not conditions.direct_transfer:
         return Unavailable("a batch-transfer hook is overridden (it would not see the gathered batches)")
-    if converts_input:
+    if conditions.converts_input:
         return Unavailable("the precision plugin converts each batch")
     batches = pass_length(loader)
     batch_size = loader.batch_size
