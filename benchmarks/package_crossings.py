@@ -1,6 +1,7 @@
-"""How often one window-ending micro-batch crosses between Lightning, lightning-sink and torch (no sinking).
+"""How often one window-ending micro-batch crosses between Lightning, lightning-sink and torch, and how many of
+lightning-sink's files it passes through in compiled sink mode.
 
-    python benchmarks/package_crossings.py [--steps 4]
+    python benchmarks/package_crossings.py [--steps 4] [--no-compiled]
 
 One fit of a tiny MLP (batch 8, N=``--steps``), stock Lightning (``accumulate_grad_batches=N``) and
 ``SinkStrategy(accumulation_steps=N)``. For the first batch that ends a window, ``sys.setprofile`` records every
@@ -14,8 +15,18 @@ function of one package from a function of another:
   to the strategy), listed by function under ``entered``;
 - ``package_to_torch``: the calls from lightning-sink into torch.
 
-C functions (tensor operations) are not counted: they are the work itself, the same in every configuration. The
-numbers are counts, not timings: one run each, deterministic. The last line printed is one JSON object.
+C functions (tensor operations) are not counted: they are the work itself, the same in every configuration.
+
+Compiled sink mode (``SinkStrategy(sink_size=4N, accumulation_steps=N, graph_mode="compile")``): a Lightning batch
+is a whole sink, so the micro-batch is followed inside the loop. ``sys.setprofile`` runs over the second sink (the
+first builds the programs); each entry into ``SinkLoop._next_call`` (where the loop reads the next call's
+micro-batches) starts a new call, and every lightning-sink file with a Python function called until the next entry
+belongs to that call's route. ``compiled_files`` lists the files of the call that ends the sink's first window, with
+one micro-batch per call (``micro_steps_per_call=1``) and with the default (several per call for this small step);
+the segment's setup and end (choosing the programs, handing the logged values to Lightning) are once per segment
+and listed apart as ``segment_files``.
+
+The numbers are counts, not timings: one run each, deterministic. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -91,6 +102,66 @@ class Tiny(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class CallRouteTracer(Callback):
+    """The lightning-sink files each call of the second sink passes through (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.calls: list[set[str]] = []
+        self.segment: set[str] = set()
+        self.sinks = 0
+
+    def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        filename = frame.f_code.co_filename
+        if "/lightning_sink/" not in filename:
+            return
+        name = filename[filename.rindex("/lightning_sink/") + 1 :]
+        if name == "lightning_sink/sink/loop.py" and frame.f_code.co_name == "_next_call":
+            self.calls.append(set())
+        (self.calls[-1] if self.calls else self.segment).add(name)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, idx: int) -> None:
+        self.sinks += 1
+        if self.sinks == 2:
+            sys.setprofile(self._profile)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, *args: Any) -> None:
+        sys.setprofile(None)
+
+
+def compiled_route(steps: int, micro_steps_per_call: int | None) -> dict[str, Any]:
+    """The files of the call that ends the first window of the second sink, compiled sink mode."""
+    from lightning_sink import SinkStrategy
+
+    tracer = CallRouteTracer()
+    strategy = SinkStrategy(
+        sink_size=4 * steps, accumulation_steps=steps, graph_mode="compile", micro_steps_per_call=micro_steps_per_call
+    )
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[tracer],
+    )
+    data = TensorDataset(torch.randn(8 * steps * 8, 8), torch.randint(0, 4, (8 * steps * 8,)))
+    trainer.fit(Tiny(), DataLoader(data, batch_size=8))
+    per_call = (4 * steps) // len(tracer.calls)
+    # the call holding the window's last micro-batch: the window's N micro-batches end in call ceil(N / per call)
+    window_end = tracer.calls[(steps - 1) // per_call]
+    return {
+        "micro_batches_per_call": per_call,
+        "calls_in_sink": len(tracer.calls),
+        "files": len(window_end),
+        "compiled_files": sorted(window_end),
+        "segment_files": sorted(tracer.segment - window_end),
+    }
+
+
 def count(strategy: Any, steps: int) -> dict[str, Any]:
     tracer = CrossingTracer(steps)
     kwargs: dict[str, Any] = {"accumulate_grad_batches": steps} if strategy == "auto" else {}
@@ -120,15 +191,19 @@ def count(strategy: Any, steps: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="micro-batches per window (N)")
+    parser.add_argument("--no-compiled", action="store_true", help="skip compiled sink mode (it compiles twice)")
     args = parser.parse_args()
     from lightning_sink import SinkStrategy
 
-    result = {
+    result: dict[str, Any] = {
         "benchmark": "package_crossings",
         "steps": args.steps,
         "stock": count("auto", args.steps),
         "sink": count(SinkStrategy(accumulation_steps=args.steps), args.steps),
     }
+    if not args.no_compiled:
+        result["compiled_sink_one_per_call"] = compiled_route(args.steps, 1)
+        result["compiled_sink_default"] = compiled_route(args.steps, None)
     print(json.dumps(result))
 
 

@@ -14,8 +14,10 @@ sink to its planned end. ``self.log`` calls are recorded during a segment and ha
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,7 +27,7 @@ from torch import Tensor
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.data import DataPosition
 from lightning_sink.sink.logging import SinkLogBuffer
-from lightning_sink.sink.programs.eager import SeveralSteps, SinkPrograms, SinkUpdates, choose_programs
+from lightning_sink.sink.programs.eager import SeveralSteps, SinkPrograms, SinkUpdates, choose_eager
 from lightning_sink.sink.schedule import Segment, SinkSchedule
 from lightning_sink.sink.staging import StagedBatch
 from lightning_sink.sink_data import PASS_END, MicroBatchStream
@@ -33,6 +35,13 @@ from lightning_sink.strategies.engine import StepEngine
 from lightning_sink.strategies.recompile_watch import RecompileWatch
 
 __all__ = ["MaxTimeRule", "SinkLoop", "SinkLoopHooks"]
+
+
+@dataclass(frozen=True)
+class _ReadAhead:
+    """A micro-batch the loop read ahead (an example for a build), already prepared for the step."""
+
+    batch: Any
 
 
 def _no_time_limit() -> float | None:
@@ -60,8 +69,10 @@ class SinkLoopHooks:
     """The ``max_time`` deadline's clock and the ranks' agreement on it."""
     recompile_watch: RecompileWatch | None = None
     """Graph modes: TorchDynamo compiles the step, and the watch is told where each sink ends."""
-    choose: Callable[[StepEngine, SinkUpdates], SinkPrograms] = choose_programs
-    """The pair each segment runs (compiled programs: ``sink/programs/compiled_choice.py``)."""
+    choose: Callable[[StepEngine, SinkUpdates, Callable[[], Any]], SinkPrograms] = choose_eager
+    """The pair each segment runs, given the engine, the segment's update counter and a function reading the
+    segment's first micro-batch ahead (an example a build compiles over; compiled programs:
+    ``sink/programs/compiled_choice.py``)."""
     batches: Callable[[MicroBatchStream, float], Callable[[], Any]] | None = None
     """Per segment, given the stream and the segment's length, its next-micro-batch function (``None``: the
     stream's ``next``; staged data: ``StagedData.batches``, whose ``StagedBatch`` items the programs gather on the
@@ -102,6 +113,7 @@ class SinkLoop:
         self.programs: SinkPrograms | None = None  # the last segment's
         self.validation_due = False  # the last segment ended where Lightning validates
         self._pass_ended = False  # sink_size=-1: the last segment ended with its data pass
+        self._read_ahead: deque[Any] = deque()  # read for a build's example, trained first (PASS_END kept in order)
         host = engine.host
         # Batches need moving unless the stream's thread already did, or they are for the CPU and no transfer hook
         # runs (a loader's batches are on the CPU already, and walking them would cost a step's worth of time).
@@ -181,6 +193,8 @@ class SinkLoop:
         segment, deadline, programs = self._begin_segment()
         length = segment.length
         next_batch = self.stream.next if self._batches is None else self._batches(self.stream, length)
+        if self._read_ahead:
+            next_batch = partial(self._after_read_ahead, next_batch)
         losses: list[Tensor] = []
         micro_index = 0
         # each turn: the micro-batches of one call read and trained (several in one call, each with a function
@@ -221,9 +235,26 @@ class SinkLoop:
         self.validation_due = False
         seconds = self._time_left()
         deadline = time.monotonic() + seconds if seconds is not None else None
-        self.programs = programs = self._choose(self._engine, self.updates)
+        self.programs = programs = self._choose(self._engine, self.updates, self._read_example)
         self._engine.window.loss_divisor = programs.update.loss_divisor
         return segment, deadline, programs
+
+    def _read_example(self) -> Any:
+        """The segment's first micro-batch, read ahead and prepared, for the programs to be built over before
+        they run it (the segment trains it first; a data pass's end read before it stays in its place)."""
+        assert self._batches is None, "staged batches are gathered by the programs: a build needs no example"
+        while True:
+            batch = self.stream.next()
+            if batch is PASS_END:
+                self._read_ahead.append(batch)
+                continue
+            prepared = _ReadAhead(self._prepared(batch))
+            self._read_ahead.append(prepared)
+            return prepared.batch
+
+    def _after_read_ahead(self, next_batch: Callable[[], Any]) -> Any:
+        """The next micro-batch: those read ahead first, in order."""
+        return self._read_ahead.popleft() if self._read_ahead else next_batch()
 
     def _next_call(
         self,
@@ -307,6 +338,8 @@ class SinkLoop:
     def _prepared(self, batch: Any) -> Any:
         """The batch as the step gets it: converted by the precision plugin and on the device (a staged batch is
         gathered on the device by the program itself)."""
+        if isinstance(batch, _ReadAhead):
+            return batch.batch
         if isinstance(batch, StagedBatch):
             return batch
         if self._converts_input:

@@ -27,63 +27,37 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 from torch import Tensor
 
 from lightning_sink.compiled import StepOutputs, StepPrograms
-from lightning_sink.sink.programs.eager import SinkPrograms, SinkUpdates, choose_programs
+from lightning_sink.sink.programs.eager import SinkUpdates
 from lightning_sink.sink.programs.scheduler_lookahead import SchedulerLookahead
 from lightning_sink.sink.staging import StagedBatch
 from lightning_sink.strategies.engine import StepEngine
 from lightning_sink.window import FlatAllReduce
 
-__all__ = ["FitPrograms", "CompiledAccumulate", "CompiledUpdate", "CompiledSeveral"]
-
-
-class FitPrograms(Protocol):
-    """The fit's programs as the compiled pair reads them (``compiled_choice.CompiledProgramChooser``): built at the first
-    micro-batch (``build``), or the reason there are none."""
-
-    engine: StepEngine
-    graph_mode: str
-    micro_steps_per_call: int | None
-    programs: StepPrograms | None
-    reason: str | None
-
-    def build(self, batch: Any) -> StepPrograms | None:
-        """Build the programs over ``batch`` (or fall back, setting ``reason``); the programs, or ``None``."""
-        ...
+__all__ = ["CompiledAccumulate", "CompiledUpdate", "CompiledSeveral"]
 
 
 class _Compiled:
-    """What the compiled programs share: the window's host counts, the batch index, the log values, a window's end
-    after its update, and the eager pair to hand over to when the programs turn out not to apply at the fit's first
-    micro-batch."""
+    """What the compiled programs share: the window's host counts, the batch index, the log values and a window's
+    end after its update."""
 
     loss_divisor = 1  # the programs add undivided gradients; the update divides by the window's micro-steps
 
-    def __init__(self, steps: FitPrograms, updates: SinkUpdates) -> None:
-        self._steps, self._updates = steps, updates
-        self._engine = steps.engine
-        self._eager: SinkPrograms | None = None
+    def __init__(self, programs: StepPrograms, engine: StepEngine, updates: SinkUpdates, copy_outputs: bool) -> None:
+        """``copy_outputs``: CUDA graphs, whose next replay overwrites the outputs of the last."""
+        self._programs, self._engine, self._updates = programs, engine, updates
+        self._copy_outputs = copy_outputs
 
-    def _programs(self, batch: Any) -> StepPrograms | None:
-        steps = self._steps
-        if steps.programs is None and steps.reason is None:
-            steps.build(batch)
-        if steps.programs is None and self._eager is None:
-            self._eager = choose_programs(self._engine, self._updates)
-        return steps.programs
-
-    def _start(self, batch: Any, batch_idx: int) -> StepPrograms | None:
-        """One micro-batch's call about to run: the programs, the micro-batch counted into its window and
-        ``training_step``'s ``batch_idx`` set; ``None`` where the eager pair runs it instead."""
-        programs = self._programs(batch)
-        if programs is not None:
-            self._count_micro_batch()
-            programs.batch_index.fill_(batch_idx)
-        return programs
+    def _start(self, batch_idx: int) -> StepPrograms:
+        """One micro-batch's call about to run: the micro-batch counted into its window and ``training_step``'s
+        ``batch_idx`` set."""
+        self._count_micro_batch()
+        self._programs.batch_index.fill_(batch_idx)
+        return self._programs
 
     def _count_micro_batch(self) -> None:
         """Count the micro-batch into its window, as the direct pair does."""
@@ -95,7 +69,7 @@ class _Compiled:
 
     def _outputs(self, programs: StepPrograms, out: StepOutputs) -> Tensor:
         """The micro-batch's loss, its logged values handed to ``self.log``."""
-        copy = self._steps.graph_mode == "cuda_graph"  # a replay overwrites the graph's outputs
+        copy = self._copy_outputs
         logs = programs.host_logs(out)  # (a torchmetrics Metric's calls made here, eagerly)
         if logs:
             module = self._engine.trainer.lightning_module
@@ -133,10 +107,7 @@ class _Compiled:
 
 class CompiledAccumulate(_Compiled):
     def run(self, batch: Any, batch_idx: int) -> Tensor | None:
-        programs = self._start(batch, batch_idx)
-        if programs is None:
-            assert self._eager is not None
-            return self._eager.accumulate.run(batch, batch_idx)
+        programs = self._start(batch_idx)
         out = programs.accumulate(_own_batch(batch))
         self._engine.window.count_backward()  # the backward passes of the window, counted on the host
         return self._outputs(programs, out)
@@ -144,10 +115,7 @@ class CompiledAccumulate(_Compiled):
 
 class CompiledUpdate(_Compiled):
     def run(self, batch: Any, batch_idx: int) -> Tensor | None:
-        programs = self._start(batch, batch_idx)
-        if programs is None:
-            assert self._eager is not None
-            return self._eager.update.run(batch, batch_idx)
+        programs = self._start(batch_idx)
         engine = self._engine
         engine.window.close()
         result: list[Tensor] = []
@@ -171,29 +139,20 @@ def _own_batch(batch: Any) -> Any:
 class CompiledSeveral(_Compiled):
     """``micro_steps_per_call`` micro-batches, whole windows, in one compiled call (``SeveralSteps``)."""
 
-    def __init__(self, steps: FitPrograms, updates: SinkUpdates) -> None:
-        super().__init__(steps, updates)
-        self._lookahead = SchedulerLookahead(self._engine)
-
-    @property
-    def count(self) -> int:
-        """The micro-batches of one call, as the programs were built (1 before the build or without several)."""
-        programs = self._steps.programs
-        return programs.several[0] if programs is not None and programs.several is not None else 1
+    def __init__(self, programs: StepPrograms, engine: StepEngine, updates: SinkUpdates, copy_outputs: bool) -> None:
+        super().__init__(programs, engine, updates, copy_outputs)
+        assert programs.several is not None  # (built with several micro-steps per call)
+        self.count, self._window_length = programs.several
+        self._lookahead = SchedulerLookahead(engine)
 
     def ready(self) -> bool:
-        programs, engine = self._steps.programs, self._engine
         return (
-            programs is not None
-            and programs.several is not None
-            and programs.several[1] == engine.accumulation_steps  # (a GradientAccumulationScheduler may change it)
-            and engine.window.micro_batches == 0
+            self._window_length == self._engine.accumulation_steps  # (a GradientAccumulationScheduler may change it)
+            and self._engine.window.micro_batches == 0
         )
 
     def run(self, batches: list[Any], batch_idx: int) -> list[Callable[[], Tensor | None]]:
-        programs = self._steps.programs
-        assert programs is not None and programs.several is not None  # (ready() said so)
-        steps = programs.several[1]
+        programs, steps = self._programs, self._window_length
         programs.batch_index.fill_(batch_idx)  # the programs count it on per micro-step
         hyperparameters = self._lookahead.rows(programs.rule, len(batches) // steps)
         outputs = programs.run_several([_own_batch(batch) for batch in batches], hyperparameters)

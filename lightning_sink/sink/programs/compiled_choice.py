@@ -2,17 +2,18 @@
 compiled function over the whole step (``lightning_sink.compiled``), behind the ``MicroBatchProgram`` seam of
 ``sink/programs/eager.py``; the per-call programs the sink loop runs are ``sink/programs/compiled.py``'s.
 
-``CompiledProgramChooser`` is one fit's choice. At each sink's start ``choose`` hands the sink loop either the compiled pair
-(``CompiledAccumulate`` / ``CompiledUpdate``) or, when the programs do not apply, the pair ``choose_programs`` picks
-(today's path: with ``"compile"`` the forward-compiled ``training_step``). Whether they apply is decided once, at the
-first micro-batch of the fit's first sink, before anything of the run changed: the run's own reasons (the
+``CompiledProgramChooser`` is one fit's choice. At each segment's start ``choose`` hands the sink loop either the
+compiled pair (``CompiledAccumulate`` / ``CompiledUpdate``) or, when the programs do not apply, the pair
+``choose_programs`` picks (with ``"compile"`` the forward-compiled ``training_step``). Whether they apply is decided
+once, at the fit's first segment, before anything of the run changed; the programs are built then, over the
+segment's first micro-batch, which the loop reads ahead for it and trains first (a program never builds): the run's own reasons (the
 model-parallel strategy, "cuda_graph" under DDP, hooks that run between forward and update, a precision context other
 than autocast) first, then ``build_step_programs``'s (the optimizer, the module's hook overrides and registered
 hooks, a ``training_step`` that is not one graph). The fit logs one line either way: the programs compiled, or why
 not and what to change.
 
-With the training data staged on the device (``sink/staging.py``) the programs are built at the first sink's start
-instead (they need no example batch: they gather their own from the staged dataset), and ``choose`` tells the
+With the training data staged on the device (``sink/staging.py``) the build needs no example batch (the programs
+gather their own from the staged dataset), and ``choose`` tells the
 staged data per sink whether the programs it returns gather (``StagedData.gathering``).
 
 The open window across sinks: the programs keep its fp32 sum in their own buffers during a sink; at each sink's end
@@ -45,7 +46,7 @@ from lightning_sink.compiled import AutocastRegion, RankSum, StepPrograms, Unava
 from lightning_sink.compiled.build_record import BuildFigures
 from lightning_sink.sink.programs.build_notice import BuildNotice, cache_note, step_times
 from lightning_sink.sink.programs.compiled import CompiledAccumulate, CompiledSeveral, CompiledUpdate
-from lightning_sink.sink.programs.eager import SinkPrograms, SinkUpdates, choose_programs
+from lightning_sink.sink.programs.eager import SinkPrograms, SinkUpdates, choose_eager, choose_programs
 from lightning_sink.sink.programs.scheduler_lookahead import SchedulerLookahead
 from lightning_sink.sink.staging import StagedData
 from lightning_sink.strategies.engine import StepEngine
@@ -83,8 +84,8 @@ _MODULE_HOOKS_BETWEEN = _CALLBACK_HOOKS_BETWEEN + (
 
 
 class CompiledProgramChooser:
-    """One fit's compiled step programs, built at the first micro-batch of its first sink (they need an example
-    batch), or the reason there are none."""
+    """One fit's compiled step programs, built at its first segment's start over the segment's first micro-batch
+    (read ahead by the loop), or the reason there are none."""
 
     def __init__(
         self,
@@ -121,8 +122,9 @@ class CompiledProgramChooser:
         }
 
     # ------------------------------------------------------------------ at each sink's start and end
-    def choose(self, engine: StepEngine, updates: SinkUpdates) -> SinkPrograms:
-        """The pair this sink runs (the sink loop's ``choose``)."""
+    def choose(self, engine: StepEngine, updates: SinkUpdates, example: Callable[[], Any]) -> SinkPrograms:
+        """The pair this segment runs (the sink loop's ``choose``); ``example`` reads the segment's first
+        micro-batch ahead, for the fit's first build on the loader path (staged, the build needs none)."""
         if self.staging is not None:
             self.staging.gathering = False  # until the compiled pair is returned
         if self.reason is None and self.programs is None:
@@ -131,21 +133,24 @@ class CompiledProgramChooser:
                 self._fall_back(reason)
         if self.reason is not None:
             return choose_programs(engine, updates)
-        if self.programs is None and self.staging is not None:
-            if self.build(None) is None:  # staged: built now, before the sink takes its batches
+        if self.programs is None:
+            if self.build(None if self.staging is not None else example()) is None:
                 return choose_programs(engine, updates)
-        elif self.programs is not None:
+        else:
             reason = self._changed_since_build()
             if reason is not None:
                 self._fall_back(reason)
                 return choose_programs(engine, updates)
             self._load_window()
+        programs = self.programs
+        assert programs is not None
         if self.staging is not None:
             self.staging.gathering = True
-        several = CompiledSeveral(self, updates) if self.micro_steps_per_call != 1 else None
+        copy_outputs = self.graph_mode == "cuda_graph"  # a replay overwrites the graph's outputs
+        several = None if programs.several is None else CompiledSeveral(programs, engine, updates, copy_outputs)
         return SinkPrograms(
-            CompiledAccumulate(self, updates),
-            CompiledUpdate(self, updates),
+            CompiledAccumulate(programs, engine, updates, copy_outputs),
+            CompiledUpdate(programs, engine, updates, copy_outputs),
             end_sink=self._save_window,
             several=several,
         )
@@ -232,7 +237,7 @@ class CompiledProgramChooser:
         return None
 
     def build(self, batch: Any) -> StepPrograms | None:
-        """At the fit's first micro-batch (with staged data, ``batch=None``: at its first sink's start): build the
+        """At the fit's first segment, over its first micro-batch (with staged data, ``batch=None``): build the
         programs (compiling them now, on copies of the state), or fall back with the reason."""
         engine = self.engine
         trainer = engine.trainer
@@ -380,12 +385,12 @@ def compiled_choice(
     graph_mode: str,
     staging: StagedData | Unavailable | None = None,
     micro_steps_per_call: int | None = None,
-) -> Callable[[StepEngine, SinkUpdates], SinkPrograms]:
+) -> Callable[[StepEngine, SinkUpdates, Callable[[], Any]], SinkPrograms]:
     """The sink loop's ``choose`` for ``graph_mode``: the compiled pair where it applies, else ``choose_programs``.
     ``staging``: the fit's staged training data (``sink/staging.py``), or why there is none; ``micro_steps_per_call``:
     micro-batches per compiled call where that is exact (``CompiledSeveral``; ``None``: decided by the build)."""
     if graph_mode == "eager":
-        return choose_programs
+        return choose_eager
     chooser = CompiledProgramChooser(engine, graph_mode, staging, micro_steps_per_call)
     chooser.notice.at_fit_start()
     return chooser.choose

@@ -47,6 +47,7 @@ __all__ = [
     "DirectAccumulate",
     "DirectUpdate",
     "SingleStepUpdate",
+    "choose_eager",
     "choose_programs",
 ]
 
@@ -281,3 +282,9 @@ def choose_programs(engine: StepEngine, updates: SinkUpdates) -> SinkPrograms:
         if isinstance(window.store, SingleStepGradients):
             return SinkPrograms(direct, SingleStepUpdate(engine, window, updates))
     return SinkPrograms(direct, DirectUpdate(engine, window, updates))
+
+
+def choose_eager(engine: StepEngine, updates: SinkUpdates, example: Callable[[], Any]) -> SinkPrograms:
+    """The sink loop's ``choose`` in eager graph mode: ``choose_programs`` (the eager pair builds nothing, so it
+    never reads the example micro-batch)."""
+    return choose_programs(engine, updates)
