@@ -27,7 +27,7 @@ from torch import Tensor
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.data import DataPosition
 from lightning_sink.sink.logging import SinkLogBuffer
-from lightning_sink.sink.programs.eager import SeveralSteps, SinkPrograms, SinkUpdates, choose_eager
+from lightning_sink.sink.programs.eager import PairCall, SeveralSteps, SinkPrograms, SinkUpdates, choose_eager
 from lightning_sink.sink.schedule import Segment, SinkSchedule
 from lightning_sink.sink.staging import StagedBatch
 from lightning_sink.sink_data import PASS_END, MicroBatchStream
@@ -35,6 +35,14 @@ from lightning_sink.strategies.engine import StepEngine
 from lightning_sink.strategies.recompile_watch import RecompileWatch
 
 __all__ = ["MaxTimeRule", "SinkLoop", "SinkLoopHooks"]
+
+
+@dataclass(frozen=True)
+class _SegmentCalls:
+    """The calls a segment runs: one micro-batch by the pair, or several in one compiled call where they fit."""
+
+    one: SeveralSteps
+    several: SeveralSteps | None
 
 
 @dataclass(frozen=True)
@@ -191,25 +199,26 @@ class SinkLoop:
         # the updates this segment may make before max_steps (global_step moves only through its updates)
         updates_allowed = trainer.max_steps - trainer.global_step if trainer.max_steps != -1 else -1
         segment, deadline, programs = self._begin_segment()
+        calls = _SegmentCalls(PairCall(programs, self._engine), programs.several)
         length = segment.length
         next_batch = self.stream.next if self._batches is None else self._batches(self.stream, length)
         if self._read_ahead:
             next_batch = partial(self._after_read_ahead, next_batch)
         losses: list[Tensor] = []
         micro_index = 0
-        # each turn: the micro-batches of one call read and trained (several in one call, each with a function
-        # doing its host effects; or one, trained by the pair), then every one's effects in order
+        # each turn: one call's micro-batches read and given to the call (several trained in one compiled call, or
+        # one, trained by the pair), then each one's function and effects in order
         while micro_index < length:
             if updates_allowed != -1 and self.updates.count >= updates_allowed:
                 break
-            trained = self._next_call(programs, next_batch, length - micro_index, updates_allowed, micro_index)
+            trained = self._next_call(calls, next_batch, length - micro_index, updates_allowed, micro_index)
             if trained is None:
                 self._pass_ended = True
                 break  # one data pass per sink: the pass ended
             if not trained:
                 continue  # the pass ended before the sink's first micro-batch: the stream starts the next
-            for batch, finish in trained:
-                loss = self._micro_step(programs, batch, finish)
+            for batch, train in trained:
+                loss = self._micro_step(batch, train)
                 if loss is not None:
                     losses.append(loss)
                 micro_index += 1
@@ -257,37 +266,37 @@ class SinkLoop:
         return self._read_ahead.popleft() if self._read_ahead else next_batch()
 
     def _next_call(
-        self,
-        programs: SinkPrograms,
-        next_batch: Callable[[], Any],
-        left: float,
-        updates_allowed: int,
-        micro_index: int,
-    ) -> Sequence[tuple[Any, Callable[[], Tensor | None] | None]] | None:
-        """The micro-batches of the next call: several trained in one call, each with its host effects to run; or
-        one, to be trained by the pair (no function). Empty: the data pass ended before the sink's first
-        micro-batch; None: it ended inside a sink of one pass (``sink_size=-1``)."""
-        several = programs.several
-        if several is not None and self._fits_in_call(several, left, updates_allowed):
-            return self._run_several(several, next_batch)
-        batch = next_batch()
-        if batch is PASS_END:
-            return None if self._sink_size == -1 and micro_index else ()
-        return ((self._prepared(batch), None),)
+        self, calls: _SegmentCalls, next_batch: Callable[[], Any], left: float, updates_allowed: int, micro_index: int
+    ) -> Sequence[tuple[Any, Callable[[], Tensor | None]]] | None:
+        """The micro-batches of the next call, read and given to the call (several in one compiled call where they
+        fit, else one, trained by the pair), each with the function that trains it or does its host effects. Empty:
+        the data pass ended before the sink's first micro-batch; None: it ended inside a sink of one pass
+        (``sink_size=-1``)."""
+        several = calls.several
+        call = several if several is not None and self._fits_in_call(several, left, updates_allowed) else calls.one
+        batches = []
+        for _ in range(call.count):
+            batch = next_batch()
+            if batch is PASS_END:
+                if call.count > 1:
+                    raise RuntimeError(
+                        f"The training loader ended its data pass after {self._data_position.trained_in_pass}"
+                        f" batches, before its len() of {self._schedule.pass_length}: make len() match the batches"
+                        " it yields, or use micro_steps_per_call=1."
+                    )
+                return None if self._sink_size == -1 and micro_index else ()
+            batches.append(self._prepared(batch))
+        return list(zip(batches, call.run(batches, self._data_position.trained_in_sink)))
 
-    def _micro_step(self, programs: SinkPrograms, batch: Any, finish: Callable[[], Tensor | None] | None) -> Any:
-        """One micro-batch's effects, in order: trained by the pair (or its call's host effects), the data position
+    def _micro_step(self, batch: Any, train: Callable[[], Tensor | None]) -> Any:
+        """One micro-batch's effects, in order: trained (or its call's host effects done), the data position
         advanced, and at a window's end the update's logged values handed on."""
-        buffer, window, position = self._log_buffer, self._engine.window, self._data_position
+        buffer, window = self._log_buffer, self._engine.window
         if buffer is not None:
             buffer.begin_micro_step(batch)
         ends = window.micro_batches + 1 >= self._engine.accumulation_steps
-        if finish is not None:
-            loss = finish()
-        else:
-            index = position.trained_in_sink  # the micro-batch's index in its sink (training_step's batch_idx)
-            loss = programs.update.run(batch, index) if ends else programs.accumulate.run(batch, index)
-        position.advance()
+        loss = train()
+        self._data_position.advance()
         self._ended_on_update = ends
         if ends and buffer is not None:
             buffer.end_update()  # the loggers get this update's values at its step (sink/logging.py)
@@ -318,22 +327,6 @@ class SinkLoop:
         if pass_length is None or pass_length - self._data_position.trained_in_pass < count:
             return False
         return several.ready()
-
-    def _run_several(
-        self, several: SeveralSteps, next_batch: Callable[[], Any]
-    ) -> list[tuple[Any, Callable[[], Tensor | None]]]:
-        """Read ``several.count`` micro-batches and train them in one call; each with its host-side effects."""
-        batches = []
-        for _ in range(several.count):
-            batch = next_batch()
-            if batch is PASS_END:
-                raise RuntimeError(
-                    f"The training loader ended its data pass after {self._data_position.trained_in_pass} batches,"
-                    f" before its len() of {self._schedule.pass_length}: make len() match the batches it yields, or"
-                    " use micro_steps_per_call=1."
-                )
-            batches.append(self._prepared(batch))
-        return list(zip(batches, several.run(batches, self._data_position.trained_in_sink)))
 
     def _prepared(self, batch: Any) -> Any:
         """The batch as the step gets it: converted by the precision plugin and on the device (a staged batch is

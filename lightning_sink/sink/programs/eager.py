@@ -40,6 +40,7 @@ from lightning_sink.window.state import Window
 __all__ = [
     "MicroBatchProgram",
     "SeveralSteps",
+    "PairCall",
     "SinkPrograms",
     "SinkUpdates",
     "HookedAccumulate",
@@ -79,6 +80,30 @@ class SeveralSteps(Protocol):
         in order, a function doing its host-side effects (counting, ``self.log``, an update's bookkeeping) and
         returning its detached loss."""
         ...
+
+
+class PairCall:
+    """A call of one micro-batch, trained by the pair (the ``SeveralSteps`` of one): the accumulate program, or
+    the update program where the micro-batch ends its window. Training runs in the micro-batch's function, so its
+    effects come in the same order as a call of several's."""
+
+    count = 1
+
+    def __init__(self, programs: SinkPrograms, engine: StepEngine) -> None:
+        self._programs, self._engine = programs, engine
+
+    def ready(self) -> bool:
+        return True
+
+    def run(self, batches: list[Any], batch_idx: int) -> list[Callable[[], Tensor | None]]:
+        (batch,) = batches
+        return [lambda: self._train(batch, batch_idx)]
+
+    def _train(self, batch: Any, batch_idx: int) -> Tensor | None:
+        engine = self._engine
+        ends = engine.window.micro_batches + 1 >= engine.accumulation_steps
+        program = self._programs.update if ends else self._programs.accumulate
+        return program.run(batch, batch_idx)
 
 
 class SinkUpdates:
