@@ -102,6 +102,22 @@ class Tiny(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+def fit(strategy: Any, tracer: Callback, samples: int, **trainer_kwargs: Any) -> None:
+    """One quiet fit of ``Tiny`` on the CPU over ``samples`` random samples in batches of 8, traced."""
+    trainer = pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[tracer],
+        **trainer_kwargs,
+    )
+    data = TensorDataset(torch.randn(samples, 8), torch.randint(0, 4, (samples,)))
+    trainer.fit(Tiny(), DataLoader(data, batch_size=8))
+
+
 class CallRouteTracer(Callback):
     """The lightning-sink files each call of the second sink passes through (see the module's docstring)."""
 
@@ -138,18 +154,7 @@ def compiled_route(steps: int, micro_steps_per_call: int | None) -> dict[str, An
     strategy = SinkStrategy(
         sink_size=4 * steps, accumulation_steps=steps, graph_mode="compile", micro_steps_per_call=micro_steps_per_call
     )
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        max_steps=8,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[tracer],
-    )
-    data = TensorDataset(torch.randn(8 * steps * 8, 8), torch.randint(0, 4, (8 * steps * 8,)))
-    trainer.fit(Tiny(), DataLoader(data, batch_size=8))
+    fit(strategy, tracer, 8 * steps * 8, max_steps=8)
     per_call = (4 * steps) // len(tracer.calls)
     # the call holding the window's last micro-batch: the window's N micro-batches end in call ceil(N / per call)
     window_end = tracer.calls[(steps - 1) // per_call]
@@ -165,19 +170,7 @@ def compiled_route(steps: int, micro_steps_per_call: int | None) -> dict[str, An
 def count(strategy: Any, steps: int) -> dict[str, Any]:
     tracer = CrossingTracer(steps)
     kwargs: dict[str, Any] = {"accumulate_grad_batches": steps} if strategy == "auto" else {}
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        max_epochs=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[tracer],
-        **kwargs,
-    )
-    data = TensorDataset(torch.randn(8 * steps * 2, 8), torch.randint(0, 4, (8 * steps * 2,)))
-    trainer.fit(Tiny(), DataLoader(data, batch_size=8))
+    fit(strategy, tracer, 8 * steps * 2, max_epochs=1, **kwargs)
     crossings = tracer.crossings
     return {
         "crossings": sum(crossings.values()),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -10,15 +10,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.nn import Parameter
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_sink import _lightning_compat as compat
@@ -31,13 +27,12 @@ from lightning_sink.checkpoint_format.resharded_load import adapt_sink_state, lo
 from lightning_sink.checkpoint_format.resume_agreement import agree_on_resume
 from lightning_sink.counts import check_count_fits
 from lightning_sink.layout.dcp_metadata import DCP_METADATA_FILE
-from lightning_sink.sink_data import SinkToken
 from lightning_sink.strategies.checkpoint_state import CHECKPOINT_KEY
 from lightning_sink.strategies.config import SinkConfig, validate_process_group_backend, validate_timeout
-from lightning_sink.strategies.engine import StepEngine
-from lightning_sink.strategies.fit_lifecycle import SinkFit, WindowParts, fit_setting
+from lightning_sink.strategies.fit_lifecycle import SinkFit, WindowParts
 from lightning_sink.strategies.fsdp_window import FSDPWindow
 from lightning_sink.strategies.mesh_clipping import MeshClipping
+from lightning_sink.strategies.sink_hooks import SinkStrategyHooks
 from lightning_sink.window import OverflowFlagAllReduce
 
 __all__ = ["SinkModelParallelStrategy"]
@@ -49,7 +44,7 @@ def _validate_size(name: str, value: object) -> None:
         raise ValueError(f"{name}={value!r} is not valid: pass an int >= 1 or 'auto'.")
 
 
-class SinkModelParallelStrategy(ModelParallelStrategy):
+class SinkModelParallelStrategy(SinkStrategyHooks, ModelParallelStrategy):
     """Gradient accumulation on Lightning's ``ModelParallelStrategy`` (FSDP2 + TP).
 
     The LightningModule shards itself in ``configure_model`` with ``parallelize_module`` on
@@ -103,18 +98,6 @@ class SinkModelParallelStrategy(ModelParallelStrategy):
         self.sink_fit = SinkFit(self, config)
         self._clipping: MeshClipping | None = None
 
-    accumulation_steps = fit_setting("accumulation_steps")
-    partial_window = fit_setting("partial_window")
-    sink_size = fit_setting("sink_size")
-    prefetch_depth = fit_setting("prefetch_depth")
-    graph_mode = fit_setting("graph_mode")
-    sink_config = fit_setting("sink_config")
-    micro_steps_in_window = fit_setting("micro_steps_in_window")
-    # what tests and benchmarks look into
-    _accumulator = fit_setting("store")
-    _hooks = fit_setting("hooks")
-    _data_position = fit_setting("data_position")
-
     @override
     def setup_environment(self) -> None:
         if compat.process_group_backend(self) == "nccl" and self.root_device.type != "cuda":
@@ -127,8 +110,7 @@ class SinkModelParallelStrategy(ModelParallelStrategy):
         compat.check_before_resume(self, partial(agree_on_resume, world_size=self.world_size))
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        self.sink_fit.configure_for_trainer(trainer)
+    def _check_fit_settings(self) -> None:
         scaling = self.sink_fit.loss_scaling
         if scaling is not None and scaling.skip_window_on_overflow:
             raise ValueError(
@@ -136,6 +118,9 @@ class SinkModelParallelStrategy(ModelParallelStrategy):
                 " the window's partial sums are FSDP2's unsharded gradients, which it cannot check between"
                 " micro-steps. Use skip_window_on_overflow=False (the overflowing window is still skipped)."
             )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         # gradient_clip_val over parameters on different meshes (FSDP2-only layers beside tensor-parallel ones)
         self._clipping = MeshClipping(self.precision_plugin, self.world_size)
@@ -152,81 +137,12 @@ class SinkModelParallelStrategy(ModelParallelStrategy):
         assert self.model is not None
         return FSDPWindow(self.model, params, self.device_mesh["data_parallel"].size())
 
-    # ------------------------------------------------------------------ the fit (SinkFit) and the step (StepEngine)
-    @property
-    def engine(self) -> StepEngine | None:
-        """This fit's step engine (``None`` before train start and under manual optimization)."""
-        return self.sink_fit.engine
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        return self.sink_fit.process_dataloader(dataloader)
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        self.sink_fit.start(self._window_parts())
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        self.sink_fit.batch_started()
-
-    @override
-    def on_train_end(self) -> None:
-        self.sink_fit.end()
-        super().on_train_end()
-
     @override
     def teardown(self) -> None:
-        self.sink_fit.teardown()
         if self._clipping is not None:
             self._clipping.remove()
             self._clipping = None
         super().teardown()
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        engine = self.engine
-        if engine is None:
-            return super().training_step(*args, **kwargs)
-        return self._run_sink() if self.sink_fit.sink_loop is not None else engine.training_step(*args, **kwargs)
-
-    def accumulate_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        """The forward of a micro-batch that does not end its window; Lightning's closure runs its backward."""
-        return self.sink_fit.running_engine().forward(*args, **kwargs)
-
-    def update_step(self, optimizer: Optimizer, closure: Callable[[], Any], **kwargs: Any) -> Any:
-        """The window's last micro-batch (the closure) and the window's update."""
-        return self.sink_fit.running_engine().update_step(optimizer, closure, **kwargs)
-
-    def _run_sink(self) -> dict[str, Tensor] | None:
-        return self.sink_fit.running_sink_loop().run()
-
-    @override
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        super().pre_backward(closure_loss)
-        if self.engine is not None:
-            self.engine.pre_backward()
-
-    @override
-    def post_backward(self, closure_loss: Tensor) -> None:
-        if self.engine is not None:
-            self.engine.post_backward()
-        super().post_backward(closure_loss)
-
-    @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        engine = self.engine
-        if engine is None or engine.passthrough:
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        return self.update_step(optimizer, closure, **kwargs)
-
-    @override
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        if self.sink_fit.direct_transfer or isinstance(batch, SinkToken):
-            return move_data_to_device(batch, device or self.root_device)
-        return super().batch_to_device(batch, device, dataloader_idx)
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
