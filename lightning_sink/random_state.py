@@ -23,6 +23,8 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
+from lightning_sink.counts import is_int
+
 __all__ = [
     "is_valid_generator_state",
     "capture_random_state",
@@ -86,10 +88,6 @@ def _byte_tensor(value: object, like: Tensor) -> bool:
     return isinstance(value, Tensor) and value.dtype == torch.uint8 and value.shape == like.shape
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_finite_float(value: object) -> bool:
     return isinstance(value, float) and math.isfinite(value)
 
@@ -115,7 +113,7 @@ def _checked(state: object, checkpoint_path: Any) -> dict[str, Any]:
     python = state.get("python")
     if not (
         isinstance(python, dict)
-        and _is_int(python.get("version"))
+        and is_int(python.get("version"))
         and _int_tensor(python.get("internal"), _PY_STATE_WORDS)
         and (python.get("gauss_next") is None or _is_finite_float(python.get("gauss_next")))
     ):
@@ -127,7 +125,7 @@ def _checked(state: object, checkpoint_path: Any) -> dict[str, Any]:
     if numpy is not None and not (
         isinstance(numpy, dict)
         and _int_tensor(numpy.get("keys"), _NP_KEY_WORDS)
-        and _is_int(numpy.get("pos"))
+        and is_int(numpy.get("pos"))
         and 0 <= numpy["pos"] <= _NP_KEY_WORDS
         and numpy.get("has_gauss") in (0, 1)
         and _is_finite_float(numpy.get("cached_gaussian"))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_sink.checkpoint_format.fs import check_file_prefix, check_relative_name, read_inside, write_new_file
+from lightning_sink.counts import is_count
 from lightning_sink.layout.bounded_json import loads_bounded
 
 __all__ = [
@@ -77,18 +78,14 @@ def read_manifest(folder: Path) -> Manifest:
         raise ValueError(f"manifest {str(path)!r}: 'files' must be an object")
     for name, entry in files.items():
         safe_relative_path(name, folder, f"manifest {str(path)!r}")
-        if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str) or not _is_count(entry.get("bytes")):
+        if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str) or not is_count(entry.get("bytes")):
             raise ValueError(f"manifest {str(path)!r}: entry {name!r} must be {{'sha256': str, 'bytes': int}}")
     provenance = data.get("provenance", {})
     if not isinstance(provenance, dict):
         raise ValueError(f"manifest {str(path)!r}: 'provenance' must be an object")
     check_file_prefix(provenance.get("ckpt_prefix", ""), f"manifest {str(path)!r}: provenance.ckpt_prefix")
-    if "world_size" in provenance and not (_is_count(provenance["world_size"]) and provenance["world_size"] > 0):
+    if "world_size" in provenance and not (is_count(provenance["world_size"]) and provenance["world_size"] > 0):
         raise ValueError(
             f"manifest {str(path)!r}: provenance.world_size {provenance['world_size']!r} is not a positive integer"
         )
     return Manifest(files=files, provenance=provenance)
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from lightning_sink.checkpoint_format.fs import check_relative_name, open_inside, write_new_file
+from lightning_sink.counts import is_count
 from lightning_sink.layout.bounded_json import MAX_JSON_BYTES, loads_bounded
 from lightning_sink.layout.dcp_metadata import DCP_METADATA_FILE, read_dcp_metadata
 from lightning_sink.regular_file import read_regular
@@ -150,17 +151,13 @@ def read_save_digests(folder: Path, what: str) -> dict[str, RecordedFile] | None
     return recorded
 
 
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _is_digest(value: object) -> bool:
     return isinstance(value, str) and _SHA256.fullmatch(value) is not None
 
 
 def _recorded_file(entry: object, where: str) -> RecordedFile:
     raw_records = entry.get("records") if isinstance(entry, dict) else None
-    if not isinstance(entry, dict) or not _is_count(entry.get("bytes")):
+    if not isinstance(entry, dict) or not is_count(entry.get("bytes")):
         raise ValueError(f"{where}: not a record of a file (a 'bytes' count and a 'sha256' or 'records')")
     if raw_records is None:
         if not _is_digest(entry.get("sha256")):
@@ -189,9 +186,9 @@ def _recorded_record(raw: object, where: str) -> RecordedRecord:
     name, offsets, start, length = (raw.get(key) for key in ("name", "offsets", "start", "length"))
     if not (
         isinstance(name, str)
-        and (offsets is None or (isinstance(offsets, list) and all(_is_count(o) for o in offsets)))
-        and _is_count(start)
-        and _is_count(length)
+        and (offsets is None or (isinstance(offsets, list) and all(is_count(o) for o in offsets)))
+        and is_count(start)
+        and is_count(length)
         and _is_digest(raw.get("sha256"))
     ):
         raise ValueError(

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from lightning_sink.counts import is_count
 from lightning_sink.error_text import reason_of
 from lightning_sink.layout.from_state_dict import role_of
 from lightning_sink.layout.pickle_claims import pickle_claim_fault
@@ -108,12 +109,8 @@ def read_dcp_metadata_and_digest(checkpoint_dir: str | os.PathLike) -> tuple[Met
     return metadata, hashlib.sha256(data).hexdigest()
 
 
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
 def _counts(value: object) -> TypeGuard[tuple[int, ...] | list[int]]:
-    return isinstance(value, (tuple, list)) and all(_is_count(item) for item in value)
+    return isinstance(value, (tuple, list)) and all(is_count(item) for item in value)
 
 
 def _structure_fault(metadata: Metadata) -> str | None:
@@ -143,8 +140,8 @@ def _structure_fault(metadata: Metadata) -> str | None:
             return "storage_data has a key that is not a metadata index"
         if not (
             isinstance(getattr(info, "relative_path", None), str)
-            and _is_count(getattr(info, "offset", None))
-            and _is_count(getattr(info, "length", None))
+            and is_count(getattr(info, "offset", None))
+            and is_count(getattr(info, "length", None))
         ):
             return f"the storage entry of {index.fqn!r} has no valid file name, offset or length"
     return _index_fault(items, storage or {})

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 
 import torch
 
+from lightning_sink.counts import is_int
 from lightning_sink.layout.geometry import parse_placement
 from lightning_sink.layout.schema import TENSOR_ROLES, Chunk, Layout, MeshLayout, TensorLayout
 from lightning_sink.layout.tiling import MAX_INNER_DIMS, tiling_fault
@@ -39,11 +40,11 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def validate_layout(layout: Layout, source: str = "layout") -> Layout:
     """Raise ValueError naming ``source`` and the offending tensor when ``layout`` is inconsistent."""
-    if not _is_int(layout.world_size) or layout.world_size < 1:
+    if not is_int(layout.world_size) or layout.world_size < 1:
         raise ValueError(f"{source}: world_size must be a positive integer, got {layout.world_size!r}")
     _validate_mesh(layout.mesh, layout.world_size, source)
     pipeline = layout.pipeline
-    if not _is_int(pipeline.num_stages) or pipeline.num_stages < 1:
+    if not is_int(pipeline.num_stages) or pipeline.num_stages < 1:
         raise ValueError(f"{source}: pipeline.num_stages must be a positive integer, got {pipeline.num_stages!r}")
     _validate_world_size(layout, source)
     if pipeline.num_stages > MAX_PIPELINE_STAGES:
@@ -51,7 +52,7 @@ def validate_layout(layout: Layout, source: str = "layout") -> Layout:
             f"{source}: pipeline.num_stages must be an integer from 1 to {MAX_PIPELINE_STAGES},"
             f" got {pipeline.num_stages!r}"
         )
-    if pipeline.stage is not None and not (_is_int(pipeline.stage) and 0 <= pipeline.stage < pipeline.num_stages):
+    if pipeline.stage is not None and not (is_int(pipeline.stage) and 0 <= pipeline.stage < pipeline.num_stages):
         raise ValueError(f"{source}: pipeline.stage {pipeline.stage!r} is outside 0..{pipeline.num_stages - 1}")
     for fqn, tensor in layout.tensors.items():
         _validate_tensor(fqn, tensor, layout, f"{source}: tensor {fqn!r}")
@@ -77,12 +78,8 @@ def _validate_world_size(layout: Layout, source: str) -> None:
         raise ValueError(f"{source}: world_size {layout.world_size} is beyond {MAX_WORLD_SIZE} ranks (one file each)")
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _validate_mesh(mesh: MeshLayout, world_size: int, source: str) -> None:
-    if not mesh.shape or not all(_is_int(size) and size >= 1 for size in mesh.shape):
+    if not mesh.shape or not all(is_int(size) and size >= 1 for size in mesh.shape):
         raise ValueError(
             f"{source}: mesh.shape must be a non-empty list of positive integers, got {list(mesh.shape)[:8]}"
         )
@@ -98,7 +95,7 @@ def _validate_mesh(mesh: MeshLayout, world_size: int, source: str) -> None:
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"{source}: mesh.ranks lists a rank twice: {ranks}")
     for rank in ranks:
-        if not _is_int(rank) or not 0 <= rank < world_size:
+        if not is_int(rank) or not 0 <= rank < world_size:
             raise ValueError(
                 f"{source}: mesh rank {rank!r} is outside the world size {world_size} (0..{world_size - 1})"
             )
@@ -121,7 +118,7 @@ def _validate_tensor(fqn: str, tensor: TensorLayout, layout: Layout, where: str)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
     shape = tensor.global_shape
-    if not all(_is_int(size) and size >= 0 for size in shape):
+    if not all(is_int(size) and size >= 0 for size in shape):
         raise ValueError(f"{where}: global_shape must be non-negative integers, got {list(shape)[:8]}")
     if len(shape) > MAX_DIMS:
         raise ValueError(f"{where}: global_shape has {len(shape)} dims; at most {MAX_DIMS} are supported")
@@ -145,7 +142,7 @@ def _validate_tensor(fqn: str, tensor: TensorLayout, layout: Layout, where: str)
             dim = getattr(placement, "dim", None)
             if dim is not None and not 0 <= dim < max(len(shape), 1):
                 raise ValueError(f"{where}: placement {text} shards dim {dim} of a {len(shape)}-D tensor")
-    if not _is_int(tensor.stage) or not 0 <= tensor.stage < layout.pipeline.num_stages:
+    if not is_int(tensor.stage) or not 0 <= tensor.stage < layout.pipeline.num_stages:
         raise ValueError(f"{where}: stage {tensor.stage!r} is outside 0..{layout.pipeline.num_stages - 1}")
     for chunk in tensor.chunks:
         _validate_chunk(chunk, shape, layout.world_size, where)
@@ -153,7 +150,7 @@ def _validate_tensor(fqn: str, tensor: TensorLayout, layout: Layout, where: str)
 
 
 def _validate_chunk(chunk: Chunk, shape: tuple[int, ...], world_size: int, where: str) -> None:
-    if not _is_int(chunk.rank) or not 0 <= chunk.rank < world_size:
+    if not is_int(chunk.rank) or not 0 <= chunk.rank < world_size:
         raise ValueError(f"{where}: chunk rank {chunk.rank!r} is outside the world size {world_size}")
     if len(chunk.offsets) != len(shape) or len(chunk.sizes) != len(shape):
         raise ValueError(
@@ -161,7 +158,7 @@ def _validate_chunk(chunk: Chunk, shape: tuple[int, ...], world_size: int, where
             f" for a {len(shape)}-D tensor of shape {list(shape)}"
         )
     for offset, size, extent in zip(chunk.offsets, chunk.sizes, shape):
-        if not (_is_int(offset) and _is_int(size)) or offset < 0 or size < 0 or offset + size > extent:
+        if not (is_int(offset) and is_int(size)) or offset < 0 or size < 0 or offset + size > extent:
             raise ValueError(
                 f"{where}: chunk of rank {chunk.rank} (offsets {list(chunk.offsets)}, sizes {list(chunk.sizes)})"
                 f" is out of bounds of shape {list(shape)}"

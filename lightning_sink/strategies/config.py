@@ -18,7 +18,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_sink.accumulation import PARTIAL_WINDOW_MODES
-from lightning_sink.counts import check_count_fits
+from lightning_sink.counts import check_count_fits, is_int
 from lightning_sink.devices import available_device_types, missing_device_reason
 from lightning_sink.strategies.graph_modes import validate_graph_mode
 
@@ -33,10 +33,6 @@ __all__ = [
 
 # the fields that are counts, each bounded by what the process holds (counts.py)
 _COUNTS = ("accumulation_steps", "sink_size", "prefetch_depth", "device_data_budget", "micro_steps_per_call")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -58,17 +54,17 @@ class SinkConfig:
         for name in _COUNTS:
             check_count_fits(name, getattr(self, name))
         steps, sink_size, depth = self.accumulation_steps, self.sink_size, self.prefetch_depth
-        if steps is not None and not (_is_int(steps) and steps >= 1):
+        if steps is not None and not (is_int(steps) and steps >= 1):
             raise ValueError(
                 f"accumulation_steps={steps!r} is not valid: pass an int >= 1 (micro-batches per optimizer update),"
                 " or None to take Trainer(accumulate_grad_batches=...)."
             )
-        if sink_size is not None and not (_is_int(sink_size) and (sink_size >= 1 or sink_size == -1)):
+        if sink_size is not None and not (is_int(sink_size) and (sink_size >= 1 or sink_size == -1)):
             raise ValueError(
                 f"sink_size={sink_size!r} is not valid: pass an int >= 1 (micro-batches per sink), -1 (one data pass per"
                 " sink), or None (no sinking: one Lightning batch per micro-batch)."
             )
-        if depth is not None and not (_is_int(depth) and depth >= 0):
+        if depth is not None and not (is_int(depth) and depth >= 0):
             raise ValueError(
                 f"prefetch_depth={depth!r} is not valid: pass an int >= 1 (batches a background thread reads"
                 " ahead), 0 (read in the training thread) or None (2 on CUDA, 0 on CPU)."
@@ -90,7 +86,7 @@ class SinkConfig:
                 " and resumes restore the global random generators: torch's, CUDA's, Python's, NumPy's) or False."
             )
         budget = self.device_data_budget
-        if budget is not None and not (_is_int(budget) and budget >= 0):
+        if budget is not None and not (is_int(budget) and budget >= 0):
             raise ValueError(
                 f"device_data_budget={budget!r} is not valid: pass an int >= 0 (bytes of training data the compiled"
                 " programs may stage on the device; 0 stages none) or None (a quarter of a CUDA device's memory; no"
@@ -104,7 +100,7 @@ class SinkConfig:
         calls = self.micro_steps_per_call
         if calls is None:
             return  # the compiled programs decide from the step's size (compiled/call_length.py)
-        if not (_is_int(calls) and calls >= 1):
+        if not (is_int(calls) and calls >= 1):
             raise ValueError(
                 f"micro_steps_per_call={calls!r} is not valid: pass an int >= 1 (micro-batches per compiled call; 1"
                 " runs one per call) or None (the default: decided from the step's size)."

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lightning_sink.accumulation import PARTIAL_WINDOW_MODES
+from lightning_sink.counts import is_int
 from lightning_sink.random_state import is_valid_generator_state
 
 __all__ = [
@@ -52,12 +53,8 @@ class Field:
     expected: str
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _int_at_least(low: int) -> Callable[[Any], bool]:
-    return lambda value: _is_int(value) and value >= low
+    return lambda value: is_int(value) and value >= low
 
 
 def _is_float_tensor(value: object) -> bool:
@@ -80,7 +77,7 @@ def _is_generator_state(value: object) -> bool:
 
 TOP_FIELDS = (
     Field("accumulation_steps", False, _int_at_least(1), "an int >= 1"),
-    Field("sink_size", False, lambda v: v is None or (_is_int(v) and (v >= 1 or v == -1)), "None, -1 or an int >= 1"),
+    Field("sink_size", False, lambda v: v is None or (is_int(v) and (v >= 1 or v == -1)), "None, -1 or an int >= 1"),
     Field("partial_window", False, lambda v: v in PARTIAL_WINDOW_MODES, f"one of {PARTIAL_WINDOW_MODES}"),
     Field("window", False, lambda v: v is None or isinstance(v, dict), "None or a dict"),
     Field("data", True, lambda v: isinstance(v, dict), "a dict"),
