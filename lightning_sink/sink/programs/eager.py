@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 from lightning.pytorch.loops.optimization.automatic import ClosureResult
@@ -97,13 +98,11 @@ class PairCall:
 
     def run(self, batches: list[Any], batch_idx: int) -> list[Callable[[], Tensor | None]]:
         (batch,) = batches
-        return [lambda: self._train(batch, batch_idx)]
-
-    def _train(self, batch: Any, batch_idx: int) -> Tensor | None:
         engine = self._engine
+        # (the window is the same when the function runs: only the log buffer's micro-step starts in between)
         ends = engine.window.micro_batches + 1 >= engine.accumulation_steps
         program = self._programs.update if ends else self._programs.accumulate
-        return program.run(batch, batch_idx)
+        return [partial(program.run, batch, batch_idx)]
 
 
 class SinkUpdates:
