@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,8 @@ from torch.utils.data import TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lightning_sink.compiled import Unavailable, build_step_programs
+from lightning_sink.compiled import StepPrograms, Unavailable, build_step_programs
+from lightning_sink.compiled import step_programs as step_programs_module
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
 
 from common import MODELS, make_model
@@ -64,6 +66,29 @@ def make_optimizer(name: str, params: Any) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.01, momentum=0.9)
     return torch.optim.AdamW(params, lr=1e-3)
+
+
+def build_with_inductor_options(
+    model_name: str,
+    optimizer_name: str,
+    example: Any,
+    calls: int,
+    options: Callable[[torch.device], dict[str, Any] | None] | None = None,
+) -> StepPrograms:
+    """A seeded model and optimizer's programs (``calls`` micro-steps per call, windows of 1), built with
+    ``options`` in place of the library's ``inductor_options`` for this build only (None: the library's own)."""
+    module = Classifier(make_model(model_name))
+    optimizer = make_optimizer(optimizer_name, module.parameters())
+    chosen = step_programs_module.inductor_options
+    if options is not None:  # the build reads the module's function: swapped for this build only
+        step_programs_module.inductor_options = options
+    try:
+        programs = build_step_programs(module, optimizer, example, backend="inductor", micro_steps_per_call=calls)
+    finally:
+        step_programs_module.inductor_options = chosen
+    if not isinstance(programs, StepPrograms):
+        raise SystemExit(f"{model_name}/{optimizer_name}: the programs did not build: {programs.reason}")
+    return programs
 
 
 def make_data(model_name: str, batches: int) -> TensorDataset:

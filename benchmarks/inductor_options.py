@@ -31,25 +31,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compiled_step import BATCH, MODELS, OPTIMIZERS, Classifier, make_data, make_model, make_optimizer, spread
+from compiled_step import BATCH, MODELS, OPTIMIZERS, build_with_inductor_options, make_data, spread
 
-from lightning_sink.compiled import StepPrograms, build_step_programs
-from lightning_sink.compiled import step_programs as step_programs_module
+from lightning_sink.compiled import StepPrograms
 
 
 def build(model_name: str, optimizer_name: str, example: Any, calls: int, library_settings: bool) -> StepPrograms:
-    module = Classifier(make_model(model_name))
-    optimizer = make_optimizer(optimizer_name, module.parameters())
-    chosen = step_programs_module.inductor_options
-    if not library_settings:  # the build reads the module's function: swapped for this build only
-        step_programs_module.inductor_options = lambda device: None
-    try:
-        programs = build_step_programs(module, optimizer, example, backend="inductor", micro_steps_per_call=calls)
-    finally:
-        step_programs_module.inductor_options = chosen
-    if not isinstance(programs, StepPrograms):
-        raise SystemExit(f"{model_name}/{optimizer_name}: the programs did not build: {programs.reason}")
-    return programs
+    """The programs with the library's settings, or with Inductor's defaults."""
+    defaults = None if library_settings else (lambda device: None)
+    return build_with_inductor_options(model_name, optimizer_name, example, calls, defaults)
 
 
 def run(programs: StepPrograms, batches: list[tuple[torch.Tensor, torch.Tensor]], calls: int) -> None:

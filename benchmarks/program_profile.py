@@ -42,9 +42,9 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from compiled_step import BATCH, Classifier, make_data, make_model, make_optimizer, spread
+from compiled_step import BATCH, build_with_inductor_options, make_data, spread
 
-from lightning_sink.compiled import StepPrograms, build_step_programs
+from lightning_sink.compiled import StepPrograms
 from lightning_sink.compiled import step_programs as step_programs_module
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul")
@@ -79,21 +79,14 @@ def category(name: str) -> str:
 def build(model_name: str, optimizer_name: str, calls: int, example: Any, cpp_wrapper: bool) -> StepPrograms:
     """The programs as the library builds them (``cpp_wrapper=True``), or with Inductor's Python wrapper, where
     the matrix multiplies are ATen calls the profiler records."""
-    module = Classifier(make_model(model_name))
-    optimizer = make_optimizer(optimizer_name, module.parameters())
-    chosen = step_programs_module.inductor_options
-    if not cpp_wrapper:  # the build reads the module's function: swapped for this build only
-        step_programs_module.inductor_options = lambda device: {
-            **(chosen(device) or {}),
-            "cpp_wrapper": False,
-        }
-    try:
-        programs = build_step_programs(module, optimizer, example, backend="inductor", micro_steps_per_call=calls)
-    finally:
-        step_programs_module.inductor_options = chosen
-    if not isinstance(programs, StepPrograms):
-        raise RuntimeError(f"the programs were not built: {programs.reason}")
-    return programs
+    library = step_programs_module.inductor_options
+
+    def python_wrapper(device: torch.device) -> dict[str, Any]:
+        return {**(library(device) or {}), "cpp_wrapper": False}
+
+    return build_with_inductor_options(
+        model_name, optimizer_name, example, calls, None if cpp_wrapper else python_wrapper
+    )
 
 
 def breakdown(programs: StepPrograms, batches: list[Any], rounds: int) -> dict[str, Any]:

@@ -5,12 +5,12 @@ compiled function over the whole step (``lightning_sink.compiled``), behind the 
 ``CompiledProgramChooser`` is one fit's choice. At each segment's start ``choose`` hands the sink loop either the
 compiled pair (``CompiledAccumulate`` / ``CompiledUpdate``) or, when the programs do not apply, the pair
 ``choose_programs`` picks (with ``"compile"`` the forward-compiled ``training_step``). Whether they apply is decided
-once, at the fit's first segment, before anything of the run changed; the programs are built then, over the
-segment's first micro-batch, which the loop reads ahead for it and trains first (a program never builds): the run's own reasons (the
-model-parallel strategy, "cuda_graph" under DDP, hooks that run between forward and update, a precision context other
-than autocast) first, then ``build_step_programs``'s (the optimizer, the module's hook overrides and registered
-hooks, a ``training_step`` that is not one graph). The fit logs one line either way: the programs compiled, or why
-not and what to change.
+once, at the fit's first segment, before anything of the run changed: the run's own reasons (the model-parallel
+strategy, "cuda_graph" under DDP, hooks that run between forward and update, a precision context other than
+autocast) first, then ``build_step_programs``'s (the optimizer, the module's hook overrides and registered hooks, a
+``training_step`` that is not one graph). The programs are built then, over the segment's first micro-batch, which
+the loop reads ahead for the build and trains first (a program never builds). The fit logs one line either way: the
+programs compiled, or why not and what to change.
 
 With the training data staged on the device (``sink/staging.py``) the build needs no example batch (the programs
 gather their own from the staged dataset), and ``choose`` tells the
