@@ -51,6 +51,9 @@ class HookPlan:
     direct_before_step: bool  # no on_before_optimizer_step hook, no custom configure_gradient_clipping
     direct_transfer: bool  # no batch-transfer hooks
     direct_sink_step: bool  # sink micro-steps may skip the zero-grad, backward and optimizer-step hook dispatch
+    # a sink's update may step an interval="step" scheduler itself: Lightning's own lr_scheduler_step (whose body is
+    # scheduler.step()), no profiler; the hook call's bookkeeping costs more than the step
+    direct_scheduler_step: bool
 
     @classmethod
     def for_run(cls, trainer: pl.Trainer) -> HookPlan:
@@ -75,4 +78,5 @@ class HookPlan:
             direct_sink_step=direct_backward
             and not _used(trainer, "on_before_zero_grad")
             and not any(_used(trainer, name, module_only=True) for name in ("optimizer_zero_grad", "optimizer_step")),
+            direct_scheduler_step=unprofiled and not _used(trainer, "lr_scheduler_step", module_only=True),
         )

@@ -123,3 +123,28 @@ def test_a_profiler_records_the_hooks_stock_records():
     assert "[LightningModule]TinyClassifier.transfer_batch_to_device" in stock
     assert "[LightningModule]TinyClassifier.on_before_backward" in stock
     assert profiled_actions(SinkStrategy(), accumulate_grad_batches=2) == stock
+
+
+def scheduler_run(strategy: Any, profiler: Any, **kwargs: Any) -> tuple[pl.LightningModule, Counter[str]]:
+    module = TinyClassifier(step_lr_gamma=0.5)  # the rate halves at every update
+    trainer = fit_with(module, strategy, profiler=profiler, **kwargs)
+    recorded = profiler.recorded_durations if profiler is not None else {}
+    counts = Counter({action: len(times) for action, times in recorded.items() if "lr_scheduler_step" in action})
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == SAMPLES // MICRO // 2
+    return module, counts
+
+
+@pytest.mark.parametrize("profiled", [False, True], ids=["no_profiler", "profiler"])
+def test_sinks_step_the_schedulers_as_stock_with_and_without_a_profiler(profiled):
+    """Sinks step a step scheduler directly where nothing would see the hook call (Lightning's own hook, no
+    profiler) and through Lightning's hook call otherwise: the same rates and parameters either way, and a profiler
+    records every ``lr_scheduler_step`` stock Lightning records."""
+    stock, stock_counts = scheduler_run("auto", SimpleProfiler() if profiled else None, accumulate_grad_batches=2)
+    ours, our_counts = scheduler_run(
+        SinkStrategy(accumulation_steps=2, sink_size=SAMPLES // MICRO), SimpleProfiler() if profiled else None
+    )
+    assert our_counts == stock_counts
+    if profiled:
+        assert stock_counts == {"[LightningModule]TinyClassifier.lr_scheduler_step": SAMPLES // MICRO // 2}
+    assert ours.seen_lrs == stock.seen_lrs == [0.1 * 0.5**update for update in range(SAMPLES // MICRO // 2)]
+    assert relative_error(flat_params(ours), flat_params(stock)) < 1e-6

@@ -120,10 +120,13 @@ class SinkUpdates:
         engine.counters.update_completed()
         self.count += 1
         if engine.step_scheduler_configs and not engine.last_update_skipped:
-            trainer = engine.trainer
+            trainer, direct = engine.trainer, engine.hooks.direct_scheduler_step
             for config in engine.step_scheduler_configs:
                 if trainer.global_step % config.frequency == 0:
-                    compat.call_lightning_module_hook(trainer, "lr_scheduler_step", config.scheduler, None)
+                    if direct:
+                        config.scheduler.step()  # LightningModule.lr_scheduler_step's body (HookPlan)
+                    else:
+                        compat.call_lightning_module_hook(trainer, "lr_scheduler_step", config.scheduler, None)
 
 
 def _step_args(engine: StepEngine, batch: Any, batch_idx: int) -> tuple[Any, ...]:

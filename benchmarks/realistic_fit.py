@@ -1,0 +1,297 @@
+"""A realistic LightningModule's whole fit, eager sinks against compiled sinks, build included.
+
+    python benchmarks/realistic_fit.py [--micro-batches 2000] [--sink 250] [--repeats 3] [--threads 1]
+
+The module is what a Lightning user writes for a small image classifier: a CNN with BatchNorm and two dropouts on
+1x28x28 inputs (10 classes, batch 32, random data in memory, a shuffled loader), a torchmetrics ``MulticlassAccuracy``
+updated in ``training_step`` and logged on step and epoch, the loss logged to the progress bar, AdamW with
+``OneCycleLR`` stepped every update and sized from ``trainer.estimated_stepping_batches``, a validation loop with its
+own metric after every sink (and a sanity check), a checkpoint after every sink, the TensorBoard logger.
+
+Three fits per round, each in a new process (nothing compiled or cached in memory carries over), alternating:
+
+- **eager**: ``SinkStrategy(sink_size=K)``;
+- **compile, cold**: ``SinkStrategy(sink_size=K, graph_mode="compile")`` with an empty Inductor cache
+  (``TORCHINDUCTOR_CACHE_DIR`` a new folder): what a first fit pays;
+- **compile, cached**: the same again over the cache the cold fit left: what every later fit of the same module
+  pays (the build then mostly reads Inductor's caches).
+
+Per fit: the whole ``trainer.fit`` in seconds; the package's own build line (``build_seconds``); the steady sinks'
+median time, from which ``run_seconds`` (the fit's micro-batches at that pace) is derived, so build and run are
+stated apart; the compiled graphs counted after every sink (``recompiles_after_first_sink``: graphs added after
+the first sink ended); any fallback line; and the trained parameters and BatchNorm statistics, compared with the
+eager fit of the same round (``max_abs_diff``, same seeds: dropout masks included). Ratios are eager over compiled
+(above 1.0: compiled is faster), per round, median with min-max over the rounds. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+BATCH = 32
+CLASSES = 10
+
+
+def build_module() -> Any:
+    """The realistic module (imports Lightning and torchmetrics only in the fit's own process)."""
+    import lightning.pytorch as pl
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+    from torchmetrics.classification import MulticlassAccuracy
+
+    class RealisticCNN(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = nn.Sequential(
+                nn.Conv2d(1, 8, 3, bias=False),  # (no bias before BatchNorm: it would have no gradient)
+                nn.BatchNorm2d(8),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+                nn.Conv2d(8, 16, 3, bias=False),
+                nn.BatchNorm2d(16),
+                nn.ReLU(),
+                nn.MaxPool2d(2),
+                nn.Dropout(0.2),
+                nn.Flatten(),
+                nn.Linear(16 * 5 * 5, 64),
+                nn.ReLU(),
+                nn.Dropout(0.2),
+                nn.Linear(64, CLASSES),
+            )
+            self.train_acc = MulticlassAccuracy(num_classes=CLASSES)
+            self.val_acc = MulticlassAccuracy(num_classes=CLASSES)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            logits = self.net(x)
+            loss = F.cross_entropy(logits, y)
+            self.train_acc(logits, y)
+            self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+            self.log("loss", loss, prog_bar=True)
+            return loss
+
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            x, y = batch
+            logits = self.net(x)
+            self.val_acc(logits, y)
+            self.log("val_loss", F.cross_entropy(logits, y))
+            self.log("val_acc", self.val_acc)
+
+        def configure_optimizers(self) -> Any:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
+            total = int(self.trainer.estimated_stepping_batches)
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=total)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    return RealisticCNN()
+
+
+def loaders(micro_batches: int) -> tuple[Any, Any]:
+    """The training set (one data pass is the whole fit), shuffled, and 8 validation batches."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    generator = torch.Generator().manual_seed(0)
+    samples = BATCH * micro_batches
+    x = torch.randn(samples, 1, 28, 28, generator=generator)
+    y = torch.randint(0, CLASSES, (samples,), generator=generator)
+    train = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(1))
+    val = DataLoader(TensorDataset(x[: 8 * BATCH], y[: 8 * BATCH]), batch_size=BATCH)
+    return train, val
+
+
+def one_fit(graph_mode: str, micro_batches: int, sink: int, threads: int, folder: str, state_file: str) -> dict:
+    """One fit in this process; its figures (the trained state is written to ``state_file``)."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lightning_sink import SinkStrategy
+    from lightning_sink._torch_compat import compiled_graph_count
+
+    torch.set_num_threads(threads)
+
+    class SinkClock(pl.Callback):
+        """Each sink's seconds and the compiled graphs counted at its end."""
+
+        def __init__(self) -> None:
+            self.seconds: list[float] = []
+            self.graphs: list[int] = []
+            self._start = 0.0
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            self.seconds.append(time.perf_counter() - self._start)
+            self.graphs.append(compiled_graph_count())
+
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    rank_zero.addHandler(Lines())
+    rank_zero.setLevel(logging.INFO)
+    clock = SinkClock()
+    options = {"graph_mode": "compile"} if graph_mode == "compile" else {}
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=SinkStrategy(sink_size=sink, **options),
+        max_epochs=micro_batches // sink,
+        default_root_dir=folder,
+        logger=TensorBoardLogger(folder, name="tb"),
+        callbacks=[clock, ModelCheckpoint(dirpath=os.path.join(folder, "checkpoints"), every_n_epochs=1)],
+        log_every_n_steps=50,
+        num_sanity_val_steps=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = build_module()
+    train, val = loaders(micro_batches)
+    torch.manual_seed(3)  # the dropouts' numbers: the same generator state for every fit
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        start = time.perf_counter()
+        trainer.fit(module, train, val)
+        fit_seconds = time.perf_counter() - start
+    torch.save(module.state_dict(), state_file)
+    built = [line for line in lines if "compiled whole" in line]
+    fallbacks = [str(w.message) for w in caught if "whole-step programs" in str(w.message)]
+    steady = statistics.median(clock.seconds[1:]) if len(clock.seconds) > 1 else clock.seconds[0]
+    seconds = re.findall(r"in ([0-9.]+) s\b", built[0]) if built else []
+    return {
+        "graph_mode": graph_mode,
+        "fit_seconds": round(fit_seconds, 2),
+        "build_seconds": float(seconds[0]) if seconds else None,
+        "first_sink_seconds": round(clock.seconds[0], 2),
+        "steady_sink_seconds": round(steady, 3),
+        "run_seconds": round(steady * len(clock.seconds), 2),
+        "sinks": len(clock.seconds),
+        "recompiles_after_first_sink": clock.graphs[-1] - clock.graphs[0],
+        "fallbacks": fallbacks,
+        "build_line": built[0] if built else None,
+    }
+
+
+def run_child(graph_mode: str, args: argparse.Namespace, cache: str | None, state_file: str) -> dict:
+    """``one_fit`` in a new process (with ``cache`` as Inductor's cache folder); its JSON line."""
+    env = dict(os.environ)
+    if cache is not None:
+        env["TORCHINDUCTOR_CACHE_DIR"] = cache
+    with tempfile.TemporaryDirectory() as folder:
+        command = [
+            sys.executable,
+            __file__,
+            "--child",
+            graph_mode,
+            "--micro-batches",
+            str(args.micro_batches),
+            "--sink",
+            str(args.sink),
+            "--threads",
+            str(args.threads),
+            "--folder",
+            folder,
+            "--state",
+            state_file,
+        ]
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        return {"graph_mode": graph_mode, "error": done.stderr.strip().splitlines()[-1:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def max_abs_diff(state_file: str, reference_file: str) -> float:
+    import torch
+
+    state, reference = torch.load(state_file), torch.load(reference_file)
+    return max(float((state[name].double() - reference[name].double()).abs().max()) for name in reference)
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": round(statistics.median(values), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--micro-batches", type=int, default=2000, help="micro-batches in the fit (one data pass)")
+    parser.add_argument("--sink", type=int, default=250, help="sink_size (micro-batches per sink)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the three fits")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in every fit")
+    parser.add_argument("--child", choices=("eager", "compile"), help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
+    parser.add_argument("--state", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.micro_batches % args.sink:
+        parser.error(f"--micro-batches={args.micro_batches} must be a multiple of --sink={args.sink}")
+    if args.child is not None:
+        print(json.dumps(one_fit(args.child, args.micro_batches, args.sink, args.threads, args.folder, args.state)))
+        return
+    rounds: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as work:
+        for index in range(args.repeats):
+            cache = os.path.join(work, f"inductor_cache_{index}")  # empty: the cold fit fills it, the next reads it
+            states = {name: os.path.join(work, f"{name}_{index}.pt") for name in ("eager", "cold", "cached")}
+            fits = {
+                "eager": run_child("eager", args, None, states["eager"]),
+                "cold": run_child("compile", args, cache, states["cold"]),
+                "cached": run_child("compile", args, cache, states["cached"]),
+            }
+            for name in ("cold", "cached"):
+                if "error" not in fits[name] and "error" not in fits["eager"]:
+                    fits[name]["max_abs_diff"] = max_abs_diff(states[name], states["eager"])
+            print(json.dumps({"round": index, **fits}), file=sys.stderr)
+            rounds.append(fits)
+    complete = [fits for fits in rounds if all("error" not in fit for fit in fits.values())]
+    summary: dict[str, Any] = {}
+    for name in ("eager", "cold", "cached"):
+        if complete:
+            summary[name] = {
+                key: spread([fits[name][key] for fits in complete])
+                for key in ("fit_seconds", "run_seconds", "steady_sink_seconds")
+            }
+            if name != "eager":
+                summary[name]["build_seconds"] = spread([fits[name]["build_seconds"] or 0.0 for fits in complete])
+                summary[name]["eager_over_compiled_fit"] = spread(
+                    [fits["eager"]["fit_seconds"] / fits[name]["fit_seconds"] for fits in complete]
+                )
+                summary[name]["eager_over_compiled_run"] = spread(
+                    [fits["eager"]["run_seconds"] / fits[name]["run_seconds"] for fits in complete]
+                )
+    print(
+        json.dumps(
+            {
+                "benchmark": "realistic_fit",
+                "micro_batches": args.micro_batches,
+                "sink_size": args.sink,
+                "threads": args.threads,
+                "rounds": rounds,
+                "summary": summary,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
