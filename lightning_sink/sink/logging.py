@@ -17,10 +17,10 @@ Lightning's results are what K calls would have made them:
 The batch size of an ``on_epoch`` mean is taken from the micro-batch itself, as Lightning takes it from its batch
 (Lightning's own batch in sink mode is a placeholder with no size). Calls the buffer does not reduce
 (``enable_graph=True``, another ``reduce_fx``, a value Lightning would reject) go to the real ``self.log`` at once.
-So does a torchmetrics ``Metric`` (Lightning accumulates its state itself, and the metric's ``compute`` is the epoch
-value); the buffer records the metric's step value at each call (its latest forward result, what Lightning writes
-at a step) for the updates Lightning does not see, and, when the sink ends inside a window, gives Lightning the
-last update's.
+So does a torchmetrics ``Metric`` (Lightning holds the Metric itself, and its ``compute`` is the epoch value), at
+its first call in the sink and again at the sink's end; the buffer records the metric's step value at each call
+(its latest forward result, what Lightning writes at a step) for the updates Lightning does not see, and, when the
+sink ends inside a window, gives Lightning the last update's.
 
 Loggers. Without sinking, Lightning writes the step values at the end of the batch that makes the u-th update when
 ``u % log_every_n_steps == 0``, at step u - 1, and ``LearningRateMonitor`` writes the learning rates at the start of
@@ -95,6 +95,16 @@ class _Key:
 
 
 @dataclass
+class _MetricLog:
+    """A Metric's last ``self.log`` call in the sink, and whether there was more than one."""
+
+    metric: Metric
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    again: bool = False
+
+
+@dataclass
 class _Update:
     """An optimizer update made inside a sink: the global step after it, how many values each key had by then, and
     (when a LearningRateMonitor will write at its step) the optimizers' settings it left for the next update."""
@@ -117,6 +127,8 @@ class SinkLogBuffer:
             if isinstance(callback, LearningRateMonitor)
         ]
         self._keys: dict[str, _Key] = {}
+        # each Metric logged in this sink: how it was last logged (Lightning gets it at the first and the last call)
+        self._metric_logs: dict[str, _MetricLog] = {}
         self._updates: list[_Update] = []
         self._micro_steps_since_update = 0
         self._micro_steps_in_sink = 0
@@ -146,6 +158,7 @@ class SinkLogBuffer:
         if self._stands_in:
             self._module.__dict__.pop("log", None)
         self._keys.clear()
+        self._metric_logs.clear()
         self._updates.clear()
         self._micro_steps_since_update = 0
         self._micro_batch = None
@@ -183,7 +196,15 @@ class SinkLogBuffer:
         del options["self"], options["name"], options["value"]
         batch_size = options.pop("batch_size")  # may differ per call (a last, smaller micro-batch), as in Lightning
         if isinstance(value, Metric):
-            self._real_log(name, value, *args, **kwargs)
+            # Lightning holds the Metric itself (its epoch value is the Metric's compute over all its updates), so
+            # it needs the sink's first call, which registers and checks it, and the last (flush), which leaves the
+            # step value; the calls between would each move Lightning's whole result to the device again
+            logged = self._metric_logs.get(name)
+            if logged is None:
+                self._real_log(name, value, *args, **kwargs)
+                self._metric_logs[name] = _MetricLog(value, args, kwargs)
+            else:
+                logged.metric, logged.args, logged.kwargs, logged.again = value, args, kwargs, True
             self._record_metric_step_value(name, value, options)
             return
         reduction = _REDUCTIONS.get(options["reduce_fx"])
@@ -244,8 +265,14 @@ class SinkLogBuffer:
                 # Lightning already has the Metric; its step value is to be the update's, not the last micro-step's
                 with compat.metric_step_value_set_to(key.metric, key.values[step_index]):
                     self._real_log(name, key.metric, **key.options)
+            elif self._metric_logs[name].again:
+                self._real_log(name, key.metric, **key.options)  # the step value of the sink's last call
+        for name, logged in self._metric_logs.items():
+            if name not in self._keys and logged.again:  # (no step value recorded: the last call as it was made)
+                self._real_log(name, logged.metric, *logged.args, **logged.kwargs)
         self._write_updates_before_the_last(updates[:-1])
         self._keys.clear()
+        self._metric_logs.clear()
 
     def _hand_to_lightning(self, name: str, key: _Key, step_index: int) -> None:
         """The other micro-steps reduced (for the epoch aggregate), then the step value: Lightning keeps the last."""

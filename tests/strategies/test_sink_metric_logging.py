@@ -65,3 +65,44 @@ def test_metrics_reach_the_loggers_at_the_stock_runs_steps_with_its_values(sink_
     assert sorted(sink) == sorted(stock)
     for point, values in stock.items():
         assert sink[point] == pytest.approx(values, rel=1e-6, abs=1e-7), point
+
+
+class MetricOnTheProgressBar(TinyClassifier):
+    """A Metric on the progress bar only (no step value for the loggers) and one for the loggers only."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.05)
+        self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=4)
+        self.mean_loss = torchmetrics.MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.accuracy(logits.argmax(-1), y)
+        self.log("acc_bar", self.accuracy, prog_bar=True, logger=False, on_step=True, on_epoch=True)
+        self.mean_loss(loss)
+        self.log("mean_loss", self.mean_loss, on_step=True, on_epoch=False)
+        return loss
+
+
+def fit_metrics(strategy, **trainer_kwargs) -> tuple[dict, dict, dict]:
+    logger = RecordingLogger()
+    trainer = quiet_trainer(strategy=strategy, logger=logger, log_every_n_steps=1, max_epochs=3, **trainer_kwargs)
+    trainer.fit(MetricOnTheProgressBar(), loader(make_dataset(num_samples=PASS * MICRO), MICRO))
+    return trainer.progress_bar_metrics, trainer.callback_metrics, logger.by_step_and_name()
+
+
+def test_a_metric_lightning_gets_twice_a_sink_leaves_the_stock_runs_bar_callback_and_logged_values():
+    """Inside a sink Lightning gets a logged Metric at its first and last call only: the progress bar's value, the
+    callback metrics and every logged point stay those of the stock run."""
+    stock = fit_metrics("auto", accumulate_grad_batches=STEPS)
+    sink = fit_metrics(SinkStrategy(sink_size=PASS, accumulation_steps=STEPS))
+    for ours, reference in zip(sink[:2], stock[:2]):
+        assert sorted(ours) == sorted(reference)
+        for name, value in reference.items():
+            assert float(ours[name]) == pytest.approx(float(value), rel=1e-6), name
+    assert {"acc_bar_step", "acc_bar_epoch"} <= set(stock[0])
+    assert sorted(sink[2]) == sorted(stock[2])
+    for point, values in stock[2].items():
+        assert sink[2][point] == pytest.approx(values, rel=1e-6, abs=1e-7), point
