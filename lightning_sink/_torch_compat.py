@@ -54,6 +54,8 @@ __all__ = [
     "storage_offset_in_file",
     "compiled_graph_count",
     "traced_all_reduce_sum",
+    "scan_loop",
+    "tree_map",
     "fsdp_params",
     "fsdp_partial_sum",
     "fsdp_unsharded_param",
@@ -269,6 +271,22 @@ def traced_all_reduce_sum(tensor: torch.Tensor, group: dist.ProcessGroup) -> tor
     graph (a functional collective: torch's public ``dist.all_reduce`` works in place on the process group and
     breaks the graph). Meant for compiled programs: run eagerly, it waits for the sum at once."""
     return functional_collectives.all_reduce(tensor, "sum", group)
+
+
+def tree_map(function: Callable[..., Any], tree: Any, *others: Any) -> Any:
+    """torch's pytree ``tree_map``: ``function`` over the leaves of ``tree`` (and the same leaves of ``others``),
+    the containers rebuilt as they were."""
+    from torch.utils._pytree import tree_map as torch_tree_map
+
+    return torch_tree_map(function, tree, *others)
+
+
+def scan_loop(body: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any) -> tuple[Any, Any]:
+    """torch's ``scan`` higher-order operator: ``body(carry, x)`` over the leading dimension of ``xs``, traced once
+    and compiled as one loop; (the last carry, the stacked per-step outputs)."""
+    from torch._higher_order_ops.scan import scan
+
+    return scan(body, init, xs)
 
 
 def inductor_option_names() -> frozenset[str]:

@@ -257,6 +257,8 @@ class StepPrograms:
             raise ProgramUnavailable(f"the update program no longer applies: {changed}")
         self.rule.refresh()
         self._hyper.fill(hyperparameters, self._windows_per_call())
+        if self._traced.side is None:
+            self._traced.side = self._eager_side(batches[0] if batches is not None else None)
         captured = self.captured.get("several")
         if captured is not None:
             results = captured(batches)
@@ -275,6 +277,15 @@ class StepPrograms:
             raise ProgramUnavailable("unroll() comes before compile(): the programs are built already")
         self._traced.several = (micro_steps, accumulation_steps)
         self._hyper.size(self._windows_per_call())
+
+    def _eager_side(self, example_batch: Any) -> dict[str, Any]:
+        """What a micro-step returns besides tensors (its log options and Metric calls), from one eager run of the
+        accumulate program on copies of the state (nothing of the run changes, random numbers included)."""
+        device = self.params[0].device
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), self._running():
+            *_, side = self._traced.accumulate_program(clone_tree(self._state), clone_tree(example_batch))
+        return side
 
     def micro_step_flops(self, example_batch: Any) -> float:
         """The FLOPs of one micro-step's matrix multiplies and convolutions (forward and backward), counted by
@@ -346,6 +357,8 @@ class StepPrograms:
         included), timing each."""
         device = self.params[0].device
         devices = [device] if device.type == "cuda" else []
+        if self.several is not None and self._traced.side is None:
+            self._traced.side = self._eager_side(example_batch)
         for name, program, batch_of in self._programs():
             start = time.perf_counter()
             with torch.random.fork_rng(devices=devices), self._running():

@@ -7,16 +7,19 @@ whatever they change they write back into it in place.
   and the window's update (``WindowUpdate``);
 - ``update_sum_program`` / ``update_apply_program``: the same update in two parts for ``RankSum(all_reduce=...)``,
   the eager all-reduce of the flat bucket between them;
-- ``several_program``: whole windows of micro-steps unrolled into one program.
+- ``several_program``: whole windows of micro-steps as one loop over the windows (a program whose build does not
+  grow with the call's length).
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from lightning_sink._torch_compat import traced_all_reduce_sum
+from lightning_sink._torch_compat import scan_loop, traced_all_reduce_sum, tree_map
 from lightning_sink.compiled.rank_sum import flatten_bucket, unflatten_bucket
 from lightning_sink.compiled.step_gradients import StepGradients
 from lightning_sink.compiled.window_update import WindowUpdate
@@ -31,6 +34,9 @@ class TracedPrograms:
         self.gradients, self.update = gradients, update
         # several micro-steps per call: (micro-steps per call, accumulation steps), the call ending on an update
         self.several = several
+        # what a micro-step returns besides tensors (log options, Metric calls), the same at every micro-step: a
+        # loop returns tensors only, so the host takes it from one eager run before the first call (StepPrograms)
+        self.side: dict[str, Any] | None = None
 
     def accumulate_program(self, state: dict[str, Any], batch: Any) -> tuple[Tensor, tuple, dict]:
         grads, loss, values, options = self.gradients.of(state, batch)
@@ -62,20 +68,101 @@ class TracedPrograms:
         return sums, loss, values, options
 
     def several_program(self, state: dict[str, Any], batches: list[Any]) -> list[tuple]:
-        """``len(batches)`` micro-steps unrolled into one program: an update at each window's last micro-batch."""
-        assert self.several is not None  # built with micro_steps_per_call
-        accumulation = self.several[1]
-        outputs: list[tuple[Any, ...]] = []
-        scaler = state["scaler"]
-        names = self.update.rule.names
-        for position, batch in enumerate(batches):
-            if (position + 1) % accumulation == 0:
-                window = position // accumulation
-                hyper = [dict(zip(names, table[window].unbind())) for table in state["hyper_table"]]
-                result: tuple[Any, ...] = self.update_program({**state, "hyper": hyper}, batch)
-                if scaler is not None:
-                    result = (*result, scaler["scale"].clone(), scaler["skipped"].clone())
-                outputs.append(result)
-            else:
-                outputs.append(self.accumulate_program(state, batch))
-        return outputs
+        """``len(batches)`` micro-steps, whole windows, as one loop over the windows (torch's ``scan``: its body,
+        one window with an update at its last micro-batch, is traced and built once, whatever the call's length).
+        The loop carries every state tensor the programs write, as copies the body writes in place, and the state
+        takes the last carry back at the end. Each micro-step's outputs as the one-per-call programs return them
+        (their non-tensor part, the same at every micro-step, is ``self.side``: a loop returns tensors only)."""
+        assert self.several is not None and self.side is not None  # (set by StepPrograms before the first call)
+        accumulation, side = self.several[1], self.side
+        windows = len(batches) // accumulation
+        staged = batches[0] is None  # the programs gather each batch from the staged dataset themselves
+        xs: dict[str, Any] = {"hyper": [table[:windows] for table in state["hyper_table"]]}
+        if not staged:  # [windows, accumulation, ...] per leaf of the batch
+            xs["batches"] = tree_map(
+                lambda *leaves: torch.stack(leaves).unflatten(0, (windows, accumulation)), *batches
+            )
+
+        def window(carry: list[Tensor], x: dict[str, Any]) -> tuple[list[Tensor], list[tuple]]:
+            local = _with_written(state, [tensor.clone() for tensor in carry])
+            local["hyper"] = [dict(zip(self.update.rule.names, row.unbind())) for row in x["hyper"]]
+            outputs: list[tuple] = []
+            for position in range(accumulation):
+                batch = None if staged else tree_map(partial(_row, position), x["batches"])
+                if position + 1 < accumulation:
+                    loss, values, _ = self.accumulate_program(local, batch)
+                    outputs.append((loss, values))
+                    continue
+                loss, values, _, found_inf = self.update_program(local, batch)
+                scaler = local["scaler"]
+                extra = () if scaler is None else (found_inf, scaler["scale"], scaler["skipped"])
+                outputs.append((loss, values, *extra))
+            # (copies: a loop's outputs may not alias its carry or one another)
+            return _written(local), tree_map(_copy, outputs)
+
+        last, stacked = scan_loop(window, _written(state), xs)
+        for tensor, value in zip(_written(state), last):
+            tensor.copy_(value)
+        results: list[tuple] = []
+        for index in range(windows):
+            for position, output in enumerate(stacked):
+                loss, values, *extra = tree_map(partial(_row, index), output)
+                # an update's found_inf, scale and skipped count, with a loss scale
+                ends = position + 1 == accumulation
+                results.append((loss, values, side, *extra) if ends else (loss, values, side))
+        return results
+
+
+# The state entries the programs write, which a loop carries (the staged data's read-only rows left out).
+_WRITTEN = ("params", "buffers", "window", "micro_steps", "batch_index", "optimizer", "scaler", "data")
+
+
+def _row(index: int, leaf: Any) -> Any:
+    return leaf[index]
+
+
+def _copy(leaf: Any) -> Any:
+    return leaf.clone() if isinstance(leaf, Tensor) else leaf
+
+
+def _written(state: dict[str, Any]) -> list[Tensor]:
+    """The tensors of the entries ``_WRITTEN`` names, in a fixed order (a dict's by sorted key)."""
+    return [leaf for key in _WRITTEN for leaf in _leaves(_carried(state, key))]
+
+
+def _carried(state: dict[str, Any], key: str) -> Any:
+    value = state[key]
+    return value["cursor"] if key == "data" and value is not None else value
+
+
+def _leaves(value: Any) -> list[Tensor]:
+    if value is None:
+        return []
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [leaf for key in sorted(value) for leaf in _leaves(value[key])]
+    return [leaf for item in value for leaf in _leaves(item)]
+
+
+def _with_written(state: dict[str, Any], tensors: list[Tensor]) -> dict[str, Any]:
+    """``state`` with the tensors ``_written`` lists replaced by ``tensors``, in the same order."""
+    supply = iter(tensors)
+
+    def rebuilt(value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, Tensor):
+            return next(supply)
+        if isinstance(value, dict):
+            new = {key: rebuilt(value[key]) for key in sorted(value)}
+            return {key: new[key] for key in value}
+        return type(value)(rebuilt(item) for item in value)
+
+    local = dict(state)
+    for key in _WRITTEN:
+        if key == "data" and state["data"] is not None:
+            local["data"] = {"rows": state["data"]["rows"], "cursor": next(supply)}
+        elif key != "data":
+            local[key] = rebuilt(state[key])
+    return local
