@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_sink.compiled.autocast_region import AutocastRegion
-from lightning_sink.compiled.call_length import default_micro_steps
+from lightning_sink.compiled.call_length import default_micro_steps, longest_call
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
 from lightning_sink.compiled.optimizer_rules import OptimizerRule, optimizer_rule
 from lightning_sink.compiled.rank_sum import RankSum
@@ -56,9 +56,10 @@ def build_step_programs(
         cuda_graph: also capture both programs as CUDA graphs (the module must be on a CUDA device).
         data: a staged dataset and the sink-indices buffer its batches are gathered from; then ``example_batch``
             is None and ``accumulate()`` / ``update()`` take no batch (load each sink's indices first).
-        micro_steps_per_call: above 1, also build ``run_several``: that many micro-steps unrolled into one program
-            (whole windows of ``accumulation_steps``; a multiple of it). ``None``: decided from the step's size
-            (``call_length.default_micro_steps``; one per call under ``RankSum(all_reduce=...)``), the reason in
+        micro_steps_per_call: above 1, also build ``run_several``: that many micro-steps in one call, a loop over
+            its windows (whole windows of ``accumulation_steps``; a multiple of it). ``None``: decided from the
+            step's size (``call_length.default_micro_steps``, and with staged data ``call_length.longest_call`` as
+            a second, longer call; one per call under ``RankSum(all_reduce=...)``), the reason in
             ``programs.call_note``.
         accumulation_steps: the window length ``run_several`` assumes.
         autocast: mixed precision: each forward runs in this autocast region (the backward outside it, the
@@ -166,7 +167,11 @@ def _choose_call_length(
     flops = programs.micro_step_flops(example_batch)
     device_type = programs.params[0].device.type
     count, programs.call_note = default_micro_steps(flops, accumulation_steps, device_type, capacity)
-    if count > 1:
+    longest = longest_call(count, accumulation_steps, capacity)
+    if longest is not None:
+        programs.unroll(longest, accumulation_steps, shorter=count)
+        programs.call_note += f", and {longest} per call for a whole staged sink"
+    elif count > 1:
         programs.unroll(count, accumulation_steps)
 
 

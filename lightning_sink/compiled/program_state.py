@@ -46,15 +46,15 @@ class HyperTable:
         ]
 
     def fill(self, rows: list[list[list[float]]] | None, windows: int) -> None:
-        """Write each window's hyperparameters into the table the call reads (only when they changed); ``None``:
-        every window the current ``param_groups``."""
+        """Write the hyperparameters of a call's ``windows`` windows into the table's first rows, which the call
+        reads (only when they changed); ``None``: every window the current ``param_groups``."""
         rows = rows if rows is not None else [self.rule.current_values()] * windows
         if len(rows) != windows:
             raise ValueError(f"run_several takes hyperparameters for its {windows} updates; got {len(rows)}")
         if rows == self._rows:
             return
-        for index, table in enumerate(self.tables):
-            table.copy_(torch.tensor([row[index] for row in rows], dtype=torch.float64))
+        for index, table in enumerate(self.tables):  # (a shorter call reads the first rows)
+            table[:windows].copy_(torch.tensor([row[index] for row in rows], dtype=torch.float64))
         self._rows = rows
 
 

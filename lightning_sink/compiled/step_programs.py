@@ -34,6 +34,7 @@ import itertools
 import time
 import types
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -98,6 +99,15 @@ def _own_code(method: Any) -> Callable[..., Any]:
     return types.MethodType(copy, method.__self__)
 
 
+def _several_name(count: int, lengths: tuple[int, ...]) -> str:
+    """A call of several's program name (compile times, captured graphs): the longest is "several"."""
+    return "several" if count == lengths[0] else f"several_{count}"
+
+
+def _repeated(count: int, example: Any) -> list[Any]:
+    return [example] * count
+
+
 def _compiled(program: Any, backend: str, options: dict[str, Any] | None) -> Callable[..., Any]:
     """``program`` (a bound method) compiled as one whole graph, for the shapes of its first call."""
     return torch.compile(_own_code(program), fullgraph=True, backend=backend, dynamic=False, options=options)
@@ -137,6 +147,7 @@ class StepPrograms:
         self.hyper_table = self._hyper.tables  # (the list the state holds: resized and filled in place)
         # why the calls are as long as they are, where the build chose it (micro_steps_per_call=None)
         self.call_note = ""
+        self._shorter: int | None = None  # a second, shorter call length (unroll(shorter=...))
         self._state = self._initial_state(data)
 
         options = inductor_options(device) if backend == "inductor" else None
@@ -152,9 +163,16 @@ class StepPrograms:
 
     @property
     def several(self) -> tuple[int, int] | None:
-        """Several micro-steps per call: (micro-steps per call, accumulation steps), the call ending on an update;
-        None: one micro-step per call."""
+        """Several micro-steps per call: (micro-steps of the longest call, accumulation steps), the call ending on
+        an update; None: one micro-step per call."""
         return self._traced.several
+
+    @property
+    def call_lengths(self) -> tuple[int, ...]:
+        """The micro-steps a call of several may run, longest first (each a compiled graph); () without."""
+        if self.several is None:
+            return ()
+        return (self.several[0],) if self._shorter is None else (self.several[0], self._shorter)
 
     def _windows_per_call(self) -> int:
         """The windows in one call of several (0 without)."""
@@ -241,25 +259,30 @@ class StepPrograms:
         return self._outputs(loss, values, side, found_inf)
 
     def run_several(
-        self, batches: list[Any] | None = None, hyperparameters: list[list[list[float]]] | None = None
+        self,
+        batches: list[Any] | None = None,
+        hyperparameters: list[list[list[float]]] | None = None,
+        count: int | None = None,
     ) -> list[StepOutputs]:
-        """Run whole windows, ``micro_steps_per_call`` micro-batches (``None``: that many from the staged dataset),
-        in one call. ``hyperparameters``: per window of the call, the values its update uses (per param group, one
+        """Run whole windows, ``micro_steps_per_call`` micro-batches (``None``: ``count`` from the staged dataset,
+        by default the longest call; a call runs one of ``call_lengths``), in one call. ``hyperparameters``: per window of the call, the values its update uses (per param group, one
         float per name of ``rule.names``: ``OptimizerRule.current_values`` rows); ``None``: every update uses the
         current ``param_groups``."""
         if self.several is None:
             raise ProgramUnavailable("built without micro_steps_per_call > 1: call accumulate/update instead")
-        count = self.several[0]
-        if batches is not None and len(batches) != count:
-            raise ValueError(f"run_several takes exactly micro_steps_per_call={count} batches; got {len(batches)}")
+        count = self.several[0] if count is None else count
+        if batches is not None:
+            count = len(batches)
+        if count not in self.call_lengths:
+            raise ValueError(f"run_several runs {' or '.join(map(str, self.call_lengths))} micro-steps; got {count}")
         changed = self.rule.changed_flags()
         if changed is not None:
             raise ProgramUnavailable(f"the update program no longer applies: {changed}")
         self.rule.refresh()
-        self._hyper.fill(hyperparameters, self._windows_per_call())
+        self._hyper.fill(hyperparameters, count // self.several[1])
         if self._traced.side is None:
             self._traced.side = self._eager_side(batches[0] if batches is not None else None)
-        captured = self.captured.get("several")
+        captured = self.captured.get(_several_name(count, self.call_lengths))
         if captured is not None:
             results = captured(batches)
         else:
@@ -268,14 +291,18 @@ class StepPrograms:
         note_optimizer_step(self.rule.optimizer)
         return [self._outputs(*result[:3], *(tuple(result[3:]) + (None, None, None))[:3]) for result in results]
 
-    def unroll(self, micro_steps: int, accumulation_steps: int) -> None:
+    def unroll(self, micro_steps: int, accumulation_steps: int, shorter: int | None = None) -> None:
         """Before ``compile``: also build ``run_several`` over ``micro_steps`` micro-steps (whole windows of
-        ``accumulation_steps``)."""
-        if micro_steps < 2 or micro_steps % accumulation_steps:
-            raise ValueError(f"micro_steps={micro_steps} must be a multiple of accumulation_steps={accumulation_steps}")
+        ``accumulation_steps``), and over ``shorter`` micro-steps too where given (a second compiled length)."""
+        for name, value in (("micro_steps", micro_steps), ("shorter", shorter or micro_steps)):
+            if value < 2 or value % accumulation_steps:
+                raise ValueError(f"{name}={value} must be a multiple of accumulation_steps={accumulation_steps}")
+        if shorter is not None and shorter >= micro_steps:
+            raise ValueError(f"shorter={shorter} must be fewer than micro_steps={micro_steps}")
         if self.compile_seconds:
             raise ProgramUnavailable("unroll() comes before compile(): the programs are built already")
         self._traced.several = (micro_steps, accumulation_steps)
+        self._shorter = shorter
         self._hyper.size(self._windows_per_call())
 
     def _eager_side(self, example_batch: Any) -> dict[str, Any]:
@@ -347,9 +374,8 @@ class StepPrograms:
             programs.append(("update_apply", self._update_apply, lambda example: flat))
         else:
             programs.append(("update", self._update, lambda example: example))
-        if self.several is not None:
-            count = self.several[0]
-            programs.append(("several", self._several, lambda example: [example] * count))
+        for count in self.call_lengths:  # (one graph per length)
+            programs.append((_several_name(count, self.call_lengths), self._several, partial(_repeated, count)))
         return programs
 
     def compile(self, example_batch: Any) -> None:

@@ -42,7 +42,7 @@ class _SegmentCalls:
     """The calls a segment runs: one micro-batch by the pair, or several in one compiled call where they fit."""
 
     one: SeveralSteps
-    several: SeveralSteps | None
+    several: tuple[SeveralSteps, ...]  # longest first
 
 
 @dataclass(frozen=True)
@@ -272,8 +272,8 @@ class SinkLoop:
         fit, else one, trained by the pair), each with the function that trains it or does its host effects. Empty:
         the data pass ended before the sink's first micro-batch; None: it ended inside a sink of one pass
         (``sink_size=-1``)."""
-        several = calls.several
-        call = several if several is not None and self._fits_in_call(several, left, updates_allowed) else calls.one
+        fitting = (several for several in calls.several if self._fits_in_call(several, left, updates_allowed))
+        call = next(fitting, calls.one)
         batches = []
         for _ in range(call.count):
             batch = next_batch()

@@ -15,8 +15,8 @@ def several_calls(monkeypatch) -> list[int]:
     calls: list[int] = []
     original = StepPrograms.run_several
 
-    def counted(self: StepPrograms, batches: Any = None, hyperparameters: Any = None) -> Any:
-        outputs = original(self, batches, hyperparameters)
+    def counted(self: StepPrograms, batches: Any = None, hyperparameters: Any = None, count: Any = None) -> Any:
+        outputs = original(self, batches, hyperparameters, count)
         calls.append(len(outputs))
         return outputs
 

@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import TensorDataset
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_sink import SinkStrategy
 from lightning_sink.compiled import StepPrograms, build_step_programs
-from lightning_sink.compiled.call_length import SMALL_STEP_FLOPS, default_micro_steps
+from lightning_sink.compiled.call_length import LONGEST_CALL, SMALL_STEP_FLOPS, default_micro_steps, longest_call
 from tests.compiled.test_lightning_fit import (
     Net,
     RecordingLogger,
@@ -50,11 +51,26 @@ SMALL, LARGE = SMALL_STEP_FLOPS / 10, SMALL_STEP_FLOPS * 10
         (SMALL, 1, "cuda", None, 1),
     ],
 )
-def test_the_rule_unrolls_whole_windows_of_a_small_step_on_a_cpu(flops, steps, device, capacity, expected):
+def test_the_rule_runs_whole_windows_of_a_small_step_per_call_on_a_cpu(flops, steps, device, capacity, expected):
     count, why = default_micro_steps(flops, steps, device, capacity)
     assert count == expected
     assert "MFLOP" in why or device != "cpu"
-    assert ("unrolled" in why) == (expected > 1)
+    assert ("per call, one loop over its windows" in why) == (expected > 1)
+
+
+@pytest.mark.parametrize(
+    "count, steps, capacity, expected",
+    [
+        (8, 1, 500, 500),  # a staged sink of 500: one call
+        (8, 2, 15, 14),  # whole windows of the sink
+        (8, 1, 5000, LONGEST_CALL),
+        (8, 1, 8, None),  # no longer than the short call
+        (8, 1, None, None),  # the loader path
+        (1, 1, 500, None),  # one micro-step per call: no call of several at all
+    ],
+)
+def test_a_staged_sink_is_one_call_beside_the_short_calls(count, steps, capacity, expected):
+    assert longest_call(count, steps, capacity) == expected
 
 
 class Wide(pl.LightningModule):
@@ -85,7 +101,8 @@ def test_the_flops_read_are_a_plain_forward_and_backward_and_change_nothing():
     assert programs.micro_step_flops(batch) == counter.get_total_flops() > 0
     assert torch.equal(flat(module.net), before[0]) and torch.equal(torch.random.get_rng_state(), before[1])
     assert not any(buffer.any() for buffer in programs.window.buffers)
-    assert programs.several == (8, 1) and "8 micro-steps unrolled" in programs.call_note
+    assert programs.several == (8, 1) and programs.call_lengths == (8,)  # (the loader path: no longer call)
+    assert "8 micro-steps per call" in programs.call_note
 
 
 def default_fit(model: pl.LightningModule, steps: int, calls: int | None, caplog: Any) -> dict[str, Any]:
@@ -97,19 +114,43 @@ def default_fit(model: pl.LightningModule, steps: int, calls: int | None, caplog
     return {"model": model, "trainer": trainer, "points": logger.points, "said": said[0]}
 
 
-def test_the_default_unrolls_a_small_step_and_trains_what_one_per_call_trains(caplog, several_calls):
+def test_the_default_runs_a_staged_sink_in_one_call_and_trains_what_one_per_call_trains(caplog, several_calls):
     one = default_fit(Net("adamw"), 2, 1, caplog)
     assert several_calls == []
     model = Net("adamw")
     reference = copy.deepcopy(model.net)
     default = default_fit(model, 2, None, caplog)
-    # sinks of 10: one call of 8 micro-steps (four windows), the last 2 one per call
-    assert several_calls == [8, 8, 8]
-    assert "8 micro-steps unrolled into one program (a micro-step of" in default["said"], default["said"]
+    # sinks of 10 staged micro-batches: each one call of its five windows
+    assert several_calls == [10, 10, 10]
+    said = default["said"]
+    assert "8 micro-steps per call, one loop over its windows (a micro-step of" in said, said
+    assert "and 10 per call for a whole staged sink" in said, said
     assert torch.equal(flat(default["model"].net), flat(one["model"].net))
     assert default["points"] == one["points"] and default["trainer"].global_step == 15
     expected = plain_loop(reference, "adamw", 30, 2, dataset())
     assert relative_error(flat(model.net), flat(reference)) <= 1e-5 and expected["updates"] == 15
+
+
+def test_a_sink_cut_by_a_pass_end_runs_the_short_calls_for_the_rest(caplog, several_calls):
+    """Sinks of 20 over a data pass of 30: the first sink is one call; the second meets the pass's end after 10,
+    so each of its passes' parts runs a call of 8 and two micro-batches one per call: bit for bit one per call."""
+
+    def run(calls: int | None) -> dict[str, Any]:
+        strategy = SinkStrategy(accumulation_steps=2, sink_size=20, graph_mode="compile", micro_steps_per_call=calls)
+        logger = RecordingLogger()
+        trainer = quiet_trainer(strategy=strategy, max_epochs=2, logger=logger, log_every_n_steps=1)
+        model = Net("adamw")
+        x, y = dataset().tensors
+        fit(trainer, model, TensorDataset(x.repeat(3, 1), y.repeat(3)), caplog)  # a pass of 30 micro-batches
+        return {"model": model, "trainer": trainer, "points": logger.points}
+
+    one = run(1)
+    assert several_calls == []
+    default = run(None)
+    assert several_calls == [20, 8, 8]
+    assert default["trainer"].global_step == one["trainer"].global_step == 20
+    assert torch.equal(flat(default["model"].net), flat(one["model"].net))
+    assert default["points"] == one["points"]
 
 
 def test_the_default_runs_a_large_step_one_per_call_and_says_so(caplog, several_calls):

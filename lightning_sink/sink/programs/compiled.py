@@ -139,11 +139,21 @@ def _own_batch(batch: Any) -> Any:
 class CompiledSeveral(_Compiled):
     """``micro_steps_per_call`` micro-batches, whole windows, in one compiled call (``SeveralSteps``)."""
 
-    def __init__(self, programs: StepPrograms, engine: StepEngine, updates: SinkUpdates, copy_outputs: bool) -> None:
+    def __init__(
+        self,
+        programs: StepPrograms,
+        engine: StepEngine,
+        updates: SinkUpdates,
+        copy_outputs: bool,
+        count: int,
+        lookahead: SchedulerLookahead,
+    ) -> None:
+        """``count``: the micro-steps of this call, one of ``programs.call_lengths``; ``lookahead``: the segment's,
+        shared by its calls of every length."""
         super().__init__(programs, engine, updates, copy_outputs)
-        assert programs.several is not None  # (built with several micro-steps per call)
-        self.count, self._window_length = programs.several
-        self._lookahead = SchedulerLookahead(engine)
+        assert programs.several is not None and count in programs.call_lengths
+        self.count, self._window_length = count, programs.several[1]
+        self._lookahead = lookahead
 
     def ready(self) -> bool:
         return (
@@ -155,7 +165,8 @@ class CompiledSeveral(_Compiled):
         programs, steps = self._programs, self._window_length
         programs.batch_index.fill_(batch_idx)  # the programs count it on per micro-step
         hyperparameters = self._lookahead.rows(programs.rule, len(batches) // steps)
-        outputs = programs.run_several([_own_batch(batch) for batch in batches], hyperparameters)
+        staged = isinstance(batches[0], StagedBatch)
+        outputs = programs.run_several(None if staged else batches, hyperparameters, count=len(batches))
         return [partial(self._finish, programs, out, (i + 1) % steps == 0) for i, out in enumerate(outputs)]
 
     def _finish(self, programs: StepPrograms, out: StepOutputs, ends: bool) -> Tensor:

@@ -22,8 +22,10 @@ start (so a resume mid-window, or a window that runs on across sinks, continues 
 
 With ``micro_steps_per_call=M`` (> 1) the programs are built with one compiled program of M micro-steps as well
 (whole windows, ``StepPrograms.run_several``) where M is a multiple of the accumulation (and, staged, no more than a
-sink stages), and ``choose`` adds ``CompiledSeveral`` to the pair. With ``None`` (the default) the build decides M
-from the step's size (``compiled/call_length.py``) on one process; under DDP and for CUDA graphs it is 1.
+sink stages), and ``choose`` adds a ``CompiledSeveral`` per call length to the pair (longest first; they share the
+segment's ``SchedulerLookahead``). With ``None`` (the default) the build decides M from the step's size, with a
+second call as long as a staged sink (``compiled/call_length.py``) on one process; under DDP and for CUDA graphs
+it is 1.
 """
 
 from __future__ import annotations
@@ -147,7 +149,11 @@ class CompiledProgramChooser:
         if self.staging is not None:
             self.staging.gathering = True
         copy_outputs = self.graph_mode == "cuda_graph"  # a replay overwrites the graph's outputs
-        several = None if programs.several is None else CompiledSeveral(programs, engine, updates, copy_outputs)
+        lookahead = SchedulerLookahead(engine)  # (the segment's: its calls of every length read one span)
+        several = tuple(
+            CompiledSeveral(programs, engine, updates, copy_outputs, count, lookahead)
+            for count in programs.call_lengths
+        )
         return SinkPrograms(
             CompiledAccumulate(programs, engine, updates, copy_outputs),
             CompiledUpdate(programs, engine, updates, copy_outputs),
@@ -319,7 +325,7 @@ class CompiledProgramChooser:
             return f", one micro-step per call ({not_scheduled})"
         if several is None:  # the build's choice, with its reason
             return f", and {built.call_note}"
-        return f", and {several} micro-steps unrolled into one program" if several > 1 else ""
+        return f", and {several} micro-steps per call (one loop over its windows)" if several > 1 else ""
 
     def _build_line(self, built: StepPrograms, parts: list[str], length: str, took: str) -> str:
         region = self.autocast

@@ -293,7 +293,8 @@ class SinkPrograms:
     accumulate: MicroBatchProgram
     update: MicroBatchProgram
     end_sink: Callable[[], None] | None = None  # called at the sink's end (compiled programs save the window there)
-    several: SeveralSteps | None = None  # several micro-batches per call (compiled programs, micro_steps_per_call)
+    # calls of several micro-batches (compiled programs), longest first: the loop runs the longest that fits
+    several: tuple[SeveralSteps, ...] = ()
 
 
 def choose_programs(engine: StepEngine, updates: SinkUpdates) -> SinkPrograms:
