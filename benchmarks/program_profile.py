@@ -3,7 +3,7 @@
     python benchmarks/program_profile.py [--model tiny_mlp] [--optimizer adamw] [--calls 8] [--rounds 200]
 
 Builds the step programs the default would build for the model (``micro_steps_per_call=8`` for the tiny MLP: 8
-AdamW updates, windows of 1, unrolled into one program; Inductor, one intra-op thread) with Inductor's kernel
+AdamW updates, windows of 1, in one call: a loop over its windows; Inductor, one intra-op thread) with Inductor's kernel
 profiler on (each generated C++ kernel records itself), runs ``--rounds`` warm calls under ``torch.profiler``, and
 sorts the self time of what ran into:
 

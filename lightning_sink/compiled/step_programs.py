@@ -104,6 +104,24 @@ def _several_name(count: int, lengths: tuple[int, ...]) -> str:
     return "several" if count == lengths[0] else f"several_{count}"
 
 
+class _Rows:
+    """One position of a window's outputs, stacked over a call's windows (loss, logged values and Metric tensors,
+    and at the window's end found_inf, scale and skipped under a loss scale), split into rows once per call."""
+
+    def __init__(self, output: tuple) -> None:
+        loss, (logs, metric_tensors), *extra = output
+        self.losses = loss.unbind(0)
+        self.logs = {name: value.unbind(0) for name, value in logs.items()}
+        self.metric_tensors = [tensor.unbind(0) for tensor in metric_tensors]
+        self.extra = [tensor.unbind(0) for tensor in extra]
+
+    def micro_step(self, window: int, side: Any) -> tuple:
+        """The arguments of ``StepPrograms._outputs`` for this position in window ``window``."""
+        logs = {name: rows[window] for name, rows in self.logs.items()}
+        values = (logs, [rows[window] for rows in self.metric_tensors])
+        return (self.losses[window], values, side, *(rows[window] for rows in self.extra))
+
+
 def _repeated(count: int, example: Any) -> list[Any]:
     return [example] * count
 
@@ -148,6 +166,9 @@ class StepPrograms:
         # why the calls are as long as they are, where the build chose it (micro_steps_per_call=None)
         self.call_note = ""
         self._shorter: int | None = None  # a second, shorter call length (unroll(shorter=...))
+        # what a micro-step of a call of several returns besides tensors (log options, Metric calls), the same at
+        # every micro-step: a loop returns tensors only, so it is taken from one eager run before the first call
+        self._side: dict[str, Any] | None = None
         self._state = self._initial_state(data)
 
         options = inductor_options(device) if backend == "inductor" else None
@@ -280,16 +301,21 @@ class StepPrograms:
             raise ProgramUnavailable(f"the update program no longer applies: {changed}")
         self.rule.refresh()
         self._hyper.fill(hyperparameters, count // self.several[1])
-        if self._traced.side is None:
-            self._traced.side = self._eager_side(batches[0] if batches is not None else None)
+        if self._side is None:
+            self._side = self._eager_side(batches[0] if batches is not None else None)
         captured = self.captured.get(_several_name(count, self.call_lengths))
         if captured is not None:
-            results = captured(batches)
+            stacked = captured(batches)
         else:
             with self._running():
-                results = self._several(self._state, batches if batches is not None else [None] * count)
+                stacked = self._several(self._state, batches if batches is not None else [None] * count)
         note_optimizer_step(self.rule.optimizer)
-        return [self._outputs(*result[:3], *(tuple(result[3:]) + (None, None, None))[:3]) for result in results]
+        positions = [_Rows(output) for output in stacked]  # a window's positions, each stacked over the windows
+        return [
+            self._outputs(*position.micro_step(window, self._side))
+            for window in range(count // self.several[1])
+            for position in positions
+        ]
 
     def unroll(self, micro_steps: int, accumulation_steps: int, shorter: int | None = None) -> None:
         """Before ``compile``: also build ``run_several`` over ``micro_steps`` micro-steps (whole windows of
@@ -383,8 +409,8 @@ class StepPrograms:
         included), timing each."""
         device = self.params[0].device
         devices = [device] if device.type == "cuda" else []
-        if self.several is not None and self._traced.side is None:
-            self._traced.side = self._eager_side(example_batch)
+        if self.several is not None and self._side is None:
+            self._side = self._eager_side(example_batch)
         for name, program, batch_of in self._programs():
             start = time.perf_counter()
             with torch.random.fork_rng(devices=devices), self._running():

@@ -34,9 +34,6 @@ class TracedPrograms:
         self.gradients, self.update = gradients, update
         # several micro-steps per call: (micro-steps per call, accumulation steps), the call ending on an update
         self.several = several
-        # what a micro-step returns besides tensors (log options, Metric calls), the same at every micro-step: a
-        # loop returns tensors only, so the host takes it from one eager run before the first call (StepPrograms)
-        self.side: dict[str, Any] | None = None
 
     def accumulate_program(self, state: dict[str, Any], batch: Any) -> tuple[Tensor, tuple, dict]:
         grads, loss, values, options = self.gradients.of(state, batch)
@@ -71,10 +68,11 @@ class TracedPrograms:
         """``len(batches)`` micro-steps, whole windows, as one loop over the windows (torch's ``scan``: its body,
         one window with an update at its last micro-batch, is traced and built once, whatever the call's length).
         The loop carries every state tensor the programs write, as copies the body writes in place, and the state
-        takes the last carry back at the end. Each micro-step's outputs as the one-per-call programs return them
-        (their non-tensor part, the same at every micro-step, is ``self.side``: a loop returns tensors only)."""
-        assert self.several is not None and self.side is not None  # (set by StepPrograms before the first call)
-        accumulation, side = self.several[1], self.side
+        takes the last carry back at the end. Returns, per position in a window, its outputs stacked over the
+        windows (an update's with its found_inf, scale and skipped count under a loss scale); the host takes each
+        micro-step's row (a graph returning every row would grow with the call's length)."""
+        assert self.several is not None  # built with micro_steps_per_call
+        accumulation = self.several[1]
         windows = len(batches) // accumulation
         staged = batches[0] is None  # the programs gather each batch from the staged dataset themselves
         xs: dict[str, Any] = {"hyper": [table[:windows] for table in state["hyper_table"]]}
@@ -103,14 +101,7 @@ class TracedPrograms:
         last, stacked = scan_loop(window, _written(state), xs)
         for tensor, value in zip(_written(state), last):
             tensor.copy_(value)
-        results: list[tuple] = []
-        for index in range(windows):
-            for position, output in enumerate(stacked):
-                loss, values, *extra = tree_map(partial(_row, index), output)
-                # an update's found_inf, scale and skipped count, with a loss scale
-                ends = position + 1 == accumulation
-                results.append((loss, values, side, *extra) if ends else (loss, values, side))
-        return results
+        return stacked
 
 
 # The state entries the programs write, which a loop carries (the staged data's read-only rows left out).
