@@ -29,11 +29,14 @@ class LogsMetrics(TinyClassifier):
         logits = self(x)
         loss = F.cross_entropy(logits, y)
         self.accuracy(logits.argmax(-1), y)
-        self.log("acc_metric", self.accuracy)
         self.mean_loss(loss)
+        self.log_metrics(logits, y)
+        return loss
+
+    def log_metrics(self, logits, y):
+        self.log("acc_metric", self.accuracy)
         self.log("loss_metric", self.mean_loss, on_step=True, on_epoch=True)
         self.log("acc_tensor", (logits.argmax(-1) == y).float().mean())
-        return loss
 
 
 def points(strategy, log_every_n_steps: int, **trainer_kwargs) -> dict[tuple[int, str], list[float]]:
@@ -67,23 +70,12 @@ def test_metrics_reach_the_loggers_at_the_stock_runs_steps_with_its_values(sink_
         assert sink[point] == pytest.approx(values, rel=1e-6, abs=1e-7), point
 
 
-class MetricOnTheProgressBar(TinyClassifier):
+class MetricOnTheProgressBar(LogsMetrics):
     """A Metric on the progress bar only (no step value for the loggers) and one for the loggers only."""
 
-    def __init__(self) -> None:
-        super().__init__(lr=0.05)
-        self.accuracy = torchmetrics.classification.MulticlassAccuracy(num_classes=4)
-        self.mean_loss = torchmetrics.MeanMetric()
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        logits = self(x)
-        loss = F.cross_entropy(logits, y)
-        self.accuracy(logits.argmax(-1), y)
+    def log_metrics(self, logits, y):
         self.log("acc_bar", self.accuracy, prog_bar=True, logger=False, on_step=True, on_epoch=True)
-        self.mean_loss(loss)
         self.log("mean_loss", self.mean_loss, on_step=True, on_epoch=False)
-        return loss
 
 
 def fit_metrics(strategy, **trainer_kwargs) -> tuple[dict, dict, dict]:
