@@ -286,9 +286,9 @@ class StepPrograms:
         count: int | None = None,
     ) -> list[StepOutputs]:
         """Run whole windows, ``micro_steps_per_call`` micro-batches (``None``: ``count`` from the staged dataset,
-        by default the longest call; a call runs one of ``call_lengths``), in one call. ``hyperparameters``: per window of the call, the values its update uses (per param group, one
-        float per name of ``rule.names``: ``OptimizerRule.current_values`` rows); ``None``: every update uses the
-        current ``param_groups``."""
+        by default the longest call; a call runs one of ``call_lengths``), in one call. ``hyperparameters``: per
+        window of the call, the values its update uses (per param group, one float per name of ``rule.names``:
+        ``OptimizerRule.current_values`` rows); ``None``: every update uses the current ``param_groups``."""
         if self.several is None:
             raise ProgramUnavailable("built without micro_steps_per_call > 1: call accumulate/update instead")
         count = self.several[0] if count is None else count
