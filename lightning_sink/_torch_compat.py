@@ -6,6 +6,7 @@ naming it, instead of deep inside a conversion or a checkpoint load.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import os
@@ -56,6 +57,7 @@ __all__ = [
     "traced_all_reduce_sum",
     "scan_loop",
     "tree_map",
+    "random_draws_counted",
     "fsdp_params",
     "fsdp_partial_sum",
     "fsdp_unsharded_param",
@@ -287,6 +289,31 @@ def scan_loop(body: Callable[[Any, Any], tuple[Any, Any]], init: Any, xs: Any) -
     from torch._higher_order_ops.scan import scan
 
     return scan(body, init, xs)
+
+
+@dataclass
+class RandomDraws:
+    """The random operators run while ``random_draws_counted`` was active."""
+
+    count: int = 0
+
+
+@contextlib.contextmanager
+def random_draws_counted() -> Iterator[RandomDraws]:
+    """Count the random operators (ATen's ``nondeterministic_seeded`` ones: dropout's, ``rand``...) run inside the
+    block, under torch's dispatch mode (which sees the operators a module's forward and backward reach)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    draws = RandomDraws()
+
+    class Counting(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if torch.Tag.nondeterministic_seeded in func.tags:
+                draws.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting():
+        yield draws
 
 
 def inductor_option_names() -> frozenset[str]:

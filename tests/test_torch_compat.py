@@ -279,3 +279,15 @@ def test_the_inductor_cache_counts_see_a_graph_stored_and_then_reused(tmp_path: 
     torch.compile(lambda x: x.sin() * 3, backend="inductor", dynamic=False)(torch.ones(4))
     assert compat.inductor_cache_counts() == (hits + 1, misses + 1)
     torch._dynamo.reset()
+
+
+def test_random_draws_are_counted_per_random_operator_run():
+    net = torch.nn.Sequential(
+        torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)
+    )
+    x = torch.randn(3, 4)
+    with compat.random_draws_counted() as draws:
+        net(x).sum().backward()  # two dropouts forward; their backward draws nothing
+        torch.randint(0, 3, (2,))
+        (x + 1).relu()
+    assert draws.count == 3

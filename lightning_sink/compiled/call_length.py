@@ -1,35 +1,42 @@
 """How many micro-steps one compiled call runs when the user does not say (``micro_steps_per_call=None``).
 
-Each call of a compiled program pays an entry cost on the host (TorchDynamo's guard checks over the state, the
-log recorder, the hyperparameter refresh, the call into the generated code) that does not depend on the step. For
-a small step that cost is a large share of the time, and unrolling several micro-steps into one program pays it
-once for all of them; for a large step it is lost in the step's own work, and unrolling only makes the build longer
-(an unrolled program is as many steps long as it holds). So the rule reads the step's size, counted once at the
-build as the FLOPs of its matrix multiplies and convolutions (forward and backward, ``FlopCounterMode`` on one eager
-run over copies of the state):
+Each call of a compiled program pays an entry cost on the host (TorchDynamo's guard checks over the state,
+AOTAutograd's wrappers, the log recorder, the hyperparameter refresh, the call into the generated code) that does
+not depend on the step. A call of several micro-steps is one loop over its windows (``TracedPrograms.several_program``:
+torch's ``scan``, whose body, one window, is traced and built once), so it pays that cost once for all of them and
+its build does not grow with its length: it costs one more graph to build (the loop, beside the one-micro-step
+programs that run what a loop cannot: a pass's end inside a sink, a validation point) and, while it runs, a second
+copy of the state it carries. So the rule reads the step's size, counted once at the build as the FLOPs of its
+matrix multiplies and convolutions (forward and backward, ``FlopCounterMode`` on one eager run over copies of the
+state):
 
-- below ``SMALL_STEP_FLOPS``, whole windows up to ``UNROLLED_MICRO_STEPS`` micro-steps per call (at least one
+- below ``LOOP_STEP_FLOPS``, whole windows up to ``UNROLLED_MICRO_STEPS`` micro-steps per call (at least one
   window, so a window longer than that is one call, up to ``MAX_UNROLLED_MICRO_STEPS``: the loop's body holds one
   window unrolled);
-- otherwise one micro-step per call.
+- otherwise one micro-step per call: the entry cost is lost in the step's own work, and the loop's second copy of
+  a large model's state is not;
+- and one micro-step per call where a window draws random numbers twice or more (two dropouts, or one in a window
+  of two) that must be eager's (Inductor on a CPU, ``fallback_random``): Inductor keeps such draws in eager's order
+  with an operation (``control_deps``) that its loop cannot hold, so the loop would not build. Any other loop that
+  does not build leaves the same one-micro-step programs (``program_build.py``), at the cost of the failed try.
 
-The threshold sits between the two models ``benchmarks/loop_sinking.py`` measures on a CPU: the tiny MLP (about
-0.65 MFLOP a micro-step, where eight micro-steps per call ran several times faster than one) and LeNet-5 at batch 32
-(about 72 MFLOP, where four per call ran no faster than one and built longer).
+Measured on a CPU (benchmarks/README.md): for the tiny MLP (about 0.65 MFLOP a micro-step) a call of 8 ran several
+times faster than one micro-step per call; for LeNet-5 at batch 32 (about 72 MFLOP), whose convolutions dominate its
+step, the loop still ran 1.15x (calls of 8 from the loader) and 1.24x (a whole staged sink) one micro-step per call,
+so the threshold sits well above both: at a billion FLOPs a step takes tens of milliseconds on a CPU core, where
+a call's entry (under a millisecond) is a few percent.
 
-A call of several is one loop over its windows (``TracedPrograms.several_program``: torch's ``scan``, whose body,
-one window, is built once), so a longer call costs no longer a build. With staged data a small step therefore also
-gets a call as long as the sink (``longest_call``: the sink's staged micro-batches, up to ``LONGEST_CALL``), so a
-whole sink is one call where its segment allows; the host loop runs each segment's calls longest first, then calls
-of the short length, then one micro-step per call for what is left (a pass's end inside a sink, a validation
-point). Each length is one compiled graph of the same program; neither grows with ``sink_size`` beyond that. On a GPU, a CUDA graph's replay costs little per
-call and several per call has not been measured there yet: one per call.
+With staged data a step therefore also gets a call as long as the sink (``longest_call``: the sink's staged
+micro-batches, up to ``LONGEST_CALL``), so a whole sink is one call where its segment allows; the host loop runs
+each segment's calls longest first, then calls of the short length, then one micro-step per call for what is left.
+Each length is one compiled graph of the same program; neither grows with ``sink_size`` beyond that. On a GPU, a
+CUDA graph's replay costs little per call and several per call has not been measured there yet: one per call.
 """
 
 from __future__ import annotations
 
 __all__ = [
-    "SMALL_STEP_FLOPS",
+    "LOOP_STEP_FLOPS",
     "UNROLLED_MICRO_STEPS",
     "MAX_UNROLLED_MICRO_STEPS",
     "LONGEST_CALL",
@@ -37,23 +44,35 @@ __all__ = [
     "longest_call",
 ]
 
-SMALL_STEP_FLOPS = 8e6
+LOOP_STEP_FLOPS = 1e9
 UNROLLED_MICRO_STEPS = 8
 MAX_UNROLLED_MICRO_STEPS = 16
 LONGEST_CALL = 1024
 
 
 def default_micro_steps(
-    step_flops: float, accumulation_steps: int, device_type: str, capacity: int | None = None
+    step_flops: float,
+    accumulation_steps: int,
+    device_type: str,
+    capacity: int | None = None,
+    ordered_random_draws: int = 0,
 ) -> tuple[int, str]:
     """Micro-steps per call for a micro-step of ``step_flops`` in windows of ``accumulation_steps`` on
-    ``device_type`` (``capacity``: the most micro-steps a call may gather from the staged data), with the reason in
-    words for the fit's line about its programs."""
+    ``device_type`` (``capacity``: the most micro-steps a call may gather from the staged data;
+    ``ordered_random_draws``: the random operators a micro-step runs whose numbers must be eager's, in eager's
+    order), with the reason in words for the fit's line about its programs."""
     size = f"a micro-step of {step_flops / 1e6:.2g} MFLOP"
     if device_type != "cpu":
         return 1, f"one micro-step per call on {device_type} (several per call are measured on CPUs only)"
-    if step_flops >= SMALL_STEP_FLOPS:
+    if step_flops >= LOOP_STEP_FLOPS:
         return 1, f"one micro-step per call ({size}: a call's entry cost is a small share of it)"
+    if ordered_random_draws * accumulation_steps >= 2:
+        # Inductor chains two or more random operators drawing eager's numbers with an operator (control_deps)
+        # that its loop over windows cannot hold: the loop's build fails, so it is not tried
+        return 1, (
+            f"one micro-step per call ({ordered_random_draws * accumulation_steps} random draws a window, such as"
+            " dropout's, which must equal eager's: Inductor keeps their order with an operation its loop cannot hold)"
+        )
     count = max(1, UNROLLED_MICRO_STEPS // accumulation_steps) * accumulation_steps
     if count > MAX_UNROLLED_MICRO_STEPS:
         return (
@@ -64,7 +83,7 @@ def default_micro_steps(
         count = min(count, capacity // accumulation_steps * accumulation_steps)
     if count <= 1:
         return 1, f"one micro-step per call ({size}, but a sink stages fewer micro-batches than a window of several)"
-    return count, f"{count} micro-steps per call, one loop over its windows ({size}: small, so calls are made fewer)"
+    return count, f"{count} micro-steps per call, one loop over its windows ({size}: calls are made fewer)"
 
 
 def longest_call(count: int, accumulation_steps: int, capacity: int | None) -> int | None:

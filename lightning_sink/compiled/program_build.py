@@ -90,7 +90,9 @@ def build_step_programs(
             data[1].cursor.zero_()
         if micro_steps_per_call is None and (rank_sum is None or rank_sum.all_reduce is None):
             _choose_call_length(programs, example_batch, accumulation_steps, data)
-        programs.compile(example_batch)
+            _compile_or_one_per_call(programs, example_batch)
+        else:
+            programs.compile(example_batch)
         if cuda_graph:
             programs.capture(example_batch)
     except Exception as error:  # a graph break, an unsupported operation, a backend failure: all say no program
@@ -164,15 +166,35 @@ def _choose_call_length(
     """``micro_steps_per_call=None``: the call's length from the step's FLOPs (``call_length.py``), the reason in
     ``programs.call_note``; more than one micro-step unrolls ``run_several`` before the programs compile."""
     capacity = data[1].capacity if data is not None else None
-    flops = programs.micro_step_flops(example_batch)
+    flops, draws = programs.micro_step_size(example_batch)
     device_type = programs.params[0].device.type
-    count, programs.call_note = default_micro_steps(flops, accumulation_steps, device_type, capacity)
+    ordered = draws if programs.draws_as_eager else 0
+    count, programs.call_note = default_micro_steps(flops, accumulation_steps, device_type, capacity, ordered)
     longest = longest_call(count, accumulation_steps, capacity)
     if longest is not None:
         programs.unroll(longest, accumulation_steps, shorter=count)
         programs.call_note += f", and {longest} per call for a whole staged sink"
     elif count > 1:
         programs.unroll(count, accumulation_steps)
+
+
+def _compile_or_one_per_call(programs: StepPrograms, example_batch: Any) -> None:
+    """Compile the programs with the calls of several the build chose; where the loop does not build (an operation
+    torch's ``scan`` cannot hold, such as a random draw that must equal eager's), without them: the step still
+    runs compiled, one micro-step per call, and ``call_note`` says why."""
+    if programs.several is None:
+        programs.compile(example_batch)
+        return
+    try:
+        programs.compile(example_batch)
+    except Exception as error:
+        if not programs.one_per_call_compiled:
+            raise  # (the step itself did not build: no program at all)
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        programs.drop_several(
+            f"one micro-step per call (the loop over windows did not build: {type(error).__name__}: {first_line[:160]})"
+        )
+        programs.compile(example_batch)
 
 
 def _refusal(error: Exception, rule: OptimizerRule, programs: StepPrograms) -> Unavailable:

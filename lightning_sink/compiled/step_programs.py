@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_sink._torch_compat import inductor_option_names, note_optimizer_step
+from lightning_sink._torch_compat import inductor_option_names, note_optimizer_step, random_draws_counted
 from lightning_sink.compiled.autocast_region import AutocastRegion
 from lightning_sink.compiled.cuda_graphs import CapturedProgram
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
@@ -172,6 +172,8 @@ class StepPrograms:
         self._state = self._initial_state(data)
 
         options = inductor_options(device) if backend == "inductor" else None
+        # Inductor builds the random operators to draw eager's numbers, in eager's order (``fallback_random``)
+        self.draws_as_eager = bool(options and options.get("fallback_random"))
         traced = self._traced
         self._accumulate = _compiled(traced.accumulate_program, backend, options)
         self._update = _compiled(traced.update_program, backend, options)
@@ -331,6 +333,21 @@ class StepPrograms:
         self._shorter = shorter
         self._hyper.size(self._windows_per_call())
 
+    @property
+    def one_per_call_compiled(self) -> bool:
+        """Whether ``compile`` built every program of one micro-step per call (the accumulate and update programs)."""
+        names = [name for name, _, _ in self._programs() if not name.startswith("several")]
+        return all(name in self.compile_seconds for name in names)
+
+    def drop_several(self, note: str) -> None:
+        """Before the programs run: no calls of several after all (their loop did not build), one micro-step per
+        call; ``note`` says why (``call_note``)."""
+        for count in self.call_lengths:
+            self.compile_seconds.pop(_several_name(count, self.call_lengths), None)
+        # (the hyperparameter table keeps its size: the programs built already were traced with it)
+        self._traced.several, self._shorter, self._side = None, None, None
+        self.call_note = note
+
     def _eager_side(self, example_batch: Any) -> dict[str, Any]:
         """What a micro-step returns besides tensors (its log options and Metric calls), from one eager run of the
         accumulate program on copies of the state (nothing of the run changes, random numbers included)."""
@@ -341,14 +358,23 @@ class StepPrograms:
         return side
 
     def micro_step_flops(self, example_batch: Any) -> float:
-        """The FLOPs of one micro-step's matrix multiplies and convolutions (forward and backward), counted by
-        running the accumulate program once eagerly on copies of the state (nothing of the run changes, random
-        numbers included)."""
+        """The FLOPs of one micro-step's matrix multiplies and convolutions (forward and backward)."""
+        return self.micro_step_size(example_batch)[0]
+
+    def micro_step_size(self, example_batch: Any) -> tuple[float, int]:
+        """One micro-step's FLOPs (``micro_step_flops``) and the random operators it runs (dropout's draws...),
+        counted by running the accumulate program once eagerly on copies of the state (nothing of the run changes,
+        random numbers included)."""
         device = self.params[0].device
         devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), self._running(), FlopCounterMode(display=False) as counter:
+        with (
+            torch.random.fork_rng(devices=devices),
+            self._running(),
+            FlopCounterMode(display=False) as counter,
+            random_draws_counted() as draws,
+        ):
             self._traced.accumulate_program(clone_tree(self._state), clone_tree(example_batch))
-        return float(counter.get_total_flops())
+        return float(counter.get_total_flops()), draws.count
 
     def step_seconds(self, example_batch: Any, accumulation_steps: int) -> tuple[float, float] | None:
         """Seconds of one micro-step with the programs' bodies run eagerly (plain PyTorch) and compiled, on one copy

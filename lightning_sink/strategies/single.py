@@ -59,8 +59,9 @@ class SinkStrategy(SinkStrategyHooks, SingleDeviceStrategy):
         micro_steps_per_call: with ``graph_mode="compile"`` or ``"cuda_graph"`` in sink mode, the micro-batches
             (whole windows: a multiple of ``accumulation_steps``) run by one compiled call, a loop over the windows
             whose build does not grow with the value. ``None`` (default): decided at the build from the step's size
-            (``compiled/call_length.py``: for a small step on a CPU, whole windows up to 8 micro-steps, and with
-            staged data also calls as long as the sink, so a whole sink is one call; else 1); ``1``: one call per
+            (``compiled/call_length.py``: on a CPU, for a step under a billion FLOPs, whole windows up to 8
+            micro-steps, and with staged data also calls as long as the sink, so a whole sink is one call; else 1);
+            ``1``: one call per
             micro-batch. Exact: every per-micro-batch effect (``self.log`` values, counters, ``global_step``, the
             data position, the ``interval="step"`` LR schedulers' steps) is done after the call, in order; where a
             call could not be exact (a window already open, fewer micro-batches left before the segment's or the

@@ -19,8 +19,8 @@ from torch.utils.data import TensorDataset
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_sink import SinkStrategy
-from lightning_sink.compiled import StepPrograms, build_step_programs
-from lightning_sink.compiled.call_length import LONGEST_CALL, SMALL_STEP_FLOPS, default_micro_steps, longest_call
+from lightning_sink.compiled import StepPrograms, build_step_programs, call_length, traced_programs
+from lightning_sink.compiled.call_length import LONGEST_CALL, LOOP_STEP_FLOPS, default_micro_steps, longest_call
 from tests.compiled.test_lightning_fit import (
     Net,
     RecordingLogger,
@@ -33,7 +33,7 @@ from tests.compiled.test_lightning_fit import (
 )
 from tests.helpers import quiet_trainer
 
-SMALL, LARGE = SMALL_STEP_FLOPS / 10, SMALL_STEP_FLOPS * 10
+SMALL, LARGE = LOOP_STEP_FLOPS / 10, LOOP_STEP_FLOPS * 10
 
 
 @pytest.mark.parametrize(
@@ -153,12 +153,50 @@ def test_a_sink_cut_by_a_pass_end_runs_the_short_calls_for_the_rest(caplog, seve
     assert default["points"] == one["points"]
 
 
-def test_the_default_runs_a_large_step_one_per_call_and_says_so(caplog, several_calls):
+def test_the_default_runs_a_large_step_one_per_call_and_says_so(caplog, several_calls, monkeypatch):
     class Large(Wide):
         pass
 
-    model = Large(int(SMALL_STEP_FLOPS // (6 * 4 * 8)) + 64)  # (6 FLOPs a weight a sample: above the threshold)
+    threshold = 8e6  # (the rule's own is a billion FLOPs: a model that large would make a slow test)
+    monkeypatch.setattr(call_length, "LOOP_STEP_FLOPS", threshold)
+    model = Large(int(threshold // (6 * 4 * 8)) + 64)  # (6 FLOPs a weight a sample: above the threshold)
     large = default_fit(model, 1, None, caplog)
     assert several_calls == []
     assert "one micro-step per call (a micro-step of" in large["said"], large["said"]
     assert large["trainer"].global_step == 30
+
+
+def test_a_loop_that_does_not_build_leaves_the_step_compiled_one_per_call(caplog, several_calls, monkeypatch):
+    """Where torch's loop cannot hold the step (Inductor refuses some operations inside ``scan``), the build keeps
+    the one-micro-step programs rather than falling back to the eager step, and its line says why."""
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError("no rule for this operation inside a loop")
+
+    monkeypatch.setattr(traced_programs, "scan_loop", refused)
+    one = default_fit(Net("adamw"), 2, 1, caplog)
+    default = default_fit(Net("adamw"), 2, None, caplog)
+    assert several_calls == []
+    said = default["said"]
+    assert "one micro-step per call (the loop over windows did not build: " in said, said
+    assert not [r for r in caplog.records if "no whole-step programs" in r.getMessage()]
+    assert torch.equal(flat(default["model"].net), flat(one["model"].net))
+    assert default["points"] == one["points"] and default["trainer"].global_step == 15
+
+
+@pytest.mark.parametrize("draws, steps, expected", [(0, 1, 8), (1, 1, 8), (2, 1, 1), (1, 2, 1), (3, 4, 1)])
+def test_two_random_draws_a_window_that_must_be_eagers_keep_one_micro_step_per_call(draws, steps, expected):
+    count, why = default_micro_steps(SMALL, steps, "cpu", None, ordered_random_draws=draws)
+    assert count == expected
+    assert ("random draws a window" in why) == (expected == 1)
+
+
+def test_the_random_draws_read_are_the_steps_own_and_change_nothing():
+    module = Wide(64)  # one dropout
+    batch = (torch.randn(16, 8), torch.randint(0, 4, (16,)))
+    programs = build_step_programs(module, module.configure_optimizers(), batch, backend="aot_eager")
+    assert isinstance(programs, StepPrograms), programs
+    state = torch.random.get_rng_state()
+    assert programs.micro_step_size(batch) == (programs.micro_step_flops(batch), 1)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert not programs.draws_as_eager  # (aot_eager: eager's own kernels draw; only Inductor is told to)
