@@ -216,3 +216,42 @@ def test_inductor_compiled_steps_draw_eagers_dropout_masks(monkeypatch):
         losses[graph_mode] = [value for _, name, value in logger.values() if name == "loss"]
     assert len(losses["eager"]) == 6
     assert losses["compile"] == pytest.approx(losses["eager"], rel=1e-6, abs=1e-6)
+
+
+class TwoDropoutMLP(DropoutMLP):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 32), nn.Dropout(0.2), nn.Linear(32, 4)
+        )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "module_class, calls",
+    [
+        (DropoutMLP, "6 micro-steps per call, one loop over its windows"),
+        (TwoDropoutMLP, "one micro-step per call (2 random draws a window, such as dropout's"),
+    ],
+)
+def test_inductor_sinks_draw_eagers_dropout_masks_in_a_loop_or_one_per_call(monkeypatch, caplog, module_class, calls):
+    """Sinks of 6 with the default call length, Inductor's whole-step programs against eager sinks: one dropout a
+    window runs in the loop over windows, two keep one micro-step per call (Inductor's loop cannot order them); both
+    draw eager's masks (lr 0: the losses differ only by the masks)."""
+    monkeypatch.setattr(compiled_choice, "COMPILE_BACKEND", "inductor")
+    generator = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(24, 8, generator=generator), torch.randint(0, 4, (24,), generator=generator))
+    losses = {}
+    for graph_mode in ("eager", "compile"):
+        logger = RecordingLogger()
+        strategy = SinkStrategy(sink_size=6, graph_mode=graph_mode)
+        trainer = quiet_trainer(strategy=strategy, max_epochs=2, logger=logger, log_every_n_steps=1)
+        torch.manual_seed(3)
+        with caplog.at_level("INFO"):
+            trainer.fit(module_class(), DataLoader(data, batch_size=4))
+        losses[graph_mode] = [value for _, name, value in logger.values() if name == "loss"]
+    said = [record.getMessage() for record in caplog.records if "compiled whole" in record.getMessage()]
+    assert len(said) == 1 and calls in said[0], said
+    assert len(losses["eager"]) == 12
+    assert losses["compile"] == pytest.approx(losses["eager"], rel=1e-6, abs=1e-6)
