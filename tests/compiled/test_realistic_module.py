@@ -201,19 +201,25 @@ class DropoutMLP(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.0)  # the losses differ only by the dropout masks
 
 
-@pytest.mark.slow
-def test_inductor_compiled_steps_draw_eagers_dropout_masks(monkeypatch):
-    monkeypatch.setattr(forward_compile, "FORWARD_BACKEND", "inductor")
+def losses_by_graph_mode(module_class: type[DropoutMLP], epochs: int, **strategy_options: Any) -> dict[str, list]:
+    """The logged loss of every micro-step of the same fit with eager and compiled steps, the same seeds."""
     generator = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(24, 8, generator=generator), torch.randint(0, 4, (24,), generator=generator))
     losses = {}
     for graph_mode in ("eager", "compile"):
         logger = RecordingLogger()
-        strategy = SinkStrategy(graph_mode=graph_mode)  # no sinks: the forward-compiled training_step
-        trainer = quiet_trainer(strategy=strategy, max_epochs=1, logger=logger, log_every_n_steps=1)
+        strategy = SinkStrategy(graph_mode=graph_mode, **strategy_options)
+        trainer = quiet_trainer(strategy=strategy, max_epochs=epochs, logger=logger, log_every_n_steps=1)
         torch.manual_seed(3)
-        trainer.fit(DropoutMLP(), DataLoader(data, batch_size=4))
+        trainer.fit(module_class(), DataLoader(data, batch_size=4))
         losses[graph_mode] = [value for _, name, value in logger.values() if name == "loss"]
+    return losses
+
+
+@pytest.mark.slow
+def test_inductor_compiled_steps_draw_eagers_dropout_masks(monkeypatch):
+    monkeypatch.setattr(forward_compile, "FORWARD_BACKEND", "inductor")
+    losses = losses_by_graph_mode(DropoutMLP, 1)  # no sinks: the forward-compiled training_step
     assert len(losses["eager"]) == 6
     assert losses["compile"] == pytest.approx(losses["eager"], rel=1e-6, abs=1e-6)
 
@@ -240,17 +246,8 @@ def test_inductor_sinks_draw_eagers_dropout_masks_in_a_loop_or_one_per_call(monk
     window runs in the loop over windows, two keep one micro-step per call (Inductor's loop cannot order them); both
     draw eager's masks (lr 0: the losses differ only by the masks)."""
     monkeypatch.setattr(compiled_choice, "COMPILE_BACKEND", "inductor")
-    generator = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(24, 8, generator=generator), torch.randint(0, 4, (24,), generator=generator))
-    losses = {}
-    for graph_mode in ("eager", "compile"):
-        logger = RecordingLogger()
-        strategy = SinkStrategy(sink_size=6, graph_mode=graph_mode)
-        trainer = quiet_trainer(strategy=strategy, max_epochs=2, logger=logger, log_every_n_steps=1)
-        torch.manual_seed(3)
-        with caplog.at_level("INFO"):
-            trainer.fit(module_class(), DataLoader(data, batch_size=4))
-        losses[graph_mode] = [value for _, name, value in logger.values() if name == "loss"]
+    with caplog.at_level("INFO"):
+        losses = losses_by_graph_mode(module_class, 2, sink_size=6)
     said = [record.getMessage() for record in caplog.records if "compiled whole" in record.getMessage()]
     assert len(said) == 1 and calls in said[0], said
     assert len(losses["eager"]) == 12
