@@ -182,19 +182,20 @@ def _compile_or_one_per_call(programs: StepPrograms, example_batch: Any) -> None
     """Compile the programs with the calls of several the build chose; where the loop does not build (an operation
     torch's ``scan`` cannot hold, such as a random draw that must equal eager's), without them: the step still
     runs compiled, one micro-step per call, and ``call_note`` says why."""
-    if programs.several is None:
-        programs.compile(example_batch)
-        return
     try:
         programs.compile(example_batch)
     except Exception as error:
-        if not programs.one_per_call_compiled:
+        if programs.several is None or not programs.one_per_call_compiled:
             raise  # (the step itself did not build: no program at all)
-        first_line = (str(error).strip().splitlines() or [""])[0]
         programs.drop_several(
-            f"one micro-step per call (the loop over windows did not build: {type(error).__name__}: {first_line[:160]})"
+            f"one micro-step per call (the loop over windows did not build: {type(error).__name__}:"
+            f" {_first_line(error)[:160]})"
         )
         programs.compile(example_batch)
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [""])[0]
 
 
 def _refusal(error: Exception, rule: OptimizerRule, programs: StepPrograms) -> Unavailable:
@@ -203,7 +204,7 @@ def _refusal(error: Exception, rule: OptimizerRule, programs: StepPrograms) -> U
     refused = programs.metric_calls.refusal_in(error)
     if refused is not None:
         return Unavailable(refused)
-    first_line = (str(error).strip().splitlines() or [""])[0]
+    first_line = _first_line(error)
     return Unavailable(
         f"training_step did not compile to one graph ({type(error).__name__}: {first_line[:200]}); make it"
         " traceable or use graph_mode='eager'"

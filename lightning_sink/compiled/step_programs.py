@@ -336,8 +336,8 @@ class StepPrograms:
     @property
     def one_per_call_compiled(self) -> bool:
         """Whether ``compile`` built every program of one micro-step per call (the accumulate and update programs)."""
-        names = [name for name, _, _ in self._programs() if not name.startswith("several")]
-        return all(name in self.compile_seconds for name in names)
+        several = {_several_name(count, self.call_lengths) for count in self.call_lengths}
+        return all(name in self.compile_seconds for name, _, _ in self._programs() if name not in several)
 
     def drop_several(self, note: str) -> None:
         """Before the programs run: no calls of several after all (their loop did not build), one micro-step per
