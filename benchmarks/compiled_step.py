@@ -40,8 +40,7 @@ from torch.utils.data import TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lightning_sink.compiled import StepPrograms, Unavailable, build_step_programs
-from lightning_sink.compiled import step_programs as step_programs_module
+from lightning_sink.compiled import StepPrograms, Unavailable, build_step_programs, program_compile
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
 
 from common import MODELS, make_model
@@ -79,13 +78,13 @@ def build_with_inductor_options(
     ``options`` in place of the library's ``inductor_options`` for this build only (None: the library's own)."""
     module = Classifier(make_model(model_name))
     optimizer = make_optimizer(optimizer_name, module.parameters())
-    chosen = step_programs_module.inductor_options
+    chosen = program_compile.inductor_options
     if options is not None:  # the build reads the module's function: swapped for this build only
-        step_programs_module.inductor_options = options
+        program_compile.inductor_options = options
     try:
         programs = build_step_programs(module, optimizer, example, backend="inductor", micro_steps_per_call=calls)
     finally:
-        step_programs_module.inductor_options = chosen
+        program_compile.inductor_options = chosen
     if not isinstance(programs, StepPrograms):
         raise SystemExit(f"{model_name}/{optimizer_name}: the programs did not build: {programs.reason}")
     return programs

@@ -24,7 +24,10 @@ micro-batches) starts a new call, and every lightning-sink file with a Python fu
 belongs to that call's route. ``compiled_files`` lists the files of the call that ends the sink's first window, with
 one micro-batch per call (``micro_steps_per_call=1``) and with the default (several per call for this small step);
 the segment's setup and end (choosing the programs, handing the logged values to Lightning) are once per segment
-and listed apart as ``segment_files``.
+and listed apart as ``segment_files``. ``own_files`` (``micro_step_files`` of them) are the files of the
+window-ending micro-batch's own host effects: those entered inside its ``SinkLoop._micro_step`` (the window's
+counts, the update's counters and schedulers, the logged values, the data position), which with one micro-batch per
+call also runs the program; with several per call the call's route is shared by its micro-batches.
 
 The numbers are counts, not timings: one run each, deterministic. The last line printed is one JSON object.
 """
@@ -124,9 +127,13 @@ class CallRouteTracer(Callback):
     def __init__(self) -> None:
         self.calls: list[set[str]] = []
         self.segment: set[str] = set()
+        self.micro_steps: list[set[str]] = []  # per micro-batch: the files of its own host effects (_micro_step)
+        self._micro_step_frame: FrameType | None = None
         self.sinks = 0
 
     def _profile(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event == "return" and frame is self._micro_step_frame:
+            self._micro_step_frame = None
         if event != "call":
             return
         filename = frame.f_code.co_filename
@@ -135,7 +142,12 @@ class CallRouteTracer(Callback):
         name = filename[filename.rindex("/lightning_sink/") + 1 :]
         if name == "lightning_sink/sink/loop.py" and frame.f_code.co_name == "_next_call":
             self.calls.append(set())
+        if name == "lightning_sink/sink/loop.py" and frame.f_code.co_name == "_micro_step":
+            self.micro_steps.append(set())
+            self._micro_step_frame = frame
         (self.calls[-1] if self.calls else self.segment).add(name)
+        if self._micro_step_frame is not None:
+            self.micro_steps[-1].add(name)
 
     def on_train_batch_start(self, trainer: pl.Trainer, module: pl.LightningModule, batch: Any, idx: int) -> None:
         self.sinks += 1
@@ -158,11 +170,14 @@ def compiled_route(steps: int, micro_steps_per_call: int | None) -> dict[str, An
     per_call = (4 * steps) // len(tracer.calls)
     # the call holding the window's last micro-batch: the window's N micro-batches end in call ceil(N / per call)
     window_end = tracer.calls[(steps - 1) // per_call]
+    own = tracer.micro_steps[steps - 1]  # the window-ending micro-batch's own host effects, after its call
     return {
         "micro_batches_per_call": per_call,
         "calls_in_sink": len(tracer.calls),
         "files": len(window_end),
         "compiled_files": sorted(window_end),
+        "micro_step_files": len(own),
+        "own_files": sorted(own),
         "segment_files": sorted(tracer.segment - window_end),
     }
 

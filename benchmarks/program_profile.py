@@ -44,8 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compiled_step import BATCH, build_with_inductor_options, make_data, spread
 
-from lightning_sink.compiled import StepPrograms
-from lightning_sink.compiled import step_programs as step_programs_module
+from lightning_sink.compiled import StepPrograms, program_compile
 
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::linear", "aten::matmul")
 COPY_OPS = ("aten::copy_", "aten::clone", "aten::_to_copy")
@@ -79,7 +78,7 @@ def category(name: str) -> str:
 def build(model_name: str, optimizer_name: str, calls: int, example: Any, cpp_wrapper: bool) -> StepPrograms:
     """The programs as the library builds them (``cpp_wrapper=True``), or with Inductor's Python wrapper, where
     the matrix multiplies are ATen calls the profiler records."""
-    library = step_programs_module.inductor_options
+    library = program_compile.inductor_options
 
     def python_wrapper(device: torch.device) -> dict[str, Any]:
         return {**(library(device) or {}), "cpp_wrapper": False}

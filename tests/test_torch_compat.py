@@ -19,7 +19,7 @@ from torch.distributed.tensor.placement_types import Shard
 
 import lightning_sink
 from lightning_sink import _torch_compat as compat
-from lightning_sink.compiled.step_programs import inductor_options
+from lightning_sink.compiled.program_compile import inductor_options
 from lightning_sink.layout.dcp_metadata import read_dcp_metadata
 
 PACKAGE = Path(lightning_sink.__file__).parent

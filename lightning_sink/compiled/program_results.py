@@ -1,5 +1,5 @@
-"""What a step program's call gives back: its outputs on the device, or, raised, that the program no longer
-applies."""
+"""What a step program's call gives back: its outputs on the device (a call of several: each position of a window
+stacked over the call's windows), or, raised, that the program no longer applies."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import Tensor
 
 from lightning_sink.compiled.metric_calls import MetricValue
 
-__all__ = ["ProgramUnavailable", "StepOutputs"]
+__all__ = ["ProgramUnavailable", "StackedRows", "StepOutputs"]
 
 
 class ProgramUnavailable(RuntimeError):
@@ -32,3 +32,21 @@ class StepOutputs:
     # resolved on the host by ``StepPrograms.host_logs`` (metric_calls.py)
     metric_calls: list[Any] = field(default_factory=list)
     references: dict[str, MetricValue] = field(default_factory=dict)
+
+
+class StackedRows:
+    """One position of a window's outputs, stacked over a call's windows (loss, logged values and Metric tensors,
+    and at the window's end found_inf, scale and skipped under a loss scale), split into rows once per call."""
+
+    def __init__(self, output: tuple) -> None:
+        loss, (logs, metric_tensors), *extra = output
+        self.losses = loss.unbind(0)
+        self.logs = {name: value.unbind(0) for name, value in logs.items()}
+        self.metric_tensors = [tensor.unbind(0) for tensor in metric_tensors]
+        self.extra = [tensor.unbind(0) for tensor in extra]
+
+    def micro_step(self, window: int, side: Any) -> tuple:
+        """The arguments of ``StepPrograms._outputs`` for this position in window ``window``."""
+        logs = {name: rows[window] for name, rows in self.logs.items()}
+        values = (logs, [rows[window] for rows in self.metric_tensors])
+        return (self.losses[window], values, side, *(rows[window] for rows in self.extra))

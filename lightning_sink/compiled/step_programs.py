@@ -23,16 +23,15 @@ the window's state (buffers, micro-step count) explicit in ``window``.
 The parts, one module each: the programs' bodies as they are traced (``traced_programs.py``), one micro-batch's
 forward and backward (``step_gradients.py``), the window's update (``window_update.py``), the window and the
 hyperparameter table (``program_state.py``), the sum across processes (``rank_sum.py``), what a call returns
-(``program_results.py``), and ``build_step_programs``'s checks and assembly (``program_build.py``). This module
+(``program_results.py``), how each is compiled (``program_compile.py``), and ``build_step_programs``'s checks and
+assembly (``program_build.py``). This module
 holds the object that compiles them and answers the calls.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
-import types
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -41,14 +40,14 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_sink._torch_compat import inductor_option_names, note_optimizer_step, random_draws_counted
+from lightning_sink._torch_compat import note_optimizer_step, random_draws_counted
+from lightning_sink.compiled import program_compile
 from lightning_sink.compiled.autocast_region import AutocastRegion
 from lightning_sink.compiled.cuda_graphs import CapturedProgram
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
-from lightning_sink.compiled.forward_compile import RANDOM_AS_EAGER
 from lightning_sink.compiled.logged_values import LoggedValues
 from lightning_sink.compiled.metric_calls import MetricCalls, join_tensors
-from lightning_sink.compiled.program_results import ProgramUnavailable, StepOutputs
+from lightning_sink.compiled.program_results import ProgramUnavailable, StackedRows, StepOutputs
 from lightning_sink.compiled.program_state import HyperTable, ProgramWindow, clone_tree
 from lightning_sink.compiled.rank_sum import RankSum
 from lightning_sink.compiled.scale_rule import scaler_tensors
@@ -62,41 +61,7 @@ __all__ = [
     "StepOutputs",
     "StepPrograms",
     "ProgramWindow",
-    "inductor_options",
 ]
-
-# why: ``inductor_options``; RANDOM_AS_EAGER: eager's random numbers (forward_compile.py)
-_CPU_INDUCTOR_OPTIONS = {"layout_optimization": False, "cpp_wrapper": True, **RANDOM_AS_EAGER}
-_PROGRAM_NUMBERS = itertools.count()
-
-
-def inductor_options(device: torch.device) -> dict[str, Any] | None:
-    """Inductor's settings for programs on ``device`` (None: its defaults).
-
-    On a CPU: ``layout_optimization`` off, so the programs keep the layouts the module's tensors have, as eager does.
-    Inductor otherwise lays every convolution's tensors out channels-last on a CPU; for the small convolutions of a
-    net trained on a CPU oneDNN's kernels in the tensors' own layout are faster, and the conversions between the two
-    layouts cost again (LeNet-5's pooling backward became a scatter into a channels-last copy), which made the
-    compiled step slower than eager's.
-    ``cpp_wrapper``: the generated kernels and ATen's (the convolutions, the matrix products) called from generated
-    C++ instead of Python, so a program's call costs one Python call rather than one per kernel.
-    ``fallback_random``: random operators (dropout) call eager's, so a program draws the numbers eager draws from
-    the same seed (``forward_compile.py``). Elsewhere (CUDA)
-    Inductor's defaults, with which the GPU figures of benchmarks/README.md were measured.
-    """
-    if device.type != "cpu":
-        return None
-    known = inductor_option_names()  # a setting this torch no longer has is left out, not an error at every build
-    return {name: value for name, value in _CPU_INDUCTOR_OPTIONS.items() if name in known}
-
-
-def _own_code(method: Any) -> Callable[..., Any]:
-    """``method`` with a code object of its own: torch.compile keeps its compiled variants (and their limit) per
-    code object, so each programs object gets its own instead of sharing, and filling, one cache with every other."""
-    function = method.__func__
-    code = function.__code__.replace(co_name=f"{function.__name__}_{next(_PROGRAM_NUMBERS)}")
-    copy = types.FunctionType(code, function.__globals__, code.co_name, function.__defaults__, function.__closure__)
-    return types.MethodType(copy, method.__self__)
 
 
 def _several_name(count: int, lengths: tuple[int, ...]) -> str:
@@ -104,31 +69,8 @@ def _several_name(count: int, lengths: tuple[int, ...]) -> str:
     return "several" if count == lengths[0] else f"several_{count}"
 
 
-class _Rows:
-    """One position of a window's outputs, stacked over a call's windows (loss, logged values and Metric tensors,
-    and at the window's end found_inf, scale and skipped under a loss scale), split into rows once per call."""
-
-    def __init__(self, output: tuple) -> None:
-        loss, (logs, metric_tensors), *extra = output
-        self.losses = loss.unbind(0)
-        self.logs = {name: value.unbind(0) for name, value in logs.items()}
-        self.metric_tensors = [tensor.unbind(0) for tensor in metric_tensors]
-        self.extra = [tensor.unbind(0) for tensor in extra]
-
-    def micro_step(self, window: int, side: Any) -> tuple:
-        """The arguments of ``StepPrograms._outputs`` for this position in window ``window``."""
-        logs = {name: rows[window] for name, rows in self.logs.items()}
-        values = (logs, [rows[window] for rows in self.metric_tensors])
-        return (self.losses[window], values, side, *(rows[window] for rows in self.extra))
-
-
 def _repeated(count: int, example: Any) -> list[Any]:
     return [example] * count
-
-
-def _compiled(program: Any, backend: str, options: dict[str, Any] | None) -> Callable[..., Any]:
-    """``program`` (a bound method) compiled as one whole graph, for the shapes of its first call."""
-    return torch.compile(_own_code(program), fullgraph=True, backend=backend, dynamic=False, options=options)
 
 
 class StepPrograms:
@@ -171,16 +113,16 @@ class StepPrograms:
         self._side: dict[str, Any] | None = None
         self._state = self._initial_state(data)
 
-        options = inductor_options(device) if backend == "inductor" else None
+        options = program_compile.compile_options(backend, device)
         # Inductor builds the random operators to draw eager's numbers, in eager's order (``fallback_random``)
         self.draws_as_eager = bool(options and options.get("fallback_random"))
         traced = self._traced
-        self._accumulate = _compiled(traced.accumulate_program, backend, options)
-        self._update = _compiled(traced.update_program, backend, options)
+        self._accumulate = program_compile.compiled(traced.accumulate_program, backend, options)
+        self._update = program_compile.compiled(traced.update_program, backend, options)
         # the eager route of the sum across processes: the update in two parts, the all-reduce between them
-        self._update_sum = _compiled(traced.update_sum_program, backend, options)
-        self._update_apply = _compiled(traced.update_apply_program, backend, options)
-        self._several = _compiled(traced.several_program, backend, options)
+        self._update_sum = program_compile.compiled(traced.update_sum_program, backend, options)
+        self._update_apply = program_compile.compiled(traced.update_apply_program, backend, options)
+        self._several = program_compile.compiled(traced.several_program, backend, options)
         self.compile_seconds: dict[str, float] = {}
         self.captured: dict[str, CapturedProgram] = {}
 
@@ -244,11 +186,12 @@ class StepPrograms:
         """The micro-batch's ``self.log`` values as the host hands them on, in the order they were logged: its
         Metric calls made first, on the real Metrics, eagerly (``metric_calls.py``), then a logged Metric as the
         object and a logged forward result as that call's result. Call once per ``StepOutputs``, in order."""
-        # (a CUDA graph's outputs are overwritten by its next replay; a Metric may keep its inputs: list states)
-        results = self.metric_calls.replay(clone_tree(out.metric_calls) if self.captured else out.metric_calls)
         logs: dict[str, Any] = dict(out.logs)
-        for name, reference in out.references.items():
-            logs[name] = self.metric_calls.resolve(reference, results)
+        if out.metric_calls or out.references:
+            # (a CUDA graph's outputs are overwritten by its next replay; a Metric may keep its inputs: list states)
+            results = self.metric_calls.replay(clone_tree(out.metric_calls) if self.captured else out.metric_calls)
+            for name, reference in out.references.items():
+                logs[name] = self.metric_calls.resolve(reference, results)
         order = [name for name in self.logged.options if name in logs]
         return {name: logs[name] for name in order + [name for name in logs if name not in order]}
 
@@ -312,7 +255,7 @@ class StepPrograms:
             with self._running():
                 stacked = self._several(self._state, batches if batches is not None else [None] * count)
         note_optimizer_step(self.rule.optimizer)
-        positions = [_Rows(output) for output in stacked]  # a window's positions, each stacked over the windows
+        positions = [StackedRows(output) for output in stacked]  # a window's positions, each stacked over the windows
         return [
             self._outputs(*position.micro_step(window, self._side))
             for window in range(count // self.several[1])

@@ -29,28 +29,27 @@ sink's start (the first update's learning rates) and its end (the last update's 
 ``end_update`` after each update inside the sink, which notes how many values each key had by then and the
 optimizers' settings the update left for the next one; ``flush`` then writes, for every update of the sink but the
 last, the values Lightning would have written at its step (read back in one transfer, only when a point is due),
-and runs each ``LearningRateMonitor``'s batch-start hook as of the update that followed it.
+and runs each ``LearningRateMonitor``'s batch-start hook as of the update that followed it
+(``sink/learning_rate_replay.py``).
 """
 
 from __future__ import annotations
 
 import inspect
 import numbers
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import LearningRateMonitor
 from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
-from torch.optim import Optimizer
 from torchmetrics import Metric
 
 from lightning_sink import _lightning_compat as compat
+from lightning_sink.sink.learning_rate_replay import LearningRateReplay, Settings
 
 __all__ = ["SinkLogBuffer"]
 
@@ -68,9 +67,6 @@ _REDUCTIONS: dict[Any, str] = {
     "min": "min",
     torch.min: "min",
 }
-
-# One optimizer's param-group settings (everything but the parameters), as LearningRateMonitor reads them.
-_Settings = list[dict[str, Any]]
 
 
 def _logs_at_update(trainer: pl.Trainer, update: int) -> bool:
@@ -111,7 +107,7 @@ class _Update:
 
     global_step: int
     counts: dict[str, int]
-    settings: list[_Settings] | None
+    settings: list[Settings] | None
 
 
 class SinkLogBuffer:
@@ -121,11 +117,7 @@ class SinkLogBuffer:
         self._module = module
         self._trainer = module.trainer
         self._stands_in = self.usable(module)
-        self._lr_monitors = [
-            callback
-            for callback in compat.trainer_settings(self._trainer).callbacks
-            if isinstance(callback, LearningRateMonitor)
-        ]
+        self._learning_rates = LearningRateReplay(module)
         self._keys: dict[str, _Key] = {}
         # each Metric logged in this sink: how it was last logged (Lightning gets it at the first and the last call)
         self._metric_logs: dict[str, _MetricLog] = {}
@@ -178,12 +170,12 @@ class SinkLogBuffer:
     def end_update(self) -> None:
         """Called by the strategy after each optimizer update inside the sink (after its LR schedulers stepped)."""
         self._micro_steps_since_update = 0
-        if not self._keys and not self._lr_monitors:
+        if not self._keys and not self._learning_rates.monitors:
             return  # nothing logged yet (keys are only added): the update has nothing to write
         trainer = self._trainer
         settings = None
-        if self._lr_monitors and trainer.loggers and _logs_at_update(trainer, trainer.global_step + 1):
-            settings = [_settings_of(optimizer) for optimizer in trainer.optimizers]
+        if self._learning_rates.monitors and trainer.loggers and _logs_at_update(trainer, trainer.global_step + 1):
+            settings = self._learning_rates.settings_now()
         self._updates.append(
             _Update(trainer.global_step, {name: len(key.values) for name, key in self._keys.items()}, settings)
         )
@@ -299,7 +291,7 @@ class SinkLogBuffer:
                 for logger in trainer.loggers:
                     logger.log_metrics(point, step=update.global_step - 1)
             if update.settings is not None:
-                self._replay_lr_monitors(update.global_step, update.settings)
+                self._learning_rates.replay(update.global_step, update.settings)
 
     def _read_step_values(self, due: list[_Update]) -> list[dict[str, float]]:
         """Each due update's step values by logged name; one read back for all of them."""
@@ -329,49 +321,6 @@ class SinkLogBuffer:
         if not options["sync_dist"] or options["rank_zero_only"] or trainer.world_size == 1:
             return values
         return trainer.strategy.reduce(values, group=options["sync_dist_group"], reduce_op=key.reduction)
-
-    def _replay_lr_monitors(self, global_step: int, settings: list[_Settings]) -> None:
-        """Each LearningRateMonitor's batch-start hook as Lightning would have run it at the next update's start:
-        at that logging step, with the optimizer settings of that moment."""
-        trainer = self._trainer
-        with (
-            _settings_applied(trainer.optimizers, settings),
-            compat.logging_step_set_to(trainer, global_step),
-        ):
-            for monitor in self._lr_monitors:
-                monitor.on_train_batch_start(trainer, self._module, None, 0)
-
-
-def _settings_of(optimizer: Optimizer) -> _Settings:
-    """A copy of every param group's settings; tensors (a tensor learning rate) are cloned, schedulers change
-    them in place."""
-    return [
-        {
-            name: value.clone() if isinstance(value, Tensor) else value
-            for name, value in group.items()
-            if name != "params"
-        }
-        for group in optimizer.param_groups
-    ]
-
-
-@contextmanager
-def _settings_applied(optimizers: list[Optimizer], settings: list[_Settings]) -> Iterator[None]:
-    """The optimizers' param groups with the given settings for the duration of the block; the very same objects
-    (a tensor learning rate a fused optimizer holds on to) are put back after it."""
-    current = [
-        [{name: value for name, value in group.items() if name != "params"} for group in optimizer.param_groups]
-        for optimizer in optimizers
-    ]
-    for optimizer, groups in zip(optimizers, settings):
-        for group, values in zip(optimizer.param_groups, groups):
-            group.update(values)
-    try:
-        yield
-    finally:
-        for optimizer, groups in zip(optimizers, current):
-            for group, values in zip(optimizer.param_groups, groups):
-                group.update(values)
 
 
 def _as_scalar_tensor(value: Any, device: torch.device) -> Tensor | None:

@@ -16,9 +16,8 @@ With the training data staged on the device (``sink/staging.py``) the build need
 gather their own from the staged dataset), and ``choose`` tells the
 staged data per sink whether the programs it returns gather (``StagedData.gathering``).
 
-The open window across sinks: the programs keep its fp32 sum in their own buffers during a sink; at each sink's end
-the sum is written into the window's store (which the checkpoint saves), and read back from it at the next sink's
-start (so a resume mid-window, or a window that runs on across sinks, continues exactly).
+The open window across sinks: the programs keep its fp32 sum in their own buffers during a sink, the window's store
+between sinks (``sink/programs/window_handover.py``).
 
 With ``micro_steps_per_call=M`` (> 1) the programs are built with one compiled program of M micro-steps as well
 (whole windows, ``StepPrograms.run_several``) where M is a multiple of the accumulation (and, staged, no more than a
@@ -39,7 +38,6 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from torch import Tensor
 
 from lightning_sink import _lightning_compat as compat
 from lightning_sink._torch_compat import inductor_cache_counts
@@ -50,6 +48,7 @@ from lightning_sink.sink.programs.build_notice import BuildNotice, cache_note, s
 from lightning_sink.sink.programs.compiled import CompiledAccumulate, CompiledSeveral, CompiledUpdate
 from lightning_sink.sink.programs.eager import SinkPrograms, SinkUpdates, choose_eager, choose_programs
 from lightning_sink.sink.programs.scheduler_lookahead import SchedulerLookahead
+from lightning_sink.sink.programs.window_handover import WindowHandover
 from lightning_sink.sink.staging import StagedData
 from lightning_sink.strategies.engine import StepEngine
 from lightning_sink.strategies.step_autocast import step_autocast
@@ -104,6 +103,7 @@ class CompiledProgramChooser:
         self._not_staged = staging.reason if isinstance(staging, Unavailable) else None
         self.micro_steps_per_call = micro_steps_per_call
         self.programs: StepPrograms | None = None
+        self._handover: WindowHandover | None = None  # the open window's sum between the store and the programs
         self.reason: str | None = None  # why there are no programs (then the eager pair runs)
         self._trainable: tuple[int, ...] = ()  # the parameters the programs were built over
         self.autocast: AutocastRegion | None = None  # the precision plugin's autocast, built into the forward
@@ -143,9 +143,10 @@ class CompiledProgramChooser:
             if reason is not None:
                 self._fall_back(reason)
                 return choose_programs(engine, updates)
-            self._load_window()
-        programs = self.programs
-        assert programs is not None
+            assert self._handover is not None
+            self._handover.into_programs()
+        programs, handover = self.programs, self._handover
+        assert programs is not None and handover is not None
         if self.staging is not None:
             self.staging.gathering = True
         copy_outputs = self.graph_mode == "cuda_graph"  # a replay overwrites the graph's outputs
@@ -157,7 +158,7 @@ class CompiledProgramChooser:
         return SinkPrograms(
             CompiledAccumulate(programs, engine, updates, copy_outputs),
             CompiledUpdate(programs, engine, updates, copy_outputs),
-            end_sink=self._save_window,
+            end_sink=handover.into_store,
             several=several,
         )
 
@@ -177,32 +178,6 @@ class CompiledProgramChooser:
     def _trainable_key(self) -> tuple[int, ...]:
         params = [p for group in self.engine.optimizer().param_groups for p in group["params"]]
         return tuple(sorted(id(p) for p in unique_trainable(params)))
-
-    def _views(self) -> list[tuple[Tensor, Tensor]]:
-        """Pairs (the store's view of a parameter's sum, the programs' buffer of it)."""
-        assert self.programs is not None
-        store = self.engine.window.store
-        if not isinstance(store, GradientAccumulator):
-            return []  # windows of one micro-step: never open at a sink's end
-        buffers = {id(param): buffer for param, buffer in zip(self.programs.params, self.programs.window.buffers)}
-        return [(view, buffers[id(param)]) for param, view in zip(store.params, store.views)]
-
-    def _load_window(self) -> None:
-        """The open window's sum, from the store (where a resume or the last sink left it), into the programs."""
-        assert self.programs is not None
-        store = self.engine.window.store
-        if not store.micro_steps:
-            return
-        for view, buffer in self._views():
-            buffer.copy_(view)
-        self.programs.window.micro_steps.fill_(float(store.micro_steps))
-
-    def _save_window(self) -> None:
-        """At a sink's end: an open window's sum into the store, which the checkpoint saves."""
-        if self.programs is None or not self.engine.window.store.micro_steps:
-            return
-        for view, buffer in self._views():
-            view.copy_(buffer)
 
     # ------------------------------------------------------------------ the decision
     def _run_reason(self) -> str | None:
@@ -279,7 +254,8 @@ class CompiledProgramChooser:
             return None
         self.programs = built
         self._trainable = self._trainable_key()
-        self._load_window()
+        self._handover = WindowHandover(built, engine.window)
+        self._handover.into_programs()
         parts = [type(engine.optimizer()).__name__]
         if scaling is not None and scaling.scaler is not None:
             parts.append("loss scale")
