@@ -4,13 +4,15 @@ programs with each route of the window's sum across the processes, per micro-ste
     python benchmarks/compiled_ddp.py [--repeats 5] [--sink 200] [--optimizers adamw] [--accumulation 1 4]
 
 Lightning's own launcher re-runs this script for rank 1; rank 0 prints. Tiny MLP 64-64-10, batch 32 per rank, one
-intra-op thread per process, CPU, gloo. Per configuration (optimizer x accumulation), three fits:
+intra-op thread per process, CPU, gloo. Per configuration (optimizer x accumulation), four fits:
 
 - **eager sink**: ``graph_mode="eager"``, the eager step programs and the reducer's one all-reduce per window;
 - **compile, eager sum**: ``graph_mode="compile"``, the update program compiled as two parts with the reducer's
   eager all-reduce of the flat bucket between them (``DDP_SUM_ROUTE = "eager"``);
 - **compile, traced sum**: ``graph_mode="compile"``, a functional all-reduce traced inside the one update program
-  (``DDP_SUM_ROUTE = "traced"``).
+  (``DDP_SUM_ROUTE = "traced"``);
+- **compile, default**: ``graph_mode="compile"`` with the call's length left to the build (several micro-steps per
+  call for this small step, the all-reduce traced inside the loop). The two before it run ``micro_steps_per_call=1``.
 
 Each fit runs ``1 + repeats`` sinks of ``--sink`` micro-batches (one sink per epoch), each timed from its
 ``on_train_batch_start`` to its ``on_train_batch_end``; the first (which builds the programs) is not counted. After
@@ -64,10 +66,12 @@ from common import make_model, quiet_trainer
 
 BATCH, WORLD = 32, 2
 OPTIMIZERS = ("sgd", "adamw")
+# name: (graph_mode, the route of the sum for one micro-step per call, micro_steps_per_call)
 FITS = {
-    "eager_sink": ("eager", None),
-    "compile_eager_sum": ("compile", "eager"),
-    "compile_traced_sum": ("compile", "traced"),
+    "eager_sink": ("eager", None, None),
+    "compile_eager_sum": ("compile", "eager", 1),
+    "compile_traced_sum": ("compile", "traced", 1),
+    "compile_default": ("compile", None, None),
 }
 
 
@@ -115,16 +119,19 @@ class Paired(pl.Callback):
 
 
 def fit(name: str, optimizer: str, accumulation: int, sink: int, repeats: int, data: TensorDataset, hand: DDPHandLoop):
-    graph_mode, route = FITS[name]
-    if route is not None:
-        compiled_choice.DDP_SUM_ROUTE = route
+    graph_mode, route, micro_steps_per_call = FITS[name]
+    compiled_choice.DDP_SUM_ROUTE = route or "eager"
     paired = Paired(sink, hand)
     report = CompileReport()
     rank_zero_logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     rank_zero_logger.addHandler(report)
     rank_zero_logger.setLevel(logging.INFO)  # (Lightning's other lines are silenced in main)
     strategy = SinkDDPStrategy(
-        accumulation_steps=accumulation, sink_size=sink, graph_mode=graph_mode, process_group_backend="gloo"
+        accumulation_steps=accumulation,
+        sink_size=sink,
+        graph_mode=graph_mode,
+        micro_steps_per_call=micro_steps_per_call,
+        process_group_backend="gloo",
     )
     try:
         trainer = quiet_trainer(strategy=strategy, devices=WORLD, max_epochs=1 + repeats, callbacks=[paired])
@@ -161,8 +168,9 @@ def measure(optimizer: str, accumulation: int, sink: int, repeats: int, data: Te
             medians[name] = statistics.median(ours)
             figures[f"{name}_{clock}us_per_step"] = round(1e6 * medians[name], 1)
             figures[f"{name}_{clock}vs_hand_loop"] = spread([h / s for h, s in zip(hands, ours)])
-        for name in ("compile_eager_sum", "compile_traced_sum"):
+        for name in ("compile_eager_sum", "compile_traced_sum", "compile_default"):
             figures[f"{name}_{clock}vs_eager_sink"] = round(medians["eager_sink"] / medians[name], 3)
+        figures[f"default_{clock}vs_one_per_call"] = round(medians["compile_eager_sum"] / medians["compile_default"], 3)
         figures[f"traced_sum_{clock}vs_eager_sum"] = round(
             medians["compile_eager_sum"] / medians["compile_traced_sum"], 3
         )

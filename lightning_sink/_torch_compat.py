@@ -40,6 +40,9 @@ __all__ = [
     "WeightsOnlyLoadPlanner",
     "compute_local_shape_and_global_offset",
     "inductor_option_names",
+    "backend_compiler",
+    "graph_output_examples",
+    "called_as",
     "init_fake_process_group",
     "flatten_state_dict",
     "set_element",
@@ -322,6 +325,38 @@ def inductor_option_names() -> frozenset[str]:
     import torch._inductor
 
     return frozenset(torch._inductor.list_options())
+
+
+def backend_compiler(backend: str, options: dict[str, Any] | None) -> Callable[[torch.fx.GraphModule, list], Any]:
+    """``torch.compile``'s backend ``backend`` as the function of (graph, example inputs) that TorchDynamo calls, with
+    Inductor's ``options`` applied as ``torch.compile(backend="inductor", options=options)`` applies them (a backend
+    other than Inductor takes no options)."""
+    if backend == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return functools.partial(compile_fx, config_patches=dict(options or {}))
+    if options:
+        raise ValueError(f"options={options!r} are Inductor's: backend={backend!r} takes none")
+    from torch._dynamo import lookup_backend
+
+    return lookup_backend(backend)
+
+
+def graph_output_examples(graph: torch.fx.GraphModule) -> list[Any]:
+    """The values TorchDynamo recorded for its graph's outputs while tracing (fake tensors: shape, stride, dtype,
+    device), in the order the graph returns them."""
+    output = next(node for node in graph.graph.nodes if node.op == "output")
+    returned = output.args[0]
+    nodes = returned if isinstance(returned, (tuple, list)) else (returned,)
+    return [node.meta.get("example_value") if isinstance(node, torch.fx.Node) else node for node in nodes]
+
+
+def called_as(compiled: Callable[..., Any], wrapper: Callable[..., Any]) -> Callable[..., Any]:
+    """``wrapper`` of a backend's compiled function, marked to be called as TorchDynamo calls ``compiled``: with one
+    list of inputs where the backend made it "boxed" (torch's private ``_boxed_call`` flag), else with the inputs."""
+    if getattr(compiled, "_boxed_call", False):
+        wrapper.__dict__["_boxed_call"] = True
+    return wrapper
 
 
 # FSDP2 keeps a window's partial sums where no public API reaches them. The four functions below are the only places

@@ -291,3 +291,31 @@ def test_random_draws_are_counted_per_random_operator_run():
         torch.randint(0, 3, (2,))
         (x + 1).relu()
     assert draws.count == 3
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_a_program_built_without_running_compiles_then_runs_as_torch_compile_would(backend: str):
+    # BuildWithoutRunning calls torch.compile's backend itself (backend_compiler), shapes its placeholders from
+    # TorchDynamo's recorded outputs (graph_output_examples) and keeps the backend's calling convention (called_as)
+    from lightning_sink.compiled.program_compile import BuildWithoutRunning, compiled
+
+    class Program:
+        def step(self, state: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            state["sum"].add_(x)
+            return (state["sum"] * 2).sum(), state["sum"].reshape(2, 2) + 1
+
+    options = inductor_options(torch.device("cpu")) if backend == "inductor" else None
+    quiet = BuildWithoutRunning(backend, options)
+    program = compiled(Program().step, quiet, None)
+    state = {"sum": torch.ones(4)}
+    with quiet.building():
+        total, shifted = program({"sum": state["sum"].clone()}, torch.ones(4))
+    assert total.shape == () and shifted.shape == (2, 2) and not total and not shifted.any()  # placeholders
+    expected = Program().step({"sum": torch.ones(4)}, torch.full((4,), 3.0))
+    calls = compat.compiled_graph_count()
+    total, shifted = program(state, torch.full((4,), 3.0))  # the graph built above, now run
+    assert compat.compiled_graph_count() == calls
+    assert torch.equal(total, expected[0]) and torch.equal(shifted, expected[1])
+    assert torch.equal(state["sum"], torch.full((4,), 4.0))
+    with pytest.raises(ValueError, match="Inductor's"):
+        compat.backend_compiler("aot_eager", {"fallback_random": True})

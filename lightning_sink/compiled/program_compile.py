@@ -3,17 +3,20 @@ for the device (``inductor_options``), each program with a code object of its ow
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
-from lightning_sink._torch_compat import inductor_option_names
+from lightning_sink._torch_compat import backend_compiler, called_as, graph_output_examples, inductor_option_names
 from lightning_sink.compiled.forward_compile import RANDOM_AS_EAGER
+from lightning_sink.compiled.traced_programs import TracedPrograms
 
-__all__ = ["compile_options", "compiled", "inductor_options"]
+__all__ = ["BuildWithoutRunning", "CompiledPrograms", "compile_options", "compiled", "inductor_options"]
 
 # why: ``inductor_options``; RANDOM_AS_EAGER: eager's random numbers (forward_compile.py)
 _CPU_INDUCTOR_OPTIONS = {"layout_optimization": False, "cpp_wrapper": True, **RANDOM_AS_EAGER}
@@ -54,6 +57,69 @@ def _own_code(method: Any) -> Callable[..., Any]:
     return types.MethodType(copy, method.__self__)
 
 
-def compiled(program: Any, backend: str, options: dict[str, Any] | None) -> Callable[..., Any]:
-    """``program`` (a bound method) compiled as one whole graph, for the shapes of its first call."""
+def compiled(program: Any, backend: str | BuildWithoutRunning, options: dict[str, Any] | None) -> Callable[..., Any]:
+    """``program`` (a bound method) compiled as one whole graph, for the shapes of its first call (``options``:
+    Inductor's, for ``backend="inductor"``; a ``BuildWithoutRunning`` holds its own)."""
     return torch.compile(_own_code(program), fullgraph=True, backend=backend, dynamic=False, options=options)
+
+
+class BuildWithoutRunning:
+    """A ``torch.compile`` backend (``backend`` with ``options``) whose programs compile without running while
+    ``building()`` is on: such a call compiles its graph and returns placeholders shaped as the graph's outputs.
+
+    For the programs whose graph communicates (the window's all-reduce traced into the update under DDP): building
+    them runs no collective, so a process whose build fails never leaves another waiting in one (the build's own
+    run is on copies of the state and its outputs are not read); the processes agree on what they built afterwards,
+    before any program runs (``sink/programs/compiled_choice.py``)."""
+
+    def __init__(self, backend: str, options: dict[str, Any] | None) -> None:
+        self._compile = backend_compiler(backend, options)
+        self._building = False
+
+    @contextmanager
+    def building(self) -> Iterator[None]:
+        self._building = True
+        try:
+            yield
+        finally:
+            self._building = False
+
+    def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        compiled = self._compile(graph, example_inputs)
+        outputs = graph_output_examples(graph)
+
+        def run(*args: Any) -> Any:
+            if self._building:
+                return [_placeholder(value) for value in outputs]
+            return compiled(*args)
+
+        return called_as(compiled, run)
+
+
+def _placeholder(example: Any) -> Any:
+    if not isinstance(example, torch.Tensor):
+        return example
+    return torch.empty_strided(example.shape, example.stride(), dtype=example.dtype, device=example.device).zero_()
+
+
+class CompiledPrograms:
+    """Each traced program (``traced_programs.py``) compiled for ``device`` with ``backend``: the accumulate and
+    update programs, the update in two parts (the eager route of the sum across processes: the all-reduce between
+    them) and the call of several. ``quiet``: built without running (``BuildWithoutRunning``), for programs with a
+    sum across processes traced in."""
+
+    def __init__(self, traced: TracedPrograms, backend: str, device: torch.device, quiet: bool) -> None:
+        options = compile_options(backend, device)
+        # Inductor builds the random operators to draw eager's numbers, in eager's order (``fallback_random``)
+        self.draws_as_eager = bool(options and options.get("fallback_random"))
+        self._quiet = BuildWithoutRunning(backend, options) if quiet else None
+        compiler, options = (backend, options) if self._quiet is None else (self._quiet, None)
+        self.accumulate = compiled(traced.accumulate_program, compiler, options)
+        self.update = compiled(traced.update_program, compiler, options)
+        self.update_sum = compiled(traced.update_sum_program, compiler, options)
+        self.update_apply = compiled(traced.update_apply_program, compiler, options)
+        self.several = compiled(traced.several_program, compiler, options)
+
+    def building(self) -> contextlib.AbstractContextManager[None]:
+        """Where the programs' first calls compile them: without running where they are built quietly."""
+        return self._quiet.building() if self._quiet is not None else contextlib.nullcontext()

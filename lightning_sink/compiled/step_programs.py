@@ -41,12 +41,12 @@ from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_sink._torch_compat import note_optimizer_step, random_draws_counted
-from lightning_sink.compiled import program_compile
 from lightning_sink.compiled.autocast_region import AutocastRegion
 from lightning_sink.compiled.cuda_graphs import CapturedProgram
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
 from lightning_sink.compiled.logged_values import LoggedValues
 from lightning_sink.compiled.metric_calls import MetricCalls, join_tensors
+from lightning_sink.compiled.program_compile import CompiledPrograms
 from lightning_sink.compiled.program_results import ProgramUnavailable, StackedRows, StepOutputs
 from lightning_sink.compiled.program_state import HyperTable, ProgramWindow, clone_tree
 from lightning_sink.compiled.rank_sum import RankSum
@@ -113,16 +113,10 @@ class StepPrograms:
         self._side: dict[str, Any] | None = None
         self._state = self._initial_state(data)
 
-        options = program_compile.compile_options(backend, device)
-        # Inductor builds the random operators to draw eager's numbers, in eager's order (``fallback_random``)
-        self.draws_as_eager = bool(options and options.get("fallback_random"))
-        traced = self._traced
-        self._accumulate = program_compile.compiled(traced.accumulate_program, backend, options)
-        self._update = program_compile.compiled(traced.update_program, backend, options)
-        # the eager route of the sum across processes: the update in two parts, the all-reduce between them
-        self._update_sum = program_compile.compiled(traced.update_sum_program, backend, options)
-        self._update_apply = program_compile.compiled(traced.update_apply_program, backend, options)
-        self._several = program_compile.compiled(traced.several_program, backend, options)
+        # a sum across processes traced into the programs: built without running them (no collective in the build)
+        quiet = self.rank_sum is not None and self.rank_sum.group is not None
+        self._compiled = CompiledPrograms(self._traced, backend, device, quiet)
+        self.draws_as_eager = self._compiled.draws_as_eager
         self.compile_seconds: dict[str, float] = {}
         self.captured: dict[str, CapturedProgram] = {}
 
@@ -200,7 +194,7 @@ class StepPrograms:
         if captured is not None:
             return captured(batch)
         with self._running():
-            return (self._accumulate if name == "accumulate" else self._update)(self._state, batch)
+            return (self._compiled.accumulate if name == "accumulate" else self._compiled.update)(self._state, batch)
 
     def accumulate(self, batch: Any = None) -> StepOutputs:
         """Run a micro-batch that does not end its window (``None``: the staged dataset's next one)."""
@@ -216,9 +210,9 @@ class StepPrograms:
         if self._sums_eagerly():
             assert self.rank_sum is not None and self.rank_sum.all_reduce is not None  # (what _sums_eagerly says)
             with self._running():
-                loss, values, side, flat = self._update_sum(self._state, batch)
+                loss, values, side, flat = self._compiled.update_sum(self._state, batch)
                 self.rank_sum.all_reduce(flat)
-                found_inf = self._update_apply(self._state, flat)
+                found_inf = self._compiled.update_apply(self._state, flat)
         else:
             loss, values, side, found_inf = self._call("update", batch)
         note_optimizer_step(self.rule.optimizer)
@@ -253,7 +247,7 @@ class StepPrograms:
             stacked = captured(batches)
         else:
             with self._running():
-                stacked = self._several(self._state, batches if batches is not None else [None] * count)
+                stacked = self._compiled.several(self._state, batches if batches is not None else [None] * count)
         note_optimizer_step(self.rule.optimizer)
         positions = [StackedRows(output) for output in stacked]  # a window's positions, each stacked over the windows
         return [
@@ -292,13 +286,21 @@ class StepPrograms:
         self.call_note = note
 
     def _eager_side(self, example_batch: Any) -> dict[str, Any]:
-        """What a micro-step returns besides tensors (its log options and Metric calls), from one eager run of the
-        accumulate program on copies of the state (nothing of the run changes, random numbers included)."""
-        device = self.params[0].device
-        devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), self._running():
-            *_, side = self._traced.accumulate_program(clone_tree(self._state), clone_tree(example_batch))
+        """What a micro-step returns besides tensors (its log options and Metric calls), from one eager run."""
+        *_, side = self._eager_run(example_batch)
         return side
+
+    def _eager_run(self, example_batch: Any) -> Any:
+        """The accumulate program run once eagerly on copies of the state (nothing of the run changes, random
+        numbers included)."""
+        with torch.random.fork_rng(devices=self._rng_devices), self._running():
+            return self._traced.accumulate_program(clone_tree(self._state), clone_tree(example_batch))
+
+    @property
+    def _rng_devices(self) -> list[torch.device]:
+        """The devices whose random state a run on copies of the state saves and restores besides the CPU's."""
+        device = self.params[0].device
+        return [device] if device.type == "cuda" else []
 
     def micro_step_flops(self, example_batch: Any) -> float:
         """The FLOPs of one micro-step's matrix multiplies and convolutions (forward and backward)."""
@@ -306,17 +308,9 @@ class StepPrograms:
 
     def micro_step_size(self, example_batch: Any) -> tuple[float, int]:
         """One micro-step's FLOPs (``micro_step_flops``) and the random operators it runs (dropout's draws...),
-        counted by running the accumulate program once eagerly on copies of the state (nothing of the run changes,
-        random numbers included)."""
-        device = self.params[0].device
-        devices = [device] if device.type == "cuda" else []
-        with (
-            torch.random.fork_rng(devices=devices),
-            self._running(),
-            FlopCounterMode(display=False) as counter,
-            random_draws_counted() as draws,
-        ):
-            self._traced.accumulate_program(clone_tree(self._state), clone_tree(example_batch))
+        counted in one eager run of the accumulate program (``_eager_run``)."""
+        with FlopCounterMode(display=False) as counter, random_draws_counted() as draws:
+            self._eager_run(example_batch)
         return float(counter.get_total_flops()), draws.count
 
     def step_seconds(self, example_batch: Any, accumulation_steps: int) -> tuple[float, float] | None:
@@ -326,8 +320,7 @@ class StepPrograms:
         a timed call alone is not the step: captured CUDA graphs, and a sum across processes (its collective)."""
         if self.captured or self.rank_sum is not None:
             return None
-        device = self.params[0].device
-        devices = [device] if device.type == "cuda" else []
+        devices = self._rng_devices
         state, batch = clone_tree(self._state), clone_tree(example_batch)
 
         def timed(program: Callable[..., Any], argument: Any) -> float:
@@ -338,7 +331,7 @@ class StepPrograms:
                 start = time.perf_counter()
                 program(state, argument)
                 if devices:
-                    torch.cuda.synchronize(device)
+                    torch.cuda.synchronize(devices[0])
                 runs.append(time.perf_counter() - start)
             return min(runs[1:])
 
@@ -348,9 +341,11 @@ class StepPrograms:
                 (steps - 1) * timed(traced.accumulate_program, batch) + timed(traced.update_program, batch)
             ) / steps
             if self.several is not None:
-                compiled = timed(self._several, [batch] * self.several[0]) / self.several[0]
+                compiled = timed(self._compiled.several, [batch] * self.several[0]) / self.several[0]
             else:
-                compiled = ((steps - 1) * timed(self._accumulate, batch) + timed(self._update, batch)) / steps
+                compiled = (
+                    (steps - 1) * timed(self._compiled.accumulate, batch) + timed(self._compiled.update, batch)
+                ) / steps
         return eager, compiled
 
     def _sums_eagerly(self) -> bool:
@@ -360,32 +355,33 @@ class StepPrograms:
     def _programs(self) -> list[tuple[str, Callable[..., Any], Callable[[Any], Any]]]:
         """Name, compiled program and how to make its batch argument from one example batch."""
         programs: list[tuple[str, Callable[..., Any], Callable[[Any], Any]]] = [
-            ("accumulate", self._accumulate, lambda example: example),
+            ("accumulate", self._compiled.accumulate, lambda example: example),
         ]
         if self._sums_eagerly():
             size = sum(param.numel() for param in self.params)
             flat = torch.zeros(size, dtype=torch.float32, device=self.params[0].device)
-            programs.append(("update_sum", self._update_sum, lambda example: example))
-            programs.append(("update_apply", self._update_apply, lambda example: flat))
+            programs.append(("update_sum", self._compiled.update_sum, lambda example: example))
+            programs.append(("update_apply", self._compiled.update_apply, lambda example: flat))
         else:
-            programs.append(("update", self._update, lambda example: example))
+            programs.append(("update", self._compiled.update, lambda example: example))
         for count in self.call_lengths:  # (one graph per length)
-            programs.append((_several_name(count, self.call_lengths), self._several, partial(_repeated, count)))
+            programs.append(
+                (_several_name(count, self.call_lengths), self._compiled.several, partial(_repeated, count))
+            )
         return programs
 
     def compile(self, example_batch: Any) -> None:
         """Compile both programs now, on copies of the state (nothing of the run changes, random numbers
-        included), timing each."""
-        device = self.params[0].device
-        devices = [device] if device.type == "cuda" else []
+        included), timing each; with a sum across processes traced in, without running them."""
+        devices = self._rng_devices
         if self.several is not None and self._side is None:
             self._side = self._eager_side(example_batch)
         for name, program, batch_of in self._programs():
             start = time.perf_counter()
-            with torch.random.fork_rng(devices=devices), self._running():
+            with torch.random.fork_rng(devices=devices), self._running(), self._compiled.building():
                 program(clone_tree(self._state), clone_tree(batch_of(example_batch)))
             if devices:
-                torch.cuda.synchronize(device)
+                torch.cuda.synchronize(devices[0])
             self.compile_seconds[name] = time.perf_counter() - start
 
     def capture(self, example_batch: Any) -> None:

@@ -50,8 +50,9 @@ class SinkDDPStrategy(SinkStrategyHooks, DDPStrategy):
             under DDP with several processes the batches keep the loader path (the fit's line on its programs says so).
         micro_steps_per_call: micro-batches (whole windows) per compiled call with ``graph_mode="compile"`` in sink
             mode; see ``SinkStrategy``. Above 1, the window's sum across the processes is traced into the program (a
-            functional all-reduce), as one call runs several updates. ``None`` (default) runs one per call under
-            several processes (the sum by the reducer's own all-reduce, between two compiled parts).
+            functional all-reduce), as one call runs several updates. ``None`` (default): decided from the step's size
+            as under ``SinkStrategy``, the same on every process (agreed after the build, which communicates
+            nothing); 1: the sum by the reducer's own all-reduce, between two compiled parts.
         **kwargs: everything ``lightning.pytorch.strategies.DDPStrategy`` takes (``process_group_backend``,
             ``start_method``, ``timeout``, ...).
     """

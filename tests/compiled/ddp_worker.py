@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -181,7 +182,7 @@ def several_per_call(out_dir: Path) -> None:
     with a device-data budget, and one call per micro-batch, in the same two processes."""
     result = {}
     for name, options in (
-        ("one_per_call", {}),
+        ("one_per_call", {"micro_steps_per_call": 1}),
         ("eight_per_call", {"micro_steps_per_call": 8, "device_data_budget": 2**30}),
     ):
         plugin = LossScalePrecision("32-true", DynamicLossScale(init_scale=2.0**10))
@@ -198,12 +199,36 @@ def scheduled_per_call(out_dir: Path) -> None:
     micro-batch, in the same two processes."""
     result = {}
     for name, options in (
-        ("one_per_call", {}),
+        ("one_per_call", {"micro_steps_per_call": 1}),
         ("eight_per_call", {"micro_steps_per_call": 8, "device_data_budget": 2**30}),
     ):
         result[name] = compiled_fit("adamw", 2, dataset(), options, one_cycle=True)
     if dist.get_rank() == 0:
         torch.save(result, out_dir / "scheduled_per_call.pt")
+
+
+def default_per_call(out_dir: Path) -> None:
+    """AdamW in windows of 2 with OneCycleLR stepped per update: the call's length left to the build (the default),
+    and one call per micro-batch, in the same two processes. With ``fail_loop_on_rank_1`` the loop over windows does
+    not build on rank 1 (as an operation torch's ``scan`` cannot hold would): every process then runs one micro-step
+    per call."""
+    result = {}
+    for name, options in (("one_per_call", {"micro_steps_per_call": 1}), ("default", {})):
+        result[name] = compiled_fit("adamw", 2, dataset(), options, one_cycle=True, max_steps=18)
+    if dist.get_rank() == 0:
+        torch.save(result, out_dir / f"{sys.argv[2]}.pt")
+
+
+def fail_loop_on_rank_1(out_dir: Path) -> None:
+    from lightning_sink.compiled import traced_programs
+
+    if os.environ.get("LOCAL_RANK") == "1":  # (Lightning's launcher runs this module again for rank 1)
+
+        def refused(*args: Any) -> Any:
+            raise RuntimeError("no loop on this process")
+
+        traced_programs.scan_loop = refused
+    default_per_call(out_dir)
 
 
 if __name__ == "__main__":
@@ -213,6 +238,8 @@ if __name__ == "__main__":
         "overflow": overflow,
         "several_per_call": several_per_call,
         "scheduled_per_call": scheduled_per_call,
+        "default_per_call": default_per_call,
+        "fail_loop_on_rank_1": fail_loop_on_rank_1,
     }
     workers[sys.argv[2]](Path(sys.argv[1]))
     dist.barrier()  # tear gloo down before the interpreter exits; a live process group can abort it at exit

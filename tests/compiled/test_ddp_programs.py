@@ -93,6 +93,36 @@ def test_a_step_scheduler_inside_calls_of_several_matches_one_call_per_micro_bat
     assert (several["lr"], several["betas"]) == (one["lr"], one["betas"])
 
 
+@pytest.mark.slow
+def test_the_default_call_length_under_ddp_matches_one_call_per_micro_batch(tmp_path):
+    """``SinkDDPStrategy(graph_mode="compile")`` with nothing else set: the build chooses several micro-steps per
+    call (calls of 8 from the loader) with the window's all-reduce inside the loop, and trains, with OneCycleLR
+    inside the calls, the same parameters, bit for bit, on both ranks, as one call per micro-batch (an overflow on
+    one rank inside such a call: ``test_an_overflow_on_one_rank_skips_the_window_on_both``)."""
+    result = launch(tmp_path, "default_per_call", timeout=900)
+    one, default = result["one_per_call"], result["default"]
+    for fit in (one, default):
+        assert_compiled(fit["said"])
+        assert fit["global_step"] == 18
+        assert torch.equal(fit["ranks"][0], fit["ranks"][1])
+    assert [line for line in default["said"] if "8 micro-steps per call" in line], default["said"]
+    assert torch.equal(default["ranks"][0], one["ranks"][0])
+    assert (default["lr"], default["betas"]) == (one["lr"], one["betas"])
+
+
+@pytest.mark.slow
+def test_a_loop_that_builds_on_one_process_only_runs_one_micro_step_per_call_everywhere(tmp_path):
+    """The loop over windows fails to build on rank 1 only (its build is refused there): no process waits for
+    another, both run one micro-step per call (the line says why), bit for bit as with ``micro_steps_per_call=1``."""
+    result = launch(tmp_path, "fail_loop_on_rank_1", timeout=900)
+    one, default = result["one_per_call"], result["default"]
+    assert_compiled(default["said"])
+    assert [line for line in default["said"] if "did not build on every process" in line], default["said"]
+    assert not [line for line in default["said"] if "8 micro-steps per call" in line], default["said"]
+    assert torch.equal(default["ranks"][0], default["ranks"][1])
+    assert torch.equal(default["ranks"][0], one["ranks"][0])
+
+
 def test_rank_sum_takes_one_route_and_several_ranks():
     with pytest.raises(ValueError, match="exactly one of group"):
         RankSum(2)

@@ -23,8 +23,8 @@ With ``micro_steps_per_call=M`` (> 1) the programs are built with one compiled p
 (whole windows, ``StepPrograms.run_several``) where M is a multiple of the accumulation (and, staged, no more than a
 sink stages), and ``choose`` adds a ``CompiledSeveral`` per call length to the pair (longest first; they share the
 segment's ``SchedulerLookahead``). With ``None`` (the default) the build decides M from the step's size, with a
-second call as long as a staged sink (``compiled/call_length.py``) on one process; under DDP and for CUDA graphs
-it is 1.
+second call as long as a staged sink (``compiled/call_length.py``), under DDP too (every process the same lengths,
+agreed after the build); for CUDA graphs it is 1.
 """
 
 from __future__ import annotations
@@ -66,12 +66,13 @@ __all__ = [
 # check.
 COMPILE_BACKEND = "inductor"
 
-# Under DDP, how the update program sums the window across the processes: "eager" (the update compiled as two parts,
-# the reducer's one all-reduce of the flat bucket run eagerly between them) or "traced" (a functional all-reduce
-# inside the one update program). "eager", because the two measured equal within their noise (benchmarks/compiled_ddp.py
-# and its README section) and the eager route is the safer one: its build communicates nothing, so a rank whose build
-# fails is caught by the ranks' agreement after the build (the traced build runs its all-reduce while compiling, and
-# the other rank would wait in it), and its collective is the reducer's own public all_reduce, as the eager pair's.
+# Under DDP, how the update program of one micro-step per call sums the window across the processes: "eager" (the
+# update compiled as two parts, the reducer's one all-reduce of the flat bucket run eagerly between them) or "traced"
+# (a functional all-reduce inside the one update program). "eager", because the two measured equal within their noise
+# (benchmarks/compiled_ddp.py and its README section) and its collective is the reducer's own public all_reduce, as
+# the eager pair's. A call of several micro-steps, and a build that chooses the call's length, trace it (the loop's
+# updates all run inside one call); such programs are built without running (``BuildWithoutRunning``), so no build
+# communicates and the processes agree on what they built afterwards (``_agreed``).
 DDP_SUM_ROUTE = "eager"
 
 # Hooks that run between a micro-batch's forward and the window's update: a compiled program would not call them.
@@ -244,11 +245,7 @@ class CompiledProgramChooser:
             accumulation_steps=engine.accumulation_steps if several != 1 else 1,
         )
         if engine.host.world_size > 1:
-            # every rank runs the same pair, or the ranks' all-reduces would not pair up
-            built_everywhere = trainer.strategy.reduce_boolean_decision(not isinstance(built, Unavailable), all=True)
-            if not built_everywhere and not isinstance(built, Unavailable):
-                built.rule.discard_created()
-                built = Unavailable("another process could not build its programs (its warning names the reason)")
+            built = self._agreed(built)
         if isinstance(built, Unavailable):
             self._fall_back(built.reason)
             return None
@@ -268,13 +265,32 @@ class CompiledProgramChooser:
         self.notice.after_build(figures)
         return built
 
+    def _agreed(self, built: StepPrograms | Unavailable) -> StepPrograms | Unavailable:
+        """What every process built (under DDP): the same pair and the same call lengths everywhere, or the
+        ranks' all-reduces would not pair up. A process without programs makes every process fall back; one whose
+        loop over windows did not build makes every process run one micro-step per call (each built those too)."""
+        strategy = self.engine.trainer.strategy
+        built_everywhere = strategy.reduce_boolean_decision(not isinstance(built, Unavailable), all=True)
+        if not built_everywhere:
+            if not isinstance(built, Unavailable):
+                built.rule.discard_created()
+            return Unavailable("another process could not build its programs (its warning names the reason)")
+        assert not isinstance(built, Unavailable)
+        first = strategy.broadcast(built.call_lengths, src=0)
+        if not strategy.reduce_boolean_decision(tuple(first) == built.call_lengths, all=True):
+            built.drop_several(
+                "one micro-step per call (the loop over windows did not build on every process: the line of the"
+                " one where it did not says why)"
+            )
+        return built
+
     def _call_length(self, data: Any) -> tuple[int | None, str | None]:
         """The micro-steps per compiled call to build (None: the build decides from the step's size), and why a
         step scheduler keeps the calls at one micro-step, where one does."""
         engine = self.engine
         several = self.micro_steps_per_call
-        if several is None and (engine.host.world_size > 1 or self.graph_mode == "cuda_graph"):
-            several = 1  # (DDP: the reducer's own all-reduce between two compiled parts; CUDA: not measured yet)
+        if several is None and self.graph_mode == "cuda_graph":
+            several = 1  # (several replays in one captured graph: not measured yet)
         if several is not None and several > 1 and several % engine.accumulation_steps:
             rank_zero_warn(
                 f"micro_steps_per_call={several} is not a multiple of the fit's accumulation_steps="
@@ -323,7 +339,7 @@ class CompiledProgramChooser:
         if self.engine.host.world_size == 1 or not isinstance(reducer, FlatAllReduce):
             return None
         ranks = self.engine.window.ranks_in_sum
-        if DDP_SUM_ROUTE == "traced" or (several or 1) > 1:
+        if DDP_SUM_ROUTE == "traced" or several is None or several > 1:
             return RankSum(ranks, group=dist.group.WORLD)
         return RankSum(ranks, all_reduce=reducer.sum_flat)
 
