@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from compiled_step import BATCH, Classifier, make_data, make_optimizer, spread
 
-from lightning_sink.compiled import StepPrograms, build_step_programs
+from lightning_sink.compiled import ProgramSettings, StepPrograms, build_step_programs
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
 
 from common import MODELS, make_model
@@ -61,7 +61,9 @@ def seeded_classifier(model_name: str) -> Classifier:
 def built(model_name: str, example: object, **options: object) -> tuple[Classifier, StepPrograms, float]:
     module = seeded_classifier(model_name)
     start = time.perf_counter()
-    programs = build_step_programs(module, make_optimizer("adamw", module.parameters()), example, **options)
+    programs = build_step_programs(
+        module, make_optimizer("adamw", module.parameters()), example, ProgramSettings(**options)
+    )
     if not isinstance(programs, StepPrograms):
         raise RuntimeError(f"the programs did not build: {programs}")
     return module, programs, time.perf_counter() - start

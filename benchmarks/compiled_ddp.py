@@ -59,7 +59,7 @@ from compiled_fit import Classifier, CompileReport, make_optimizer, spread
 
 import lightning_sink.sink.programs.compiled_choice as compiled_choice
 from lightning_sink import SinkDDPStrategy
-from lightning_sink.compiled import RankSum, StepPrograms, build_step_programs
+from lightning_sink.compiled import ProgramSettings, RankSum, StepPrograms, build_step_programs
 from lightning_sink.window import FlatAllReduce
 
 from common import make_model, quiet_trainer
@@ -184,7 +184,9 @@ def route_programs(route: str, optimizer: str, batch: Any) -> StepPrograms:
         rank_sum = RankSum(WORLD, group=dist.group.WORLD)
     else:
         rank_sum = RankSum(WORLD, all_reduce=FlatAllReduce.sum_flat)
-    programs = build_step_programs(module, make_optimizer(optimizer, module.parameters()), batch, rank_sum=rank_sum)
+    programs = build_step_programs(
+        module, make_optimizer(optimizer, module.parameters()), batch, ProgramSettings(rank_sum=rank_sum)
+    )
     if not isinstance(programs, StepPrograms):
         raise RuntimeError(f"the {route} route's programs were not built: {programs.reason}")
     return programs

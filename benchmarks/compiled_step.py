@@ -40,7 +40,7 @@ from torch.utils.data import TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from lightning_sink.compiled import StepPrograms, Unavailable, build_step_programs, program_compile
+from lightning_sink.compiled import ProgramSettings, StepPrograms, Unavailable, build_step_programs, program_compile
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
 
 from common import MODELS, make_model
@@ -82,7 +82,9 @@ def build_with_inductor_options(
     if options is not None:  # the build reads the module's function: swapped for this build only
         program_compile.inductor_options = options
     try:
-        programs = build_step_programs(module, optimizer, example, backend="inductor", micro_steps_per_call=calls)
+        programs = build_step_programs(
+            module, optimizer, example, ProgramSettings(backend="inductor", micro_steps_per_call=calls)
+        )
     finally:
         program_compile.inductor_options = chosen
     if not isinstance(programs, StepPrograms):
@@ -150,10 +152,10 @@ class Configuration:
             assert not isinstance(staged, Unavailable), staged.reason
             sink = SinkIndices(self.steps, BATCH, self.device)
             programs = build_step_programs(
-                model, model_optimizer, None, cuda_graph=True, data=(staged, sink), **several
+                model, model_optimizer, None, ProgramSettings(cuda_graph=True, data=(staged, sink), **several)
             )
         else:
-            programs = build_step_programs(model, model_optimizer, self.batches[0], **several)
+            programs = build_step_programs(model, model_optimizer, self.batches[0], ProgramSettings(**several))
         if isinstance(programs, Unavailable):
             raise SystemExit(f"{self.name}: no compiled programs: {programs.reason}")
         return model, programs, sink

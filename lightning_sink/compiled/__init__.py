@@ -5,6 +5,7 @@ from lightning_sink.compiled.autocast_region import AutocastRegion
 from lightning_sink.compiled.optimizer_rules import OptimizerRule
 from lightning_sink.compiled.program_build import build_step_programs
 from lightning_sink.compiled.program_results import ProgramUnavailable, StepOutputs
+from lightning_sink.compiled.program_settings import ProgramSettings
 from lightning_sink.compiled.program_state import ProgramWindow
 from lightning_sink.compiled.rank_sum import RankSum
 from lightning_sink.compiled.step_programs import StepPrograms
@@ -13,6 +14,7 @@ from lightning_sink.compiled.support import Unavailable
 __all__ = [
     "AutocastRegion",
     "OptimizerRule",
+    "ProgramSettings",
     "ProgramUnavailable",
     "RankSum",
     "StepOutputs",

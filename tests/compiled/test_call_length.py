@@ -19,7 +19,7 @@ from torch.utils.data import TensorDataset
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_sink import SinkStrategy
-from lightning_sink.compiled import StepPrograms, build_step_programs, call_length, traced_programs
+from lightning_sink.compiled import ProgramSettings, StepPrograms, build_step_programs, call_length, traced_programs
 from lightning_sink.compiled.call_length import LONGEST_CALL, LOOP_STEP_FLOPS, default_micro_steps, longest_call
 from tests.compiled.test_lightning_fit import (
     Net,
@@ -95,7 +95,9 @@ def test_the_flops_read_are_a_plain_forward_and_backward_and_change_nothing():
     batch = (torch.randn(16, 8), torch.randint(0, 4, (16,)))
     with FlopCounterMode(display=False) as counter:
         F.cross_entropy(copy.deepcopy(module.net)(batch[0]), batch[1]).backward()
-    programs = build_step_programs(module, optimizer, batch, backend="aot_eager", micro_steps_per_call=None)
+    programs = build_step_programs(
+        module, optimizer, batch, ProgramSettings(backend="aot_eager", micro_steps_per_call=None)
+    )
     assert isinstance(programs, StepPrograms), programs
     before = flat(module.net), torch.random.get_rng_state()
     assert programs.micro_step_flops(batch) == counter.get_total_flops() > 0
@@ -194,7 +196,7 @@ def test_two_random_draws_a_window_that_must_be_eagers_keep_one_micro_step_per_c
 def test_the_random_draws_read_are_the_steps_own_and_change_nothing():
     module = Wide(64)  # one dropout
     batch = (torch.randn(16, 8), torch.randint(0, 4, (16,)))
-    programs = build_step_programs(module, module.configure_optimizers(), batch, backend="aot_eager")
+    programs = build_step_programs(module, module.configure_optimizers(), batch, ProgramSettings(backend="aot_eager"))
     assert isinstance(programs, StepPrograms), programs
     state = torch.random.get_rng_state()
     assert programs.micro_step_size(batch) == (programs.micro_step_flops(batch), 1)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from lightning_sink.compiled import StepPrograms, build_step_programs
+from lightning_sink.compiled import ProgramSettings, StepPrograms, build_step_programs
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
 from lightning_sink.loss_scale import DynamicLossScale
 from tests.compiled.models import OPTIMIZERS, Classifier, eager_loop, make_batches, max_relative_difference, windows_of
@@ -31,9 +31,9 @@ def test_cuda_graph_programs_over_the_staged_dataset_match_the_plain_loop_withou
         model,
         optimizer,
         None,
-        loss_scale=DynamicLossScale(init_scale=2.0**10, scale_window=3),
-        cuda_graph=True,
-        data=(staged, sink),
+        ProgramSettings(
+            loss_scale=DynamicLossScale(init_scale=2.0**10, scale_window=3), cuda_graph=True, data=(staged, sink)
+        ),
     )
     assert isinstance(programs, StepPrograms), programs
     rows = [list(range(6 * i, 6 * i + 6)) for i in range(64)]
@@ -61,7 +61,7 @@ def test_cuda_graph_programs_follow_a_step_scheduler_without_recapture():
         OPTIMIZERS["adamw"](reference.parameters()),
     )
     # aot_eager: the capture and the refresh are what this test is about (the other test compiles with inductor)
-    programs = build_step_programs(model, optimizer, batches[0], cuda_graph=True, backend="aot_eager")
+    programs = build_step_programs(model, optimizer, batches[0], ProgramSettings(cuda_graph=True, backend="aot_eager"))
     assert isinstance(programs, StepPrograms), programs
     graphs = dict(programs.captured)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)

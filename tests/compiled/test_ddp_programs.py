@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_sink.compiled import RankSum, StepPrograms, build_step_programs
+from lightning_sink.compiled import ProgramSettings, RankSum, StepPrograms, build_step_programs
 from lightning_sink.loss_scale import DynamicLossScale
 from tests.compiled.models import OPTIMIZERS, Classifier, make_batches
 from tests.distributed import run_launched
@@ -152,9 +152,7 @@ def test_the_two_part_update_sums_what_the_all_reduce_returns(monkeypatch):
             module,
             optimizer,
             batches[0],
-            loss_scale=DynamicLossScale(init_scale=2.0**4),
-            backend="aot_eager",
-            rank_sum=rank_sum,
+            ProgramSettings(loss_scale=DynamicLossScale(init_scale=2.0**4), backend="aot_eager", rank_sum=rank_sum),
         )
         assert isinstance(built[name], StepPrograms)
     for i, batch in enumerate(batches[:4]):  # windows of 2

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from lightning_sink.compiled import StepPrograms, Unavailable, build_step_programs
+from lightning_sink.compiled import ProgramSettings, StepPrograms, Unavailable, build_step_programs
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
 from tests.compiled.models import OPTIMIZERS, Classifier, eager_loop, max_relative_difference
 
@@ -78,7 +78,7 @@ def test_programs_reading_the_staged_dataset_match_the_plain_loop():
     )
     staged = DeviceDataset.stage(data, CPU, budget_bytes=10**6)
     sink = SinkIndices(capacity=8, batch_size=6, device=CPU)
-    programs = build_step_programs(model, optimizer, None, backend="aot_eager", data=(staged, sink))
+    programs = build_step_programs(model, optimizer, None, ProgramSettings(backend="aot_eager", data=(staged, sink)))
     assert isinstance(programs, StepPrograms)
     for start in (0, 8):  # two sinks of 8 micro-batches, windows of 2
         sink.load(rows[start : start + 8])

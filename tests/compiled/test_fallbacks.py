@@ -9,7 +9,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_sink.compiled import ProgramUnavailable, StepPrograms, Unavailable, build_step_programs
+from lightning_sink.compiled import ProgramSettings, ProgramUnavailable, StepPrograms, Unavailable, build_step_programs
 from tests.compiled.models import OPTIMIZERS, Classifier, eager_loop, make_batches, max_relative_difference, windows_of
 
 
@@ -76,7 +76,7 @@ def test_each_unsupported_case_says_why_and_leaves_the_eager_run_as_it_was(case)
     make_module, make_optimizer, says = CASES[case]
     module = make_module()
     optimizer = make_optimizer(module.parameters())
-    result = build_step_programs(module, optimizer, make_batches(1)[0], backend="aot_eager")
+    result = build_step_programs(module, optimizer, make_batches(1)[0], ProgramSettings(backend="aot_eager"))
     assert isinstance(result, Unavailable)
     assert says in result.reason and "\n" not in result.reason
     if case in ("closure optimizer", "manual optimization"):
@@ -95,7 +95,7 @@ def test_a_graph_break_is_refused_at_build_and_changes_nothing():
     model.training_step = host_read_step(model)
     optimizer = OPTIMIZERS["adam"](model.parameters())
     before = copy.deepcopy(model.state_dict())
-    result = build_step_programs(model, optimizer, make_batches(1)[0], backend="aot_eager")
+    result = build_step_programs(model, optimizer, make_batches(1)[0], ProgramSettings(backend="aot_eager"))
     assert isinstance(result, Unavailable)
     assert result.reason.startswith("training_step did not compile to one graph (")
     assert result.reason.endswith("make it traceable or use graph_mode='eager'")
@@ -106,7 +106,7 @@ def test_a_graph_break_is_refused_at_build_and_changes_nothing():
 def test_a_flag_changed_after_the_build_stops_the_update_program():
     model = Classifier()
     optimizer = OPTIMIZERS["sgd"](model.parameters())
-    programs = build_step_programs(model, optimizer, make_batches(1)[0], backend="aot_eager")
+    programs = build_step_programs(model, optimizer, make_batches(1)[0], ProgramSettings(backend="aot_eager"))
     assert isinstance(programs, StepPrograms)
     optimizer.param_groups[0]["nesterov"] = False
     with pytest.raises(ProgramUnavailable, match=r"param_groups\[0\]\['nesterov'\] changed from True to False"):
@@ -128,4 +128,4 @@ def test_a_flag_changed_after_the_build_stops_the_update_program():
 def test_bad_arguments_are_refused_naming_them(kwargs, message):
     model = Classifier()
     with pytest.raises(ValueError, match=message):
-        build_step_programs(model, OPTIMIZERS["sgd"](model.parameters()), make_batches(1)[0], **kwargs)
+        build_step_programs(model, OPTIMIZERS["sgd"](model.parameters()), make_batches(1)[0], ProgramSettings(**kwargs))

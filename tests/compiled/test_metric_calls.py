@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_sink.compiled import Unavailable, build_step_programs
+from lightning_sink.compiled import ProgramSettings, Unavailable, build_step_programs
 from tests.compiled.models import make_batches
 
 
@@ -44,7 +44,7 @@ def test_the_metric_sees_the_eager_steps_calls_and_logs_resolve_to_them():
     eager_net, eager_acc = nn.Linear(8, 4), MulticlassAccuracy(num_classes=4)
     eager_net.load_state_dict(module.net.state_dict())
     programs = build_step_programs(
-        module, torch.optim.SGD(module.parameters(), lr=0.1), make_batches(1)[0], backend="aot_eager"
+        module, torch.optim.SGD(module.parameters(), lr=0.1), make_batches(1)[0], ProgramSettings(backend="aot_eager")
     )
     assert not isinstance(programs, Unavailable), programs
     eager_optimizer = torch.optim.SGD(eager_net.parameters(), lr=0.1)
@@ -66,7 +66,7 @@ def test_the_metric_sees_the_eager_steps_calls_and_logs_resolve_to_them():
 def test_a_forward_result_used_in_arithmetic_is_refused_naming_the_metric():
     module = MetricStep(use="arithmetic")
     programs = build_step_programs(
-        module, torch.optim.SGD(module.parameters(), lr=0.1), make_batches(1)[0], backend="aot_eager"
+        module, torch.optim.SGD(module.parameters(), lr=0.1), make_batches(1)[0], ProgramSettings(backend="aot_eager")
     )
     assert isinstance(programs, Unavailable)
     assert programs.reason.startswith("training_step uses the result of torchmetrics Metric `self.acc`(...)")

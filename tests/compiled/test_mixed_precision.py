@@ -23,7 +23,7 @@ from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, P
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from lightning_sink.compiled import AutocastRegion, Unavailable, build_step_programs
+from lightning_sink.compiled import AutocastRegion, ProgramSettings, Unavailable, build_step_programs
 from lightning_sink.loss_scale import DynamicLossScale, FixedLossScale
 from lightning_sink.precision import LossScalePrecision
 from lightning_sink.strategies.step_autocast import step_autocast
@@ -155,9 +155,9 @@ def test_a_program_forward_and_backward_under_autocast_are_eager_autocast_bit_fo
         module,
         optimizer,
         batches[0],
-        loss_scale=loss_scale,
-        backend="aot_eager",
-        autocast=AutocastRegion("cpu", dtype, cache_enabled=False),
+        ProgramSettings(
+            loss_scale=loss_scale, backend="aot_eager", autocast=AutocastRegion("cpu", dtype, cache_enabled=False)
+        ),
     )
     assert not isinstance(programs, Unavailable), programs
     scale = 1.0 if loss_scale is None else loss_scale.loss_scale
@@ -200,4 +200,6 @@ def test_bad_autocast_settings_are_refused_naming_the_argument():
     with pytest.raises(ValueError, match="device_type='tpu' is not valid"):
         AutocastRegion("tpu", torch.bfloat16)
     with pytest.raises(ValueError, match="autocast='bf16' is not valid"):
-        build_step_programs(Classifier(), torch.optim.SGD(Classifier().parameters(), lr=0.1), None, autocast="bf16")
+        build_step_programs(
+            Classifier(), torch.optim.SGD(Classifier().parameters(), lr=0.1), None, ProgramSettings(autocast="bf16")
+        )

@@ -8,7 +8,7 @@ import torch
 import lightning_sink.loss_scale as loss_scale
 import lightning_sink.window.state as window_state
 from lightning_sink import SinkStrategy
-from lightning_sink.compiled import StepPrograms, build_step_programs
+from lightning_sink.compiled import ProgramSettings, StepPrograms, build_step_programs
 from lightning_sink.loss_scale import DynamicLossScale, LossScaler
 from tests.compiled.models import Classifier, make_batches
 from tests.helpers import TinyClassifier, flat_params, loader, make_dataset, quiet_trainer
@@ -20,7 +20,7 @@ def tripling_rule(config, state, overflow) -> None:
 
 def compiled_programs(model: torch.nn.Module, example, **kwargs) -> StepPrograms:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    programs = build_step_programs(model, optimizer, example, backend="aot_eager", **kwargs)
+    programs = build_step_programs(model, optimizer, example, ProgramSettings(backend="aot_eager", **kwargs))
     assert isinstance(programs, StepPrograms), programs
     return programs
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from lightning_sink.compiled import StepPrograms, build_step_programs
+from lightning_sink.compiled import ProgramSettings, StepPrograms, build_step_programs
 from lightning_sink.loss_scale import DynamicLossScale
 from tests.compiled.models import (
     OPTIMIZERS,
@@ -33,7 +33,9 @@ UPDATES = 100
 
 
 def build(model, optimizer, example, **kwargs) -> StepPrograms:
-    programs = build_step_programs(model, optimizer, example, backend=kwargs.pop("backend", BACKEND), **kwargs)
+    programs = build_step_programs(
+        model, optimizer, example, ProgramSettings(backend=kwargs.pop("backend", BACKEND), **kwargs)
+    )
     assert isinstance(programs, StepPrograms), programs
     return programs
 
@@ -210,10 +212,13 @@ def test_several_micro_steps_per_call_run_whole_windows():
     model = Classifier()
     with pytest.raises(ValueError, match=r"micro_steps_per_call=6 is not a multiple of accumulation_steps=4"):
         build_step_programs(
-            model, OPTIMIZERS["sgd"](model.parameters()), None, micro_steps_per_call=6, accumulation_steps=4
+            model,
+            OPTIMIZERS["sgd"](model.parameters()),
+            None,
+            ProgramSettings(micro_steps_per_call=6, accumulation_steps=4),
         )
     with pytest.raises(ValueError, match=r"micro_steps_per_call=0 is not valid: pass an int >= 1"):
-        build_step_programs(model, OPTIMIZERS["sgd"](model.parameters()), None, micro_steps_per_call=0)
+        build_step_programs(model, OPTIMIZERS["sgd"](model.parameters()), None, ProgramSettings(micro_steps_per_call=0))
 
 
 def test_dropout_draws_the_eager_random_numbers_on_the_cpu():

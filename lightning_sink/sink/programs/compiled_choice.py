@@ -42,8 +42,16 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning_sink import _lightning_compat as compat
 from lightning_sink._torch_compat import inductor_cache_counts
 from lightning_sink.accumulation import GradientAccumulator, SingleStepGradients, unique_trainable
-from lightning_sink.compiled import AutocastRegion, RankSum, StepPrograms, Unavailable, build_step_programs
+from lightning_sink.compiled import (
+    AutocastRegion,
+    ProgramSettings,
+    RankSum,
+    StepPrograms,
+    Unavailable,
+    build_step_programs,
+)
 from lightning_sink.compiled.build_record import BuildFigures
+from lightning_sink.sink.programs.build_agreement import agreed_build
 from lightning_sink.sink.programs.build_notice import BuildNotice, cache_note, step_times
 from lightning_sink.sink.programs.compiled import CompiledAccumulate, CompiledSeveral, CompiledUpdate
 from lightning_sink.sink.programs.eager import SinkPrograms, SinkUpdates, choose_eager, choose_programs
@@ -72,7 +80,7 @@ COMPILE_BACKEND = "inductor"
 # (benchmarks/compiled_ddp.py and its README section) and its collective is the reducer's own public all_reduce, as
 # the eager pair's. A call of several micro-steps, and a build that chooses the call's length, trace it (the loop's
 # updates all run inside one call); such programs are built without running (``BuildWithoutRunning``), so no build
-# communicates and the processes agree on what they built afterwards (``_agreed``).
+# communicates and the processes agree on what they built afterwards (``build_agreement.py``).
 DDP_SUM_ROUTE = "eager"
 
 # Hooks that run between a micro-batch's forward and the window's update: a compiled program would not call them.
@@ -233,19 +241,21 @@ class CompiledProgramChooser:
             trainer.lightning_module,
             engine.optimizer(),
             batch,
-            loss_scale=None if scaling is None else scaling.scaler,
-            gradient_clip_val=clip_val,
-            gradient_clip_algorithm=algorithm,
-            backend=COMPILE_BACKEND,
-            cuda_graph=self.graph_mode == "cuda_graph",
-            autocast=self.autocast,
-            rank_sum=self._rank_sum(several),
-            data=data,
-            micro_steps_per_call=several,
-            accumulation_steps=engine.accumulation_steps if several != 1 else 1,
+            ProgramSettings(
+                loss_scale=None if scaling is None else scaling.scaler,
+                gradient_clip_val=clip_val,
+                gradient_clip_algorithm=algorithm,
+                backend=COMPILE_BACKEND,
+                cuda_graph=self.graph_mode == "cuda_graph",
+                autocast=self.autocast,
+                rank_sum=self._rank_sum(several),
+                data=data,
+                micro_steps_per_call=several,
+                accumulation_steps=engine.accumulation_steps if several != 1 else 1,
+            ),
         )
         if engine.host.world_size > 1:
-            built = self._agreed(built)
+            built = agreed_build(trainer.strategy, built)
         if isinstance(built, Unavailable):
             self._fall_back(built.reason)
             return None
@@ -263,25 +273,6 @@ class CompiledProgramChooser:
         took = f"{seconds:.1f} s{cache_note(cache_before, inductor_cache_counts())}{step_times(figures)}"
         rank_zero_info(self._build_line(built, parts, self._length_note(built, several, not_scheduled), took))
         self.notice.after_build(figures)
-        return built
-
-    def _agreed(self, built: StepPrograms | Unavailable) -> StepPrograms | Unavailable:
-        """What every process built (under DDP): the same pair and the same call lengths everywhere, or the
-        ranks' all-reduces would not pair up. A process without programs makes every process fall back; one whose
-        loop over windows did not build makes every process run one micro-step per call (each built those too)."""
-        strategy = self.engine.trainer.strategy
-        built_everywhere = strategy.reduce_boolean_decision(not isinstance(built, Unavailable), all=True)
-        if not built_everywhere:
-            if not isinstance(built, Unavailable):
-                built.rule.discard_created()
-            return Unavailable("another process could not build its programs (its warning names the reason)")
-        assert not isinstance(built, Unavailable)
-        first = strategy.broadcast(built.call_lengths, src=0)
-        if not strategy.reduce_boolean_decision(tuple(first) == built.call_lengths, all=True):
-            built.drop_several(
-                "one micro-step per call (the loop over windows did not build on every process: the line of the"
-                " one where it did not says why)"
-            )
         return built
 
     def _call_length(self, data: Any) -> tuple[int | None, str | None]:
