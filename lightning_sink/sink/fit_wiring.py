@@ -158,7 +158,6 @@ def _staging(
     budget = settings.device_data_budget
     conditions = StagingConditions(
         graph_mode=settings.graph_mode,
-        world_size=host.world_size,
         prefetch_depth=prefetch_depth,
         direct_transfer=engine.hooks.direct_transfer,
         converts_input=type(host.precision_plugin).convert_input is not Precision.convert_input,

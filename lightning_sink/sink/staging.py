@@ -10,7 +10,8 @@ its generators, the sampler epoch per data pass and the base-seed draw advance e
 Which loaders are staged (``plan_staging``; any other keeps the loader path, and the fit's info line on the compiled
 programs says why):
 
-- sink mode on one process (``SinkStrategy``), ``graph_mode`` ``"compile"`` or ``"cuda_graph"``;
+- sink mode, ``graph_mode`` ``"compile"`` or ``"cuda_graph"`` (under DDP each process stages the dataset and
+  gathers the batches of its own share, the indices its ``DistributedSampler`` draws);
 - a loader that sink mode reads by indexing (``indexed_batches.reads_by_indexing``: a ``DataLoader`` reading in
   this process without pinning, ``default_collate``, a plain ``BatchSampler`` over one of torch's integer samplers)
   whose dataset is a ``TensorDataset`` itself (not a ``Subset``), with a length;
@@ -84,8 +85,6 @@ class StagingConditions:
 
     graph_mode: str
     """The strategy's ``graph_mode``: only ``"compile"`` and ``"cuda_graph"`` run the programs that gather."""
-    world_size: int
-    """The number of processes: staging runs on one (``SinkStrategy``)."""
     prefetch_depth: int
     """The stream's settled ``prefetch_depth``: staging reads in the training thread (0)."""
     direct_transfer: bool
@@ -107,8 +106,6 @@ def plan_staging(
     graph_mode, prefetch_depth = conditions.graph_mode, conditions.prefetch_depth
     if graph_mode not in ("compile", "cuda_graph"):
         return Unavailable(f"graph_mode={graph_mode!r} runs no whole-step programs")
-    if conditions.world_size > 1:
-        return Unavailable("staging runs on one process (SinkStrategy)")
     if not reads_by_indexing(loader) or type(loader.dataset) is not TensorDataset:
         return Unavailable(
             "the training loader is not a DataLoader over a TensorDataset read by indexing (default_collate, no"

@@ -46,8 +46,8 @@ class SinkDDPStrategy(SinkStrategyHooks, DDPStrategy):
         sink_size, prefetch_depth, graph_mode, checkpoint_random_state: sink mode, graph sinking and the random
             generators in checkpoints (per rank); see ``SinkStrategy``.
         checkpoint_digests: the tensor digests of each ``.ckpt``; see ``SinkStrategy``.
-        device_data_budget: see ``SinkStrategy``; the training data is staged on the device for one process only, so
-            under DDP with several processes the batches keep the loader path (the fit's line on its programs says so).
+        device_data_budget: see ``SinkStrategy``; each process stages the training set and gathers the batches of its
+            own share (the indices its ``DistributedSampler`` draws).
         micro_steps_per_call: micro-batches (whole windows) per compiled call with ``graph_mode="compile"`` in sink
             mode; see ``SinkStrategy``. Above 1, the window's sum across the processes is traced into the program (a
             functional all-reduce), as one call runs several updates. ``None`` (default): decided from the step's size

@@ -208,12 +208,17 @@ def scheduled_per_call(out_dir: Path) -> None:
 
 
 def default_per_call(out_dir: Path) -> None:
-    """AdamW in windows of 2 with OneCycleLR stepped per update: the call's length left to the build (the default),
-    and one call per micro-batch, in the same two processes. With ``fail_loop_on_rank_1`` the loop over windows does
+    """AdamW in windows of 2 with OneCycleLR stepped per update: the call's length left to the build (the default:
+    the data staged, a whole sink per call), one call per micro-batch, and one call per micro-batch read by the
+    loader path (``device_data_budget=0``), in the same two processes. With ``fail_loop_on_rank_1`` the loop over windows does
     not build on rank 1 (as an operation torch's ``scan`` cannot hold would): every process then runs one micro-step
     per call."""
     result = {}
-    for name, options in (("one_per_call", {"micro_steps_per_call": 1}), ("default", {})):
+    for name, options in (
+        ("one_per_call", {"micro_steps_per_call": 1}),
+        ("loader_path", {"micro_steps_per_call": 1, "device_data_budget": 0}),
+        ("default", {}),
+    ):
         result[name] = compiled_fit("adamw", 2, dataset(), options, one_cycle=True, max_steps=18)
     if dist.get_rank() == 0:
         torch.save(result, out_dir / f"{sys.argv[2]}.pt")

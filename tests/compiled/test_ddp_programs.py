@@ -95,18 +95,23 @@ def test_a_step_scheduler_inside_calls_of_several_matches_one_call_per_micro_bat
 
 @pytest.mark.slow
 def test_the_default_call_length_under_ddp_matches_one_call_per_micro_batch(tmp_path):
-    """``SinkDDPStrategy(graph_mode="compile")`` with nothing else set: the build chooses several micro-steps per
-    call (calls of 8 from the loader) with the window's all-reduce inside the loop, and trains, with OneCycleLR
-    inside the calls, the same parameters, bit for bit, on both ranks, as one call per micro-batch (an overflow on
-    one rank inside such a call: ``test_an_overflow_on_one_rank_skips_the_window_on_both``)."""
+    """``SinkDDPStrategy(graph_mode="compile")`` with nothing else set: each process stages the training set and
+    gathers its own share's batches, the build chooses several micro-steps per call (a whole staged sink of 12, and
+    calls of 8) with the window's all-reduce inside the loop, and trains, with OneCycleLR inside the calls, the same
+    parameters, bit for bit, on both ranks, as one call per micro-batch, staged or read by the loader path (an
+    overflow on one rank inside such a call: ``test_an_overflow_on_one_rank_skips_the_window_on_both``)."""
     result = launch(tmp_path, "default_per_call", timeout=900)
-    one, default = result["one_per_call"], result["default"]
-    for fit in (one, default):
+    one, loader, default = result["one_per_call"], result["loader_path"], result["default"]
+    for fit in (one, loader, default):
         assert_compiled(fit["said"])
         assert fit["global_step"] == 18
         assert torch.equal(fit["ranks"][0], fit["ranks"][1])
-    assert [line for line in default["said"] if "8 micro-steps per call" in line], default["said"]
+    built = [line for line in default["said"] if "8 micro-steps per call" in line]
+    assert len(built) == 1 and "12 per call for a whole staged sink" in built[0], default["said"]
+    assert "gathered on the device from the training set staged there" in built[0]
+    assert [line for line in loader["said"] if "batches read by the loader path" in line], loader["said"]
     assert torch.equal(default["ranks"][0], one["ranks"][0])
+    assert torch.equal(default["ranks"][0], loader["ranks"][0])  # staging changes nothing of what is trained
     assert (default["lr"], default["betas"]) == (one["lr"], one["betas"])
 
 
