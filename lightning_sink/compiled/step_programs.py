@@ -158,7 +158,8 @@ class StepPrograms:
 
     @contextlib.contextmanager
     def _running(self) -> Iterator[None]:
-        with self.logged.installed_on(self.module), self.metric_calls.installed_on():
+        metrics = self.metric_calls.installed_on() if self.metric_calls.metrics else contextlib.nullcontext()
+        with self.logged.installed_on(self.module), metrics:
             yield
 
     def _outputs(
@@ -173,7 +174,7 @@ class StepPrograms:
         """One micro-batch's ``StepOutputs`` from what its program returned."""
         logs, metric_tensors = values
         self.logged.options.update(side["options"])
-        calls = join_tensors(side["calls"], list(metric_tensors))
+        calls = join_tensors(side["calls"], list(metric_tensors)) if side["calls"] else []
         return StepOutputs(loss, logs, found_inf, scale, skipped, calls, side["references"])
 
     def host_logs(self, out: StepOutputs) -> dict[str, Any]:
