@@ -1,5 +1,6 @@
-"""``build_step_programs``: its arguments checked (a wrong one raises ``ValueError``; a module or optimizer the
-programs cannot run is ``Unavailable``), the ``StepPrograms`` assembled, the length of a call decided where the
+"""``build_step_programs``: the module, optimizer and batch checked (a module or optimizer the programs cannot run is
+``Unavailable``; a placement that cannot work raises ``ValueError``, as a wrong setting does when its
+``ProgramSettings`` is made), the ``StepPrograms`` assembled, the length of a call decided where the
 caller left it to the build, and every program compiled (and on CUDA captured) before the first call; a failure to
 compile is ``Unavailable`` too, nothing of the run changed."""
 
