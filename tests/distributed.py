@@ -40,6 +40,7 @@ __all__ = [
     "run_launched",
     "run_nodes",
     "spawn",
+    "leave_the_group_and_exit",
 ]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,19 +164,25 @@ def init_process_group(rank: int, world_size: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
 
 
-def _run_then_leave_the_group(rank: int, target: Callable[..., None], *args: Any) -> None:
-    """One spawned rank: ``target``, then the process group destroyed after a barrier, so no rank's interpreter exits
-    while gloo still holds a connection to another (its background thread then aborts the process). A rank whose
-    target succeeded then exits at once, without the interpreter's teardown: rarely (a few CI runs in many), a rank
-    of a 4-process FSDP2 + tensor-parallel run aborted there with "terminate called without an active exception"
-    after its work and the group's destruction were done, failing a run that had passed."""
-    target(rank, *args)
+def leave_the_group_and_exit() -> None:
+    """The end of a rank whose work succeeded: the process group destroyed after a barrier, so no rank's interpreter
+    exits while gloo still holds a connection to another (its background thread then aborts the process), then the
+    process ended at once with status 0, without the interpreter's teardown: rarely (a few CI runs in many), a rank
+    aborted there with "terminate called without an active exception" after its work and the group's destruction
+    were done (a 4-process FSDP2 + tensor-parallel run, a 2-process Lightning launch), failing a run that had
+    passed."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _run_then_leave_the_group(rank: int, target: Callable[..., None], *args: Any) -> None:
+    """One spawned rank: ``target``, then ``leave_the_group_and_exit``."""
+    target(rank, *args)
+    leave_the_group_and_exit()
 
 
 def spawn(target: Callable[..., None], world_size: int, init_file: str | Path, *args: Any) -> None:

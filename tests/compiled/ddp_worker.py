@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_sink.sink.programs.compiled_choice as compiled_choice
 from lightning_sink import DynamicLossScale, LossScalePrecision, SinkDDPStrategy
+from tests.distributed import leave_the_group_and_exit
 from tests.helpers import quiet_trainer
 
 WORLD, MICRO, PER_RANK = 2, 4, 48  # micro-batches per rank in the data pass
@@ -247,5 +248,4 @@ if __name__ == "__main__":
         "fail_loop_on_rank_1": fail_loop_on_rank_1,
     }
     workers[sys.argv[2]](Path(sys.argv[1]))
-    dist.barrier()  # tear gloo down before the interpreter exits; a live process group can abort it at exit
-    dist.destroy_process_group()
+    leave_the_group_and_exit()  # (tests/distributed.py: the group torn down before the process ends)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_sink import SinkDDPStrategy
-from tests.distributed import CollectiveCounter
+from tests.distributed import CollectiveCounter, leave_the_group_and_exit
 from tests.helpers import TinyClassifier, loader, make_dataset, quiet_trainer
 
 MICRO_BATCH = 4
@@ -212,6 +212,4 @@ if __name__ == "__main__":
         "max_time": max_time_scenario,
     }[sys.argv[6]]
     scenario(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))
-    # Tear gloo down before the interpreter exits; a live process group can abort the process at exit.
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_the_group_and_exit()  # (tests/distributed.py: the group torn down before the process ends)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_sink import DynamicLossScale, LossScalePrecision, SinkModelParallelStrategy
-from tests.distributed import CollectiveCounter
+from tests.distributed import CollectiveCounter, leave_the_group_and_exit
 from tests.helpers import loader, make_dataset, quiet_trainer
 from tests.strategies.mp_models import InjectingTPClassifier, TPClassifier, full_parameters
 
@@ -149,6 +149,4 @@ SCENARIOS = {"train": train_scenario, "loss_scale": loss_scale_scenario, "sink":
 if __name__ == "__main__":
     for scenario in sys.argv[2:]:
         SCENARIOS[scenario](Path(sys.argv[1]))
-    # Tear gloo down before the interpreter exits; a live process group can abort the process at exit.
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_the_group_and_exit()  # (tests/distributed.py: the group torn down before the process ends)

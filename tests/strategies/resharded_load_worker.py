@@ -25,6 +25,7 @@ from lightning.pytorch.callbacks import Callback
 
 from lightning_sink import SinkModelParallelStrategy
 from lightning_sink.callbacks import ReshardCheckpoint
+from tests.distributed import leave_the_group_and_exit
 from tests.helpers import loader, make_dataset, quiet_trainer
 from tests.strategies.mp_models import TPClassifier, full_parameters
 
@@ -139,5 +140,4 @@ def fail(out: Path) -> None:
 
 if __name__ == "__main__":
     {"train": train, "resume": resume, "fail": fail}[sys.argv[2]](Path(sys.argv[1]))
-    dist.barrier()
-    dist.destroy_process_group()  # before the interpreter exits: a live process group can abort it
+    leave_the_group_and_exit()  # (tests/distributed.py: the group torn down before the process ends)

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_sink import SinkModelParallelStrategy
 from lightning_sink.checkpoint_format import save_digests
+from tests.distributed import leave_the_group_and_exit
 from tests.helpers import loader, make_dataset, quiet_trainer
 from tests.strategies.mp_models import TPClassifier
 
@@ -115,6 +116,4 @@ def main(out_dir: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
-    # Tear gloo down before the interpreter exits; a live process group can abort the process at exit.
-    dist.barrier()
-    dist.destroy_process_group()
+    leave_the_group_and_exit()  # (tests/distributed.py: the group torn down before the process ends)
