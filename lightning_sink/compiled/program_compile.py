@@ -1,5 +1,7 @@
 """How a step program is compiled: ``torch.compile`` over the whole program, one graph, with Inductor's settings
-for the device (``inductor_options``), each program with a code object of its own."""
+for the device (``inductor_options``), each program with a code object of its own (``compiled``); one
+``StepPrograms``' five compiled programs (``CompiledPrograms``); and, for programs with a sum across processes
+traced in, a backend that builds them without running them (``BuildWithoutRunning``)."""
 
 from __future__ import annotations
 
@@ -70,7 +72,7 @@ class BuildWithoutRunning:
     For the programs whose graph communicates (the window's all-reduce traced into the update under DDP): building
     them runs no collective, so a process whose build fails never leaves another waiting in one (the build's own
     run is on copies of the state and its outputs are not read); the processes agree on what they built afterwards,
-    before any program runs (``sink/programs/compiled_choice.py``)."""
+    before any program runs (``sink/programs/build_agreement.py``)."""
 
     def __init__(self, backend: str, options: dict[str, Any] | None) -> None:
         self._compile = backend_compiler(backend, options)
