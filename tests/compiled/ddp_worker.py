@@ -225,6 +225,53 @@ def default_per_call(out_dir: Path) -> None:
         torch.save(result, out_dir / f"{sys.argv[2]}.pt")
 
 
+class LoggingNet(Net):
+    def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+def against_stock(out_dir: Path) -> None:
+    """The same run with and without sinking: stock Lightning's ``DDPStrategy`` (``accumulate_grad_batches=2``, no
+    sinking, eager) and ``SinkDDPStrategy(sink_size=12, graph_mode="compile")`` with nothing else set (staged data,
+    the build's call length), a shuffled loader, AdamW with OneCycleLR stepped per update, the loss logged."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    result = {}
+    for name in ("stock", "sink"):
+        model = LoggingNet("adamw", one_cycle=True)
+        if name == "stock":
+            strategy: Any = DDPStrategy(process_group_backend="gloo")
+            options: dict[str, Any] = {"accumulate_grad_batches": 2}
+        else:
+            strategy = SinkDDPStrategy(
+                accumulation_steps=2, sink_size=12, graph_mode="compile", process_group_backend="gloo"
+            )
+            options = {}
+        trainer = quiet_trainer(strategy=strategy, devices=WORLD, max_steps=18, **options)
+        lines = Lines()
+        rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+        rank_zero.addHandler(lines)
+        rank_zero.setLevel(logging.INFO)
+        try:
+            trainer.fit(model, DataLoader(dataset(), batch_size=MICRO, shuffle=True))
+        finally:
+            rank_zero.removeHandler(lines)
+        params = flat(model.net)
+        gathered = [torch.empty_like(params) for _ in range(WORLD)]
+        dist.all_gather(gathered, params)
+        result[name] = {
+            "ranks": gathered,
+            "global_step": trainer.global_step,
+            "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "train_loss": float(trainer.callback_metrics["train_loss"]),
+            "said": lines.lines,
+        }
+    if dist.get_rank() == 0:
+        torch.save(result, out_dir / "against_stock.pt")
+
+
 def fail_loop_on_rank_1(out_dir: Path) -> None:
     from lightning_sink.compiled import traced_programs
 
@@ -246,6 +293,7 @@ if __name__ == "__main__":
         "scheduled_per_call": scheduled_per_call,
         "default_per_call": default_per_call,
         "fail_loop_on_rank_1": fail_loop_on_rank_1,
+        "against_stock": against_stock,
     }
     workers[sys.argv[2]](Path(sys.argv[1]))
     leave_the_group_and_exit()  # (tests/distributed.py: the group torn down before the process ends)

@@ -128,6 +128,24 @@ def test_a_loop_that_builds_on_one_process_only_runs_one_micro_step_per_call_eve
     assert torch.equal(default["ranks"][0], one["ranks"][0])
 
 
+@pytest.mark.slow
+def test_the_default_compiled_sink_under_ddp_trains_as_stock_lightning_without_sinking(tmp_path):
+    """Stock Lightning's ``DDPStrategy`` with ``accumulate_grad_batches=2`` and ``SinkDDPStrategy(sink_size=12,
+    graph_mode="compile")`` with its defaults (staged data, several micro-steps per call), a shuffled loader,
+    OneCycleLR per update: the same updates, learning rate, logged loss and parameters (within the compiled
+    programs' rounding)."""
+    result = launch(tmp_path, "against_stock", timeout=900)
+    stock, sink = result["stock"], result["sink"]
+    assert_compiled(sink["said"])
+    assert [line for line in sink["said"] if "per call for a whole staged sink" in line], sink["said"]
+    assert sink["global_step"] == stock["global_step"] == 18
+    assert sink["lr"] == pytest.approx(stock["lr"], rel=1e-12)
+    assert sink["train_loss"] == pytest.approx(stock["train_loss"], rel=1e-5)
+    for fit in (stock, sink):
+        assert torch.equal(fit["ranks"][0], fit["ranks"][1])
+    assert relative_error(sink["ranks"][0], stock["ranks"][0]) <= 1e-5
+
+
 def test_rank_sum_takes_one_route_and_several_ranks():
     with pytest.raises(ValueError, match="exactly one of group"):
         RankSum(2)
