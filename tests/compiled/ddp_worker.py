@@ -130,6 +130,12 @@ def compiled_fit(
     )
     # an epoch is one sink of 12 micro-batches here: 4 of them read the data pass once
     trainer = quiet_trainer(strategy=strategy, devices=WORLD, max_epochs=4, **kwargs)
+    return fit_and_say(trainer, model, DataLoader(data, batch_size=MICRO, shuffle=False))
+
+
+def fit_and_say(trainer: pl.Trainer, model: Net, loader: DataLoader) -> dict:
+    """``trainer.fit``, then both ranks' parameters, the step, the learning rate and betas, and what the fit said:
+    its info lines and warnings."""
     lines = Lines()
     rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     rank_zero.addHandler(lines)
@@ -137,7 +143,7 @@ def compiled_fit(
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer.fit(model, DataLoader(data, batch_size=MICRO, shuffle=False))
+            trainer.fit(model, loader)
     finally:
         rank_zero.removeHandler(lines)
     params = flat(model.net)
@@ -250,24 +256,8 @@ def against_stock(out_dir: Path) -> None:
             )
             options = {}
         trainer = quiet_trainer(strategy=strategy, devices=WORLD, max_steps=18, **options)
-        lines = Lines()
-        rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
-        rank_zero.addHandler(lines)
-        rank_zero.setLevel(logging.INFO)
-        try:
-            trainer.fit(model, DataLoader(dataset(), batch_size=MICRO, shuffle=True))
-        finally:
-            rank_zero.removeHandler(lines)
-        params = flat(model.net)
-        gathered = [torch.empty_like(params) for _ in range(WORLD)]
-        dist.all_gather(gathered, params)
-        result[name] = {
-            "ranks": gathered,
-            "global_step": trainer.global_step,
-            "lr": trainer.optimizers[0].param_groups[0]["lr"],
-            "train_loss": float(trainer.callback_metrics["train_loss"]),
-            "said": lines.lines,
-        }
+        result[name] = fit_and_say(trainer, model, DataLoader(dataset(), batch_size=MICRO, shuffle=True))
+        result[name]["train_loss"] = float(trainer.callback_metrics["train_loss"])
     if dist.get_rank() == 0:
         torch.save(result, out_dir / "against_stock.pt")
 
