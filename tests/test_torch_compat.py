@@ -8,7 +8,9 @@ import inspect
 import subprocess
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -108,7 +110,7 @@ def test_the_checked_reader_and_weights_only_planner_load_a_real_folder(tmp_path
 def test_only_torch_compat_imports_private_torch_modules():
     offenders = []
     for path in PACKAGE.rglob("*.py"):
-        if path.name == "_torch_compat.py":
+        if "_torch_compat" in path.relative_to(PACKAGE).parts:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = (
@@ -220,7 +222,7 @@ def test_only_torch_compat_reads_private_torch_attributes():
     private = {"_checkpoint_offset"}
     offenders = []
     for path in PACKAGE.rglob("*.py"):
-        if path.name == "_torch_compat.py":
+        if "_torch_compat" in path.relative_to(PACKAGE).parts:
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr in private:
@@ -262,7 +264,13 @@ def test_the_traced_all_reduce_is_one_graph_with_torch_compile(tmp_path: Path):
 
 def test_the_inductor_settings_of_the_cpu_programs_are_known_to_this_torch():
     # the step programs leave out a setting Inductor no longer has (builds go on with its default); this fails instead
-    cpu_settings = {"layout_optimization": False, "cpp_wrapper": True, "fallback_random": True}
+    scan = {"torch.ops.higher_order.scan": torch.__version__}
+    cpu_settings = {
+        "layout_optimization": False,
+        "cpp_wrapper": True,
+        "fallback_random": True,
+        "unsafe_marked_cacheable_functions": scan,
+    }
     assert set(cpu_settings) <= compat.inductor_option_names()
     assert inductor_options(torch.device("cpu")) == cpu_settings
     assert inductor_options(torch.device("meta")) is None
@@ -281,16 +289,67 @@ def test_the_inductor_cache_counts_see_a_graph_stored_and_then_reused(tmp_path: 
     torch._dynamo.reset()
 
 
-def test_random_draws_are_counted_per_random_operator_run():
-    net = torch.nn.Sequential(
-        torch.nn.Linear(4, 4), torch.nn.Dropout(0.5), torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)
+def test_a_loop_is_kept_in_inductors_caches_and_another_loop_is_not_taken_for_it(tmp_path: Path, monkeypatch):
+    """With ``cached_loops_option`` (in the programs' settings) a graph holding torch's ``scan`` is stored in Inductor's cache and read back by
+    the next compile of the same loop; a loop whose body differs (in one constant) is compiled apart, and each
+    gives its own result."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+
+    def doubled(carry: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return carry + (x * 2).sum(), x.sum().reshape(1)
+
+    def tripled(carry: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return carry + (x * 3).sum(), x.sum().reshape(1)
+
+    def loop(body: Callable[..., Any]) -> Callable[..., Any]:
+        options = inductor_options(torch.device("cpu"))  # the programs' settings: cached_loops_option among them
+        return torch.compile(
+            lambda carry, xs: compat.scan_loop(body, carry, xs),
+            backend="inductor",
+            fullgraph=True,
+            dynamic=False,
+            options=options,
+        )
+
+    start, xs = torch.zeros(()), torch.ones(4, 3)
+    results = []
+    for body in (doubled, doubled, tripled):
+        torch._dynamo.reset()  # forget the compiled function: the next compile looks in the cache
+        hits, _ = compat.inductor_cache_counts()
+        results.append((loop(body)(start, xs)[0].item(), compat.inductor_cache_counts()[0] - hits))
+    assert results == [(24.0, 0), (24.0, 1), (36.0, 0)]
+    torch._dynamo.reset()
+
+
+def test_a_loop_holds_random_draws_kept_in_eagers_order():
+    """Three dropouts in the body of torch's ``scan`` built by Inductor with eager's random numbers
+    (``fallback_random``, which orders the draws with ``control_deps``): with the rule the loop builds, and its
+    carry, which every mask reaches, equals the same steps run eagerly from the same seed, bit for bit."""
+
+    def body(carry: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.nn.functional.dropout(x + carry, 0.2, training=True)
+        h = torch.nn.functional.dropout(h.relu(), 0.3, training=True)
+        h = torch.nn.functional.dropout(h * 2, 0.5, training=True)
+        return carry + h.sum() * 0.01, h.sum().reshape(1)
+
+    compat.let_loops_order_random_draws()
+    compat.let_loops_order_random_draws()  # (once per process: a second call changes nothing)
+    torch._dynamo.reset()
+    xs, start = torch.randn(20, 4, 3), torch.zeros(())
+    looped = torch.compile(
+        lambda carry, xs: compat.scan_loop(body, carry, xs),
+        backend="inductor",
+        fullgraph=True,
+        options={"fallback_random": True},
     )
-    x = torch.randn(3, 4)
-    with compat.random_draws_counted() as draws:
-        net(x).sum().backward()  # two dropouts forward; their backward draws nothing
-        torch.randint(0, 3, (2,))
-        (x + 1).relu()
-    assert draws.count == 3
+    torch.manual_seed(5)
+    carry, _ = looped(start, xs)
+    torch.manual_seed(5)
+    expected = start
+    for x in xs:
+        expected, _ = body(expected, x)
+    assert torch.equal(carry, expected)
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])

@@ -15,10 +15,12 @@ state):
   window unrolled);
 - otherwise one micro-step per call: the entry cost is lost in the step's own work, and the loop's second copy of
   a large model's state is not;
-- and one micro-step per call where a window draws random numbers twice or more (two dropouts, or one in a window
-  of two) that must be eager's (Inductor on a CPU, ``fallback_random``): Inductor keeps such draws in eager's order
-  with an operation (``control_deps``) that its loop cannot hold, so the loop would not build. Any other loop that
-  does not build leaves the same one-micro-step programs (``program_build.py``), at the cost of the failed try.
+- a loop that does not build leaves the same one-micro-step programs (``program_build.py``), at the cost of the
+  failed try.
+
+Random draws that must be eager's (dropout under Inductor on a CPU, ``fallback_random``) run in the loop as well:
+Inductor keeps them in eager's order with an operation (``control_deps``) that torch's lowering of the loop could
+not trace until ``_torch_compat.let_loops_order_random_draws`` gave it the rule.
 
 Measured on a CPU (benchmarks/README.md): for the tiny MLP (about 0.65 MFLOP a micro-step) a call of 8 ran several
 times faster than one micro-step per call; for LeNet-5 at batch 32 (about 72 MFLOP), whose convolutions dominate its
@@ -29,8 +31,11 @@ a call's entry (under a millisecond) is a few percent.
 With staged data a step therefore also gets a call as long as the sink (``longest_call``: the sink's staged
 micro-batches, up to ``LONGEST_CALL``), so a whole sink is one call where its segment allows; the host loop runs
 each segment's calls longest first, then calls of the short length, then one micro-step per call for what is left.
-Each length is one compiled graph of the same program; neither grows with ``sink_size`` beyond that. On a GPU, a
-CUDA graph's replay costs little per call and several per call has not been measured there yet: one per call.
+With staged data one graph of the loop serves both lengths (the number of windows is a size the graph leaves
+open; a call of one window is a graph of its own); from a loader, and for programs built without running (a sum
+across processes traced in), each length is a graph of its own. Neither grows
+with ``sink_size``. On a GPU, a CUDA graph's replay costs little per call and several per call has not been
+measured there yet: one per call.
 """
 
 from __future__ import annotations
@@ -55,24 +60,15 @@ def default_micro_steps(
     accumulation_steps: int,
     device_type: str,
     capacity: int | None = None,
-    ordered_random_draws: int = 0,
 ) -> tuple[int, str]:
     """Micro-steps per call for a micro-step of ``step_flops`` in windows of ``accumulation_steps`` on
-    ``device_type`` (``capacity``: the most micro-steps a call may gather from the staged data;
-    ``ordered_random_draws``: the random operators a micro-step runs whose numbers must be eager's, in eager's
-    order), with the reason in words for the fit's line about its programs."""
+    ``device_type`` (``capacity``: the most micro-steps a call may gather from the staged data), with the reason
+    in words for the fit's line about its programs."""
     size = f"a micro-step of {step_flops / 1e6:.2g} MFLOP"
     if device_type != "cpu":
         return 1, f"one micro-step per call on {device_type} (several per call are measured on CPUs only)"
     if step_flops >= LOOP_STEP_FLOPS:
         return 1, f"one micro-step per call ({size}: a call's entry cost is a small share of it)"
-    if ordered_random_draws * accumulation_steps >= 2:
-        # Inductor chains two or more random operators drawing eager's numbers with an operator (control_deps)
-        # that its loop over windows cannot hold: the loop's build fails, so it is not tried
-        return 1, (
-            f"one micro-step per call ({ordered_random_draws * accumulation_steps} random draws a window, such as"
-            " dropout's, which must equal eager's: Inductor keeps their order with an operation its loop cannot hold)"
-        )
     count = max(1, UNROLLED_MICRO_STEPS // accumulation_steps) * accumulation_steps
     if count > MAX_UNROLLED_MICRO_STEPS:
         return (

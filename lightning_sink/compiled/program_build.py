@@ -92,10 +92,9 @@ def _choose_call_length(
     """``micro_steps_per_call=None``: the call's length from the step's FLOPs (``call_length.py``), the reason in
     ``programs.call_note``; more than one micro-step unrolls ``run_several`` before the programs compile."""
     capacity = data[1].capacity if data is not None else None
-    flops, draws = programs.micro_step_size(example_batch)
+    flops = programs.micro_step_flops(example_batch)
     device_type = programs.params[0].device.type
-    ordered = draws if programs.draws_as_eager else 0
-    count, programs.call_note = default_micro_steps(flops, accumulation_steps, device_type, capacity, ordered)
+    count, programs.call_note = default_micro_steps(flops, accumulation_steps, device_type, capacity)
     longest = longest_call(count, accumulation_steps, capacity)
     if longest is not None:
         programs.unroll(longest, accumulation_steps, shorter=count)
@@ -106,8 +105,8 @@ def _choose_call_length(
 
 def _compile_or_one_per_call(programs: StepPrograms, example_batch: Any) -> None:
     """Compile the programs with the calls of several the build chose; where the loop does not build (an operation
-    torch's ``scan`` cannot hold, such as a random draw that must equal eager's), without them: the step still
-    runs compiled, one micro-step per call, and ``call_note`` says why."""
+    torch's ``scan`` cannot hold), without them: the step still runs compiled, one micro-step per call, and
+    ``call_note`` says why."""
     try:
         programs.compile(example_batch)
     except Exception as error:

@@ -14,7 +14,15 @@ from typing import Any
 
 import torch
 
-from lightning_sink._torch_compat import backend_compiler, called_as, graph_output_examples, inductor_option_names
+from lightning_sink._torch_compat import (
+    backend_compiler,
+    cached_loops_option,
+    called_as,
+    graph_output_examples,
+    inductor_option_names,
+    let_loops_order_random_draws,
+    may_vary_in_size,
+)
 from lightning_sink.compiled.forward_compile import RANDOM_AS_EAGER
 from lightning_sink.compiled.traced_programs import TracedPrograms
 
@@ -36,13 +44,16 @@ def inductor_options(device: torch.device) -> dict[str, Any] | None:
     ``cpp_wrapper``: the generated kernels and ATen's (the convolutions, the matrix products) called from generated
     C++ instead of Python, so a program's call costs one Python call rather than one per kernel.
     ``fallback_random``: random operators (dropout) call eager's, so a program draws the numbers eager draws from
-    the same seed (``forward_compile.py``). Elsewhere (CUDA)
-    Inductor's defaults, with which the GPU figures of benchmarks/README.md were measured.
+    the same seed (``forward_compile.py``).
+    ``unsafe_marked_cacheable_functions`` (``cached_loops_option``): a loop over windows kept in Inductor's on-disk
+    caches like any other program, so a second fit of the same module reads it instead of building it again.
+    Elsewhere (CUDA) Inductor's defaults, with which the GPU figures of benchmarks/README.md were measured.
     """
     if device.type != "cpu":
         return None
     known = inductor_option_names()  # a setting this torch no longer has is left out, not an error at every build
-    return {name: value for name, value in _CPU_INDUCTOR_OPTIONS.items() if name in known}
+    options = {**_CPU_INDUCTOR_OPTIONS, **cached_loops_option()}
+    return {name: value for name, value in options.items() if name in known}
 
 
 def compile_options(backend: str, device: torch.device) -> dict[str, Any] | None:
@@ -112,16 +123,36 @@ class CompiledPrograms:
 
     def __init__(self, traced: TracedPrograms, backend: str, device: torch.device, quiet: bool) -> None:
         options = compile_options(backend, device)
-        # Inductor builds the random operators to draw eager's numbers, in eager's order (``fallback_random``)
-        self.draws_as_eager = bool(options and options.get("fallback_random"))
+        if options and options.get("fallback_random"):
+            # random operators draw eager's numbers in eager's order, in a loop over windows as well
+            let_loops_order_random_draws()
         self._quiet = BuildWithoutRunning(backend, options) if quiet else None
         compiler, options = (backend, options) if self._quiet is None else (self._quiet, None)
         self.accumulate = compiled(traced.accumulate_program, compiler, options)
         self.update = compiled(traced.update_program, compiler, options)
         self.update_sum = compiled(traced.update_sum_program, compiler, options)
         self.update_apply = compiled(traced.update_apply_program, compiler, options)
-        self.several = compiled(traced.several_program, compiler, options)
+        several = compiled(traced.several_program, compiler, options)
+        # (built without running, a program returns placeholders of its outputs' shapes, which must be known: a
+        # loop whose number of windows is left open is built for each length instead)
+        self.several = several if self._quiet is not None else _windows_may_vary(several)
 
     def building(self) -> contextlib.AbstractContextManager[None]:
         """Where the programs' first calls compile them: without running where they are built quietly."""
         return self._quiet.building() if self._quiet is not None else contextlib.nullcontext()
+
+
+def _windows_may_vary(several: Callable[..., Any]) -> Callable[..., Any]:
+    """The compiled loop over windows, told before each call that with staged data the number of windows (the
+    hyperparameter rows' first dimension, its only input that says it) may vary: one graph, built once, serves
+    calls of any number of windows (the longest call and the shorter ones; one window alone is a graph of its own,
+    as torch specializes a size of one). From a loader the batches are stacked inside the program, each length a
+    graph of its own."""
+
+    def run(state: dict[str, Any], call: dict[str, Any]) -> Any:
+        if call["batches"] is None:
+            for rows in call["hyper"]:
+                may_vary_in_size(rows, 0)
+        return several(state, call)
+
+    return run

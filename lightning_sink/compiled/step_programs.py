@@ -40,7 +40,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_sink._torch_compat import note_optimizer_step, random_draws_counted
+from lightning_sink._torch_compat import note_optimizer_step
 from lightning_sink.compiled.autocast_region import AutocastRegion
 from lightning_sink.compiled.cuda_graphs import CapturedProgram
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
@@ -67,10 +67,6 @@ __all__ = [
 def _several_name(count: int, lengths: tuple[int, ...]) -> str:
     """A call of several's program name (compile times, captured graphs): the longest is "several"."""
     return "several" if count == lengths[0] else f"several_{count}"
-
-
-def _repeated(count: int, example: Any) -> list[Any]:
-    return [example] * count
 
 
 class StepPrograms:
@@ -116,7 +112,6 @@ class StepPrograms:
         # a sum across processes traced into the programs: built without running them (no collective in the build)
         quiet = self.rank_sum is not None and self.rank_sum.group is not None
         self._compiled = CompiledPrograms(self._traced, backend, device, quiet)
-        self.draws_as_eager = self._compiled.draws_as_eager
         self.compile_seconds: dict[str, float] = {}
         self.captured: dict[str, CapturedProgram] = {}
 
@@ -243,12 +238,13 @@ class StepPrograms:
         self._hyper.fill(hyperparameters, count // self.several[1])
         if self._side is None:
             self._side = self._eager_side(batches[0] if batches is not None else None)
+        call = self._several_call(count, batches)
         captured = self.captured.get(_several_name(count, self.call_lengths))
         if captured is not None:
-            stacked = captured(batches)
+            stacked = captured(call)
         else:
             with self._running():
-                stacked = self._compiled.several(self._state, batches if batches is not None else [None] * count)
+                stacked = self._compiled.several(self._state, call)
         note_optimizer_step(self.rule.optimizer)
         positions = [StackedRows(output) for output in stacked]  # a window's positions, each stacked over the windows
         return [
@@ -304,15 +300,11 @@ class StepPrograms:
         return [device] if device.type == "cuda" else []
 
     def micro_step_flops(self, example_batch: Any) -> float:
-        """The FLOPs of one micro-step's matrix multiplies and convolutions (forward and backward)."""
-        return self.micro_step_size(example_batch)[0]
-
-    def micro_step_size(self, example_batch: Any) -> tuple[float, int]:
-        """One micro-step's FLOPs (``micro_step_flops``) and the random operators it runs (dropout's draws...),
-        counted in one eager run of the accumulate program (``_eager_run``)."""
-        with FlopCounterMode(display=False) as counter, random_draws_counted() as draws:
+        """The FLOPs of one micro-step's matrix multiplies and convolutions (forward and backward), counted in one
+        eager run of the accumulate program (``_eager_run``)."""
+        with FlopCounterMode(display=False) as counter:
             self._eager_run(example_batch)
-        return float(counter.get_total_flops()), draws.count
+        return float(counter.get_total_flops())
 
     def step_seconds(self, example_batch: Any, accumulation_steps: int) -> tuple[float, float] | None:
         """Seconds of one micro-step with the programs' bodies run eagerly (plain PyTorch) and compiled, on one copy
@@ -342,7 +334,7 @@ class StepPrograms:
                 (steps - 1) * timed(traced.accumulate_program, batch) + timed(traced.update_program, batch)
             ) / steps
             if self.several is not None:
-                compiled = timed(self._compiled.several, [batch] * self.several[0]) / self.several[0]
+                compiled = timed(self._compiled.several, self._example_call(self.several[0], batch)) / self.several[0]
             else:
                 compiled = (
                     (steps - 1) * timed(self._compiled.accumulate, batch) + timed(self._compiled.update, batch)
@@ -365,11 +357,21 @@ class StepPrograms:
             programs.append(("update_apply", self._compiled.update_apply, lambda example: flat))
         else:
             programs.append(("update", self._compiled.update, lambda example: example))
-        for count in self.call_lengths:  # (one graph per length)
+        for count in self.call_lengths:  # (with staged data one graph for every length of several windows)
             programs.append(
-                (_several_name(count, self.call_lengths), self._compiled.several, partial(_repeated, count))
+                (_several_name(count, self.call_lengths), self._compiled.several, partial(self._example_call, count))
             )
         return programs
+
+    def _example_call(self, count: int, example: Any) -> dict[str, Any]:
+        """A call of ``count`` micro-steps over ``example`` (None: staged data) for the build."""
+        return self._several_call(count, None if example is None else [example] * count)
+
+    def _several_call(self, count: int, batches: list[Any] | None) -> dict[str, Any]:
+        """``several_program``'s input for a call of ``count`` micro-steps: its batches (None: gathered from the
+        staged data) and the first rows of the hyperparameter tables, one a window."""
+        windows = count // self._traced.several[1] if self._traced.several is not None else 0
+        return {"batches": batches, "hyper": [table[:windows] for table in self.hyper_table]}
 
     def compile(self, example_batch: Any) -> None:
         """Compile both programs now, on copies of the state (nothing of the run changes, random numbers

@@ -64,19 +64,24 @@ class TracedPrograms:
         sums = [buffer + grad.to(buffer.dtype) for buffer, grad in zip(state["window"], grads)]
         return sums, loss, values, options
 
-    def several_program(self, state: dict[str, Any], batches: list[Any]) -> list[tuple]:
-        """``len(batches)`` micro-steps, whole windows, as one loop over the windows (torch's ``scan``: its body,
-        one window with an update at its last micro-batch, is traced and built once, whatever the call's length).
+    def several_program(self, state: dict[str, Any], call: dict[str, Any]) -> list[tuple]:
+        """Whole windows of micro-steps as one loop over the windows (torch's ``scan``: its body, one window with an
+        update at its last micro-batch, is traced and built once, whatever the call's length). ``call``:
+        ``"hyper"``, per param group the rows of hyperparameters of the call's windows, one row a window (their
+        count is the call's windows: with staged data the only input that says it, so one graph serves calls of
+        any number of windows, ``CompiledPrograms``); ``"batches"``, the call's micro-batches, or None where the
+        programs gather each batch from the staged dataset themselves.
         The loop carries every state tensor the programs write, as copies the body writes in place, and the state
         takes the last carry back at the end. Returns, per position in a window, its outputs stacked over the
         windows (an update's with its found_inf, scale and skipped count under a loss scale); the host takes each
         micro-step's row (a graph returning every row would grow with the call's length)."""
         assert self.several is not None  # built with micro_steps_per_call
         accumulation = self.several[1]
-        windows = len(batches) // accumulation
-        staged = batches[0] is None  # the programs gather each batch from the staged dataset themselves
-        xs: dict[str, Any] = {"hyper": [table[:windows] for table in state["hyper_table"]]}
+        batches = call["batches"]
+        staged = batches is None
+        xs: dict[str, Any] = {"hyper": call["hyper"]}
         if not staged:  # [windows, accumulation, ...] per leaf of the batch
+            windows = len(batches) // accumulation
             xs["batches"] = tree_map(
                 lambda *leaves: torch.stack(leaves).unflatten(0, (windows, accumulation)), *batches
             )
