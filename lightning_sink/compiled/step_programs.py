@@ -309,8 +309,10 @@ class StepPrograms:
     def step_seconds(self, example_batch: Any, accumulation_steps: int) -> tuple[float, float] | None:
         """Seconds of one micro-step with the programs' bodies run eagerly (plain PyTorch) and compiled, on one copy
         of the state (nothing of the run changes, random numbers included). Each program is timed as the faster of
-        its second and third runs (the first warms the caches); a window's accumulates and update are averaged over its micro-steps. None where
-        a timed call alone is not the step: captured CUDA graphs, and a sum across processes (its collective)."""
+        its second and third runs (the first warms the caches); a window's accumulates and update are averaged over
+        its micro-steps, a call of several over its micro-steps (the shortest call: the longest may run a whole sink).
+        None where a timed call alone is not the step: captured CUDA graphs, and a sum across processes (its
+        collective)."""
         if self.captured or self.rank_sum is not None:
             return None
         devices = self._rng_devices
@@ -334,7 +336,8 @@ class StepPrograms:
                 (steps - 1) * timed(traced.accumulate_program, batch) + timed(traced.update_program, batch)
             ) / steps
             if self.several is not None:
-                compiled = timed(self._compiled.several, self._example_call(self.several[0], batch)) / self.several[0]
+                shortest = self.call_lengths[-1]  # (a call's run is the step's time: the longest would run a sink)
+                compiled = timed(self._compiled.several, self._example_call(shortest, batch)) / shortest
             else:
                 compiled = (
                     (steps - 1) * timed(self._compiled.accumulate, batch) + timed(self._compiled.update, batch)
