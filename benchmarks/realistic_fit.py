@@ -1,12 +1,16 @@
 """A realistic LightningModule's whole fit, eager sinks against compiled sinks, build included.
 
-    python benchmarks/realistic_fit.py [--micro-batches 2000] [--sink 250] [--repeats 3] [--threads 1]
+    python benchmarks/realistic_fit.py [--micro-batches 2000] [--sink 250] [--repeats 3] [--threads 1] [--devices 1]
 
 The module is what a Lightning user writes for a small image classifier: a CNN with BatchNorm and two dropouts on
 1x28x28 inputs (10 classes, batch 32, random data in memory, a shuffled loader), a torchmetrics ``MulticlassAccuracy``
 updated in ``training_step`` and logged on step and epoch, the loss logged to the progress bar, AdamW with
 ``OneCycleLR`` stepped every update and sized from ``trainer.estimated_stepping_batches``, a validation loop with its
 own metric after every sink (and a sanity check), a checkpoint after every sink, the TensorBoard logger.
+
+With ``--devices 2`` every fit runs on two gloo processes (``SinkDDPStrategy``, the same options), the training
+set split between them by Lightning's ``DistributedSampler`` (each process trains half the micro-batches, ``--sink``
+a sink's micro-batches per process); rank 0 reports.
 
 Three fits per round, each in a new process (nothing compiled or cached in memory carries over), alternating:
 
@@ -116,17 +120,19 @@ def loaders(micro_batches: int) -> tuple[Any, Any]:
     return train, val
 
 
-def one_fit(graph_mode: str, micro_batches: int, sink: int, threads: int, folder: str, state_file: str) -> dict:
-    """One fit in this process; its figures (the trained state is written to ``state_file``)."""
+def one_fit(args: argparse.Namespace) -> dict | None:
+    """One fit in this process (``args.child`` its graph mode); its figures, on rank 0 (the trained state is
+    written to ``args.state``). With ``--devices 2`` Lightning's launcher runs this process again for rank 1."""
+    graph_mode, micro_batches, sink, folder = args.child, args.micro_batches, args.sink, args.folder
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import TensorBoardLogger
 
-    from lightning_sink import SinkStrategy
+    from lightning_sink import SinkDDPStrategy, SinkStrategy
     from lightning_sink._torch_compat import compiled_graph_count
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(args.threads)
 
     class SinkClock(pl.Callback):
         """Each sink's seconds and the compiled graphs counted at its end."""
@@ -154,10 +160,11 @@ def one_fit(graph_mode: str, micro_batches: int, sink: int, threads: int, folder
     rank_zero.setLevel(logging.INFO)
     clock = SinkClock()
     options = {"graph_mode": "compile"} if graph_mode == "compile" else {}
+    strategy = SinkDDPStrategy if args.devices > 1 else SinkStrategy
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=1,
-        strategy=SinkStrategy(sink_size=sink, **options),
+        devices=args.devices,
+        strategy=strategy(sink_size=sink, **options),
         max_epochs=micro_batches // sink,
         default_root_dir=folder,
         logger=TensorBoardLogger(folder, name="tb"),
@@ -175,7 +182,9 @@ def one_fit(graph_mode: str, micro_batches: int, sink: int, threads: int, folder
         start = time.perf_counter()
         trainer.fit(module, train, val)
         fit_seconds = time.perf_counter() - start
-    torch.save(module.state_dict(), state_file)
+    if trainer.global_rank != 0:
+        return None
+    torch.save(module.state_dict(), args.state)
     built = [line for line in lines if "compiled whole" in line]
     fallbacks = [str(w.message) for w in caught if "whole-step programs" in str(w.message)]
     steady = statistics.median(clock.seconds[1:]) if len(clock.seconds) > 1 else clock.seconds[0]
@@ -211,6 +220,8 @@ def run_child(graph_mode: str, args: argparse.Namespace, cache: str | None, stat
             str(args.sink),
             "--threads",
             str(args.threads),
+            "--devices",
+            str(args.devices),
             "--folder",
             folder,
             "--state",
@@ -219,7 +230,8 @@ def run_child(graph_mode: str, args: argparse.Namespace, cache: str | None, stat
         done = subprocess.run(command, env=env, capture_output=True, text=True)
     if done.returncode != 0:
         return {"graph_mode": graph_mode, "error": done.stderr.strip().splitlines()[-1:]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    # (the last JSON line: with --devices 2 rank 1's process writes to the same output)
+    return json.loads([line for line in done.stdout.splitlines() if line.startswith("{")][-1])
 
 
 def max_abs_diff(state_file: str, reference_file: str) -> float:
@@ -238,7 +250,10 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=2000, help="micro-batches in the fit (one data pass)")
     parser.add_argument("--sink", type=int, default=250, help="sink_size (micro-batches per sink)")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of the three fits")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads in every fit")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads in every fit (per process)")
+    parser.add_argument(
+        "--devices", type=int, default=1, help="processes (2: SinkDDPStrategy on gloo, the data split between them)"
+    )
     parser.add_argument("--child", choices=("eager", "compile"), help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--state", help=argparse.SUPPRESS)
@@ -246,7 +261,9 @@ def main() -> None:
     if args.micro_batches % args.sink:
         parser.error(f"--micro-batches={args.micro_batches} must be a multiple of --sink={args.sink}")
     if args.child is not None:
-        print(json.dumps(one_fit(args.child, args.micro_batches, args.sink, args.threads, args.folder, args.state)))
+        figures = one_fit(args)
+        if figures is not None:
+            print(json.dumps(figures))
         return
     rounds: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as work:
@@ -286,6 +303,7 @@ def main() -> None:
                 "micro_batches": args.micro_batches,
                 "sink_size": args.sink,
                 "threads": args.threads,
+                "devices": args.devices,
                 "rounds": rounds,
                 "summary": summary,
             }
