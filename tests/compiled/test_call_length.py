@@ -19,6 +19,7 @@ from torch.utils.data import TensorDataset
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_sink import SinkStrategy
+from lightning_sink._torch_compat import compiled_graph_count
 from lightning_sink.compiled import ProgramSettings, StepPrograms, build_step_programs, call_length, traced_programs
 from lightning_sink.compiled.call_length import LONGEST_CALL, LOOP_STEP_FLOPS, default_micro_steps, longest_call
 from tests.compiled.test_lightning_fit import (
@@ -135,7 +136,8 @@ def test_the_default_runs_a_staged_sink_in_one_call_and_trains_what_one_per_call
 
 def test_a_sink_cut_by_a_pass_end_runs_the_short_calls_for_the_rest(caplog, several_calls):
     """Sinks of 20 over a data pass of 30: the first sink is one call; the second meets the pass's end after 10,
-    so each of its passes' parts runs a call of 8 and two micro-batches one per call: bit for bit one per call."""
+    so each of its passes' parts runs a call of 8 and two micro-batches one per call: bit for bit one per call,
+    the calls of 20 and 8 one compiled graph."""
 
     def run(calls: int | None) -> dict[str, Any]:
         strategy = SinkStrategy(accumulation_steps=2, sink_size=20, graph_mode="compile", micro_steps_per_call=calls)
@@ -148,8 +150,12 @@ def test_a_sink_cut_by_a_pass_end_runs_the_short_calls_for_the_rest(caplog, seve
 
     one = run(1)
     assert several_calls == []
+    graphs = compiled_graph_count()
     default = run(None)
     assert several_calls == [20, 8, 8]
+    # the accumulate and update programs and one loop: the calls of 20 and of 8 share its graph (the number of
+    # windows, the hyperparameter rows' length, is a size the graph leaves open)
+    assert compiled_graph_count() - graphs == 3
     assert default["trainer"].global_step == one["trainer"].global_step == 20
     assert torch.equal(flat(default["model"].net), flat(one["model"].net))
     assert default["points"] == one["points"]
