@@ -28,17 +28,23 @@ step, the loop still ran 1.15x (calls of 8 from the loader) and 1.24x (a whole s
 so the threshold sits well above both: at a billion FLOPs a step takes tens of milliseconds on a CPU core, where
 a call's entry (under a millisecond) is a few percent.
 
-With staged data a step therefore also gets a call as long as the sink (``longest_call``: the sink's staged
-micro-batches, up to ``LONGEST_CALL``), so a whole sink is one call where its segment allows; the host loop runs
-each segment's calls longest first, then calls of the short length, then one micro-step per call for what is left.
-With staged data one graph of the loop serves both lengths (the number of windows is a size the graph leaves
-open; a call of one window is a graph of its own); from a loader, and for programs built without running (a sum
-across processes traced in), each length is a graph of its own. Neither grows
-with ``sink_size``. On a GPU, a CUDA graph's replay costs little per call and several per call has not been
-measured there yet: one per call.
+A step therefore also gets a call as long as the sink (``longest_call``): with staged data the sink's staged
+micro-batches, from a loader the sink's batches read and stacked within ``LOADER_CALL_BYTES`` and the device-data
+budget (``loader_call``), up to ``LONGEST_CALL``, so a whole sink is one call where its segment allows; the host loop
+runs each segment's calls longest first, then calls of the short length, then one micro-step per call for what is
+left. One graph of the loop serves both lengths (the number of windows is a size the graph leaves open; a call of
+one window is a graph of its own); for programs built without running (a sum across processes traced in), each
+length is a graph of its own. Neither grows with ``sink_size``. On a GPU, a CUDA graph's replay costs little per
+call and several per call has not been measured there yet: one per call.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_sink._torch_compat import tree_map
 
 __all__ = [
     "LOOP_STEP_FLOPS",
@@ -47,12 +53,18 @@ __all__ = [
     "LONGEST_CALL",
     "default_micro_steps",
     "longest_call",
+    "loader_call",
+    "LOADER_CALL_BYTES",
 ]
 
 LOOP_STEP_FLOPS = 1e9
 UNROLLED_MICRO_STEPS = 8
 MAX_UNROLLED_MICRO_STEPS = 16
 LONGEST_CALL = 1024
+# From a loader a call's micro-batches are read, then stacked for the loop: a call longer than the default's holds
+# at most this many bytes of batches, so that a long call never costs memory that matters (the tiny MLP's sink of
+# 500 batches is 4 MiB, LeNet-5's 200 batches 26 MiB).
+LOADER_CALL_BYTES = 2**26
 
 
 def default_micro_steps(
@@ -83,10 +95,22 @@ def default_micro_steps(
 
 
 def longest_call(count: int, accumulation_steps: int, capacity: int | None) -> int | None:
-    """Beside calls of ``count`` micro-steps, a longer call for the rest of a sink: the staged sink's whole windows
-    (``capacity`` micro-batches), up to ``LONGEST_CALL``; None where there is none longer (the loader path, whose
-    sink length the build does not know, or a sink no longer than ``count``)."""
+    """Beside calls of ``count`` micro-steps, a longer call for the rest of a sink: the sink's whole windows
+    (``capacity`` micro-batches: the staged sink's, or ``loader_call``'s from a loader), up to ``LONGEST_CALL``;
+    None where there is none longer (no capacity, or one no longer than ``count``)."""
     if count <= 1 or capacity is None:
         return None
     longest = min(capacity, LONGEST_CALL) // accumulation_steps * accumulation_steps
     return longest if longest > count else None
+
+
+def loader_call(example_batch: Any, sink_micro_batches: int | None, budget: int) -> int | None:
+    """From a loader, the most micro-batches like ``example_batch`` one call may stack: the sink's
+    (``sink_micro_batches``; None: unknown, no longer call), as long as their bytes stay within
+    ``LOADER_CALL_BYTES`` and the device-data ``budget``: a call holds its batches twice while it runs (as read, and
+    stacked for the loop)."""
+    if sink_micro_batches is None:
+        return None
+    sizes: list[int] = []
+    tree_map(lambda leaf: sizes.append(leaf.nbytes) if isinstance(leaf, torch.Tensor) else None, example_batch)
+    return min(sink_micro_batches, min(budget, LOADER_CALL_BYTES) // max(1, sum(sizes)))

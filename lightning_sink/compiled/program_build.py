@@ -63,7 +63,7 @@ def build_step_programs(
         if data is not None:  # an example to compile with: the first row of the buffer (all zeros: sample 0)
             data[1].cursor.zero_()
         if settings.chooses_call_length:
-            _choose_call_length(programs, example_batch, settings.accumulation_steps, data)
+            _choose_call_length(programs, example_batch, settings.accumulation_steps, data, settings.loader_call)
             _compile_or_one_per_call(programs, example_batch)
         else:
             programs.compile(example_batch)
@@ -88,17 +88,20 @@ def _choose_call_length(
     example_batch: Any,
     accumulation_steps: int,
     data: tuple[DeviceDataset, SinkIndices] | None,
+    loader_call: int | None,
 ) -> None:
     """``micro_steps_per_call=None``: the call's length from the step's FLOPs (``call_length.py``), the reason in
-    ``programs.call_note``; more than one micro-step unrolls ``run_several`` before the programs compile."""
+    ``programs.call_note``; more than one micro-step unrolls ``run_several`` before the programs compile. A longer
+    call beside it: a whole staged sink (``data``), or from a loader up to ``loader_call`` micro-batches."""
     capacity = data[1].capacity if data is not None else None
     flops = programs.micro_step_flops(example_batch)
     device_type = programs.params[0].device.type
     count, programs.call_note = default_micro_steps(flops, accumulation_steps, device_type, capacity)
-    longest = longest_call(count, accumulation_steps, capacity)
+    longest = longest_call(count, accumulation_steps, capacity if data is not None else loader_call)
     if longest is not None:
         programs.unroll(longest, accumulation_steps, shorter=count)
-        programs.call_note += f", and {longest} per call for a whole staged sink"
+        whole = "a whole staged sink" if data is not None else "a sink's batches from the loader"
+        programs.call_note += f", and {longest} per call for {whole}"
     elif count > 1:
         programs.unroll(count, accumulation_steps)
 

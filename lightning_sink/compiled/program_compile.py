@@ -22,6 +22,7 @@ from lightning_sink._torch_compat import (
     inductor_option_names,
     let_loops_order_random_draws,
     may_vary_in_size,
+    tree_map,
 )
 from lightning_sink.compiled.forward_compile import RANDOM_AS_EAGER
 from lightning_sink.compiled.traced_programs import TracedPrograms
@@ -143,16 +144,15 @@ class CompiledPrograms:
 
 
 def _windows_may_vary(several: Callable[..., Any]) -> Callable[..., Any]:
-    """The compiled loop over windows, told before each call that with staged data the number of windows (the
-    hyperparameter rows' first dimension, its only input that says it) may vary: one graph, built once, serves
-    calls of any number of windows (the longest call and the shorter ones; one window alone is a graph of its own,
-    as torch specializes a size of one). From a loader the batches are stacked inside the program, each length a
-    graph of its own."""
+    """The compiled loop over windows, told before each call that the number of windows (the first size of the
+    hyperparameter rows and of the stacked batches) may vary: one graph, built once, serves calls of any number of
+    windows (the longest call and the shorter ones; one window alone is a graph of its own, as torch specializes a
+    size of one)."""
 
     def run(state: dict[str, Any], call: dict[str, Any]) -> Any:
-        if call["batches"] is None:
-            for rows in call["hyper"]:
-                may_vary_in_size(rows, 0)
+        for rows in call["hyper"]:
+            may_vary_in_size(rows, 0)
+        tree_map(lambda leaf: may_vary_in_size(leaf, 0) if isinstance(leaf, torch.Tensor) else None, call["batches"])
         return several(state, call)
 
     return run

@@ -33,6 +33,9 @@ class ProgramSettings:
             a second, longer call; one per call under ``RankSum(all_reduce=...)``), the reason in
             ``programs.call_note``.
         accumulation_steps: the window length ``run_several`` assumes.
+        loader_call: with batches from a loader (no ``data``) and the call's length decided by the build, the most
+            micro-steps a longer call may stack (the sink's micro-batches, bounded by their bytes,
+            ``call_length.loader_call``); None: no call longer than the default's.
         autocast: mixed precision: each forward runs in this autocast region (the backward outside it, the
             window's sum in fp32); None: the module's own dtypes.
         rank_sum: under DDP, how the update program sums the window across the processes (``RankSum``); every
@@ -47,6 +50,7 @@ class ProgramSettings:
     data: tuple[DeviceDataset, SinkIndices] | None = None
     micro_steps_per_call: int | None = 1
     accumulation_steps: int = 1
+    loader_call: int | None = None
     autocast: AutocastRegion | None = None
     rank_sum: RankSum | None = None
 

@@ -1,6 +1,7 @@
 """The state the step programs keep on the device besides the module's and the optimizer's own tensors: the open
-window (``ProgramWindow``) and the hyperparameter table of a call of several (``HyperTable``); and ``clone_tree``,
-the copies of such state (and of a batch) the programs are compiled and captured on."""
+window (``ProgramWindow``) and the hyperparameter table of a call of several (``HyperTable``, and ``several_call``, a
+call's input); and ``clone_tree``, the copies of such state (and of a batch) the programs are compiled and captured
+on."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_sink._torch_compat import tree_map
 from lightning_sink.compiled.optimizer_rules import OptimizerRule
 
-__all__ = ["HyperTable", "ProgramWindow", "clone_tree"]
+__all__ = ["HyperTable", "ProgramWindow", "clone_tree", "several_call"]
 
 
 @dataclass
@@ -67,3 +69,12 @@ def clone_tree(tree: Any) -> Any:
     if isinstance(tree, (list, tuple)):
         return type(tree)(clone_tree(value) for value in tree)
     return tree
+
+
+def several_call(tables: list[Tensor], windows: int, accumulation: int, batches: list[Any] | None) -> dict[str, Any]:
+    """``several_program``'s input for a call of ``windows`` windows of ``accumulation`` micro-steps: its batches
+    stacked per leaf of the batch as [windows, accumulation, ...] (None: gathered from the staged data) and the first
+    ``windows`` rows of the hyperparameter ``tables``."""
+    if batches is not None:
+        batches = tree_map(lambda *leaves: torch.stack(leaves).unflatten(0, (windows, accumulation)), *batches)
+    return {"batches": batches, "hyper": [table[:windows] for table in tables]}

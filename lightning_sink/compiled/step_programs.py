@@ -48,7 +48,7 @@ from lightning_sink.compiled.logged_values import LoggedValues
 from lightning_sink.compiled.metric_calls import MetricCalls, join_tensors
 from lightning_sink.compiled.program_compile import CompiledPrograms
 from lightning_sink.compiled.program_results import ProgramUnavailable, StackedRows, StepOutputs
-from lightning_sink.compiled.program_state import HyperTable, ProgramWindow, clone_tree
+from lightning_sink.compiled.program_state import HyperTable, ProgramWindow, clone_tree, several_call
 from lightning_sink.compiled.rank_sum import RankSum
 from lightning_sink.compiled.scale_rule import scaler_tensors
 from lightning_sink.compiled.step_gradients import StepGradients, untrained_tensors
@@ -366,15 +366,13 @@ class StepPrograms:
             )
         return programs
 
-    def _example_call(self, count: int, example: Any) -> dict[str, Any]:
-        """A call of ``count`` micro-steps over ``example`` (None: staged data) for the build."""
-        return self._several_call(count, None if example is None else [example] * count)
-
     def _several_call(self, count: int, batches: list[Any] | None) -> dict[str, Any]:
-        """``several_program``'s input for a call of ``count`` micro-steps: its batches (None: gathered from the
-        staged data) and the first rows of the hyperparameter tables, one a window."""
-        windows = count // self._traced.several[1] if self._traced.several is not None else 0
-        return {"batches": batches, "hyper": [table[:windows] for table in self.hyper_table]}
+        """A call of ``count`` micro-steps' input (``program_state.several_call``)."""
+        accumulation = self._traced.several[1] if self._traced.several is not None else 1
+        return several_call(self.hyper_table, count // accumulation, accumulation, batches)
+
+    def _example_call(self, count: int, example: Any) -> dict[str, Any]:
+        return self._several_call(count, None if example is None else [example] * count)  # (None: staged data)
 
     def compile(self, example_batch: Any) -> None:
         """Compile both programs now, on copies of the state (nothing of the run changes, random numbers

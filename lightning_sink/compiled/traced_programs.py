@@ -16,7 +16,6 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from lightning_sink._torch_compat import scan_loop, traced_all_reduce_sum, tree_map
@@ -68,9 +67,10 @@ class TracedPrograms:
         """Whole windows of micro-steps as one loop over the windows (torch's ``scan``: its body, one window with an
         update at its last micro-batch, is traced and built once, whatever the call's length). ``call``:
         ``"hyper"``, per param group the rows of hyperparameters of the call's windows, one row a window (their
-        count is the call's windows: with staged data the only input that says it, so one graph serves calls of
-        any number of windows, ``CompiledPrograms``); ``"batches"``, the call's micro-batches, or None where the
-        programs gather each batch from the staged dataset themselves.
+        count, like the stacked batches' first size, is the call's windows: a size the graph may leave open, so one
+        graph serves calls of any number of windows, ``CompiledPrograms``); ``"batches"``, the call's micro-batches stacked per leaf of the
+        batch as [windows, accumulation, ...], or None where the programs gather each batch from the staged dataset
+        themselves.
         The loop carries every state tensor the programs write, as copies the body writes in place, and the state
         takes the last carry back at the end. Returns, per position in a window, its outputs stacked over the
         windows (an update's with its found_inf, scale and skipped count under a loss scale); the host takes each
@@ -80,11 +80,8 @@ class TracedPrograms:
         batches = call["batches"]
         staged = batches is None
         xs: dict[str, Any] = {"hyper": call["hyper"]}
-        if not staged:  # [windows, accumulation, ...] per leaf of the batch
-            windows = len(batches) // accumulation
-            xs["batches"] = tree_map(
-                lambda *leaves: torch.stack(leaves).unflatten(0, (windows, accumulation)), *batches
-            )
+        if not staged:
+            xs["batches"] = batches
 
         def window(carry: list[Tensor], x: dict[str, Any]) -> tuple[list[Tensor], list[tuple]]:
             local = _with_written(state, [tensor.clone() for tensor in carry])

@@ -90,7 +90,13 @@ class SinkWiring:
             SinkLoopHooks(
                 max_time=_max_time_rule(host, trainer),
                 recompile_watch=watch,
-                choose=compiled_choice(engine, settings.graph_mode, staging, settings.micro_steps_per_call),
+                choose=compiled_choice(
+                    engine,
+                    settings.graph_mode,
+                    staging,
+                    settings.micro_steps_per_call,
+                    (sink_size if sink_size > 0 else pass_length, _budget(host, settings)),
+                ),
                 batches=staged.batches if staged is not None else None,
                 progress=self._progress.advance if self._progress is not None else None,
             ),
@@ -155,7 +161,6 @@ def _staging(
     prefetch_depth: int,
 ) -> StagedData | Unavailable:
     """The training data staged on the device for the compiled programs (``staging.py``), or why not."""
-    budget = settings.device_data_budget
     conditions = StagingConditions(
         graph_mode=settings.graph_mode,
         prefetch_depth=prefetch_depth,
@@ -165,7 +170,7 @@ def _staging(
     return plan_staging(
         loader,
         conditions,
-        budget=default_device_data_budget(host.root_device) if budget is None else budget,
+        budget=_budget(host, settings),
         position=position,
         device=host.root_device,
         sink_size=settings.sink_size,
@@ -185,3 +190,10 @@ def _device_copier(host: EngineHost, engine: StepEngine, prefetch_depth: int) ->
     if device.type != "cuda" or not engine.hooks.direct_transfer or prefetch_depth == 0:
         return None
     return CudaBatchCopier(device)
+
+
+def _budget(host: EngineHost, settings: SinkSettings) -> int:
+    """The bytes of training data the fit may hold on its device (``device_data_budget``, else the device's
+    default)."""
+    budget = settings.device_data_budget
+    return default_device_data_budget(host.root_device) if budget is None else budget

@@ -21,7 +21,14 @@ from torch.utils.flop_counter import FlopCounterMode
 from lightning_sink import SinkStrategy
 from lightning_sink._torch_compat import compiled_graph_count
 from lightning_sink.compiled import ProgramSettings, StepPrograms, build_step_programs, call_length, traced_programs
-from lightning_sink.compiled.call_length import LONGEST_CALL, LOOP_STEP_FLOPS, default_micro_steps, longest_call
+from lightning_sink.compiled.call_length import (
+    LOADER_CALL_BYTES,
+    LONGEST_CALL,
+    LOOP_STEP_FLOPS,
+    default_micro_steps,
+    loader_call,
+    longest_call,
+)
 from tests.compiled.test_lightning_fit import (
     Net,
     RecordingLogger,
@@ -66,12 +73,21 @@ def test_the_rule_runs_whole_windows_of_a_small_step_per_call_on_a_cpu(flops, st
         (8, 2, 15, 14),  # whole windows of the sink
         (8, 1, 5000, LONGEST_CALL),
         (8, 1, 8, None),  # no longer than the short call
-        (8, 1, None, None),  # the loader path
+        (8, 1, None, None),  # no capacity: a loader whose sink length or batch size is unknown
         (1, 1, 500, None),  # one micro-step per call: no call of several at all
     ],
 )
 def test_a_staged_sink_is_one_call_beside_the_short_calls(count, steps, capacity, expected):
     assert longest_call(count, steps, capacity) == expected
+
+
+def test_from_a_loader_a_call_stacks_a_sink_within_its_bytes():
+    batch = (torch.zeros(32, 64), torch.zeros(32, dtype=torch.int64))  # 8,448 bytes
+    assert loader_call(batch, 500, 2**63 - 1) == 500
+    assert loader_call(batch, 50_000, 2**63 - 1) == LOADER_CALL_BYTES // 8448
+    assert loader_call(batch, 500, 8448 * 20) == 20  # the device-data budget bounds it too
+    assert loader_call(batch, 500, 0) == 0  # device_data_budget=0: no longer call
+    assert loader_call(batch, None, 2**63 - 1) is None  # the sink's length unknown
 
 
 class Wide(pl.LightningModule):
@@ -132,6 +148,45 @@ def test_the_default_runs_a_staged_sink_in_one_call_and_trains_what_one_per_call
     assert default["points"] == one["points"] and default["trainer"].global_step == 15
     expected = plain_loop(reference, "adamw", 30, 2, dataset())
     assert relative_error(flat(model.net), flat(reference)) <= 1e-5 and expected["updates"] == 15
+
+
+class Samples(torch.utils.data.Dataset):
+    """A map-style dataset that is not a ``TensorDataset``: the loader reads it (it is not staged)."""
+
+    def __init__(self, data: TensorDataset) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.data[index]
+
+
+def test_from_a_loader_the_default_runs_a_sink_in_one_call_with_one_loop_graph(caplog, several_calls):
+    """Batches read by the loader (not staged): the default stacks a sink's batches into one call of its five
+    windows (the calls of 8 beside it share the loop's graph), bit for bit what one call per micro-batch trains."""
+
+    def run(calls: int | None) -> dict[str, Any]:
+        strategy = SinkStrategy(accumulation_steps=2, sink_size=10, graph_mode="compile", micro_steps_per_call=calls)
+        logger = RecordingLogger()
+        trainer = quiet_trainer(strategy=strategy, max_epochs=3, logger=logger, log_every_n_steps=1)
+        model = Net("adamw")
+        fit(trainer, model, Samples(dataset()), caplog)
+        said = [r.getMessage() for r in caplog.records if "whole" in r.getMessage()]
+        return {"model": model, "trainer": trainer, "points": logger.points, "said": said[0]}
+
+    one = run(1)
+    assert several_calls == []
+    graphs = compiled_graph_count()
+    default = run(None)
+    assert several_calls == [10, 10, 10]
+    assert "8 micro-steps per call, one loop over its windows" in default["said"], default["said"]
+    assert "and 10 per call for a sink's batches from the loader" in default["said"], default["said"]
+    assert "gathered on the device" not in default["said"]
+    assert compiled_graph_count() - graphs == 3  # the accumulate and update programs and one loop
+    assert torch.equal(flat(default["model"].net), flat(one["model"].net))
+    assert default["points"] == one["points"] and default["trainer"].global_step == 15
 
 
 def test_a_sink_cut_by_a_pass_end_runs_the_short_calls_for_the_rest(caplog, several_calls):

@@ -51,6 +51,7 @@ from lightning_sink.compiled import (
     build_step_programs,
 )
 from lightning_sink.compiled.build_record import BuildFigures
+from lightning_sink.compiled.call_length import loader_call
 from lightning_sink.sink.programs.build_agreement import agreed_build
 from lightning_sink.sink.programs.build_notice import BuildNotice, cache_note, step_times
 from lightning_sink.sink.programs.compiled import CompiledAccumulate, CompiledSeveral, CompiledUpdate
@@ -103,7 +104,10 @@ class CompiledProgramChooser:
         graph_mode: str,
         staging: StagedData | Unavailable | None = None,
         micro_steps_per_call: int | None = None,
+        loader_limit: tuple[int | None, int] = (None, 0),
     ) -> None:
+        """``loader_limit``: from a loader, the sink's micro-batches (None: unknown) and the device-data budget in
+        bytes, which bound a call longer than the default's (``call_length.loader_call``)."""
         self.engine = engine
         self.graph_mode = graph_mode
         # the training data staged on the device (then the programs are built at the first sink's start and gather
@@ -111,6 +115,7 @@ class CompiledProgramChooser:
         self.staging = staging if isinstance(staging, StagedData) else None
         self._not_staged = staging.reason if isinstance(staging, Unavailable) else None
         self.micro_steps_per_call = micro_steps_per_call
+        self._loader_limit = loader_limit
         self.programs: StepPrograms | None = None
         self._handover: WindowHandover | None = None  # the open window's sum between the store and the programs
         self.reason: str | None = None  # why there are no programs (then the eager pair runs)
@@ -252,6 +257,7 @@ class CompiledProgramChooser:
                 data=data,
                 micro_steps_per_call=several,
                 accumulation_steps=engine.accumulation_steps if several != 1 else 1,
+                loader_call=None if data is not None else loader_call(batch, *self._loader_limit),
             ),
         )
         if engine.host.world_size > 1:
@@ -374,12 +380,14 @@ def compiled_choice(
     graph_mode: str,
     staging: StagedData | Unavailable | None = None,
     micro_steps_per_call: int | None = None,
+    loader_limit: tuple[int | None, int] = (None, 0),
 ) -> Callable[[StepEngine, SinkUpdates, Callable[[], Any]], SinkPrograms]:
     """The sink loop's ``choose`` for ``graph_mode``: the compiled pair where it applies, else ``choose_programs``.
     ``staging``: the fit's staged training data (``sink/staging.py``), or why there is none; ``micro_steps_per_call``:
-    micro-batches per compiled call where that is exact (``CompiledSeveral``; ``None``: decided by the build)."""
+    micro-batches per compiled call where that is exact (``CompiledSeveral``; ``None``: decided by the build);
+    ``loader_limit``: what bounds a longer call from a loader (``CompiledProgramChooser``)."""
     if graph_mode == "eager":
         return choose_eager
-    chooser = CompiledProgramChooser(engine, graph_mode, staging, micro_steps_per_call)
+    chooser = CompiledProgramChooser(engine, graph_mode, staging, micro_steps_per_call, loader_limit)
     chooser.notice.at_fit_start()
     return chooser.choose
