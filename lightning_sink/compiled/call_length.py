@@ -33,9 +33,9 @@ micro-batches, from a loader the sink's batches read and stacked within ``LOADER
 budget (``loader_call``), up to ``LONGEST_CALL``, so a whole sink is one call where its segment allows; the host loop
 runs each segment's calls longest first, then calls of the short length, then one micro-step per call for what is
 left. One graph of the loop serves both lengths (the number of windows is a size the graph leaves open; a call of
-one window is a graph of its own); for programs built without running (a sum across processes traced in), each
-length is a graph of its own. Neither grows with ``sink_size``. On a GPU, a CUDA graph's replay costs little per
-call and several per call has not been measured there yet: one per call.
+one window is a graph of its own); for programs built without running (a sum across processes traced in), and
+off the CPU, each length is a graph of its own. Neither grows with ``sink_size``. On a GPU, a CUDA graph's replay
+costs little per call and several per call has not been measured there yet: one per call.
 """
 
 from __future__ import annotations

@@ -134,9 +134,9 @@ class CompiledPrograms:
         self.update_sum = compiled(traced.update_sum_program, compiler, options)
         self.update_apply = compiled(traced.update_apply_program, compiler, options)
         several = compiled(traced.several_program, compiler, options)
-        # (built without running, a program returns placeholders of its outputs' shapes, which must be known: a
-        # loop whose number of windows is left open is built for each length instead)
-        self.several = several if self._quiet is not None else _windows_may_vary(several)
+        # (built without running, a program returns placeholders of its outputs' shapes, which must be known; and a
+        # loop with an open size has been measured on CPUs only: elsewhere each length is built as a graph of its own)
+        self.several = several if self._quiet is not None or device.type != "cpu" else _windows_may_vary(several)
 
     def building(self) -> contextlib.AbstractContextManager[None]:
         """Where the programs' first calls compile them: without running where they are built quietly."""
