@@ -233,8 +233,9 @@ def cached_loops_option() -> dict[str, Any]:
 
     Inductor's cache of compiled graphs and AOTAutograd's refuse a graph with a higher-order operator not marked
     cacheable, and ``scan`` is not: every fit built its loops from scratch, cached or not. The cache key of such a
-    graph holds the loop's body (its subgraph's code is hashed with the graph), so marking ``scan`` as Inductor's
-    ``unsafe_marked_cacheable_functions`` allows, keyed by the torch version, keeps one loop apart from another."""
+    graph holds the loop's body (its subgraph's code is hashed with the graph), which keeps one loop apart from
+    another; so ``scan`` is marked cacheable through Inductor's ``unsafe_marked_cacheable_functions``, keyed by the
+    torch version."""
     from torch._higher_order_ops.scan import scan_op
 
     return {"unsafe_marked_cacheable_functions": {f"{scan_op.__module__}.{scan_op.__name__}": torch.__version__}}
