@@ -172,9 +172,10 @@ def test_from_a_loader_the_default_runs_a_sink_in_one_call_with_one_loop_graph(c
         logger = RecordingLogger()
         trainer = quiet_trainer(strategy=strategy, max_epochs=3, logger=logger, log_every_n_steps=1)
         model = Net("adamw")
+        reference = copy.deepcopy(model.net)
         fit(trainer, model, Samples(dataset()), caplog)
         said = [r.getMessage() for r in caplog.records if "whole" in r.getMessage()]
-        return {"model": model, "trainer": trainer, "points": logger.points, "said": said[0]}
+        return {"model": model, "trainer": trainer, "points": logger.points, "said": said[0], "reference": reference}
 
     one = run(1)
     assert several_calls == []
@@ -187,6 +188,9 @@ def test_from_a_loader_the_default_runs_a_sink_in_one_call_with_one_loop_graph(c
     assert compiled_graph_count() - graphs == 3  # the accumulate and update programs and one loop
     assert torch.equal(flat(default["model"].net), flat(one["model"].net))
     assert default["points"] == one["points"] and default["trainer"].global_step == 15
+    reference = default["reference"]  # the same 30 micro-batches through a plain PyTorch loop
+    expected = plain_loop(reference, "adamw", 30, 2, dataset())
+    assert relative_error(flat(default["model"].net), flat(reference)) <= 1e-5 and expected["updates"] == 15
 
 
 def test_a_sink_cut_by_a_pass_end_runs_the_short_calls_for_the_rest(caplog, several_calls):
