@@ -220,16 +220,18 @@ fi
 
 # 1. Every CUDA-only test (collection of the whole suite; modules needing what the machine lacks, e.g.
 #    jsonargparse, are reported and passed over).
-step cuda_tests 200 tests env PYTHONPATH="$SCRATCH:$PYTHONPATH" "$PYTHON" -m pytest tests -q -p no:cacheprovider \
+step cuda_tests 180 tests env PYTHONPATH="$SCRATCH:$PYTHONPATH" "$PYTHON" -m pytest tests -q -p no:cacheprovider \
     -p cuda_only --continue-on-collection-errors --junitxml="$JUNIT" -o junit_family=xunit1
-# 2. The whole-step compiled programs as CUDA graphs against the eager loop (each configuration prints its JSON
-#    line as it finishes), the host syncs inside a sink, loop sinking side by side (its JAX part needs a jaxlib with
-#    a GPU backend, else it is skipped with the reason), then the sink benchmarks, small. Steps still waiting when
-#    the budget is spent are reported as skipped.
+# 2. Loop sinking side by side: eager sinks, CUDA graphs one per micro-batch and one per whole staged sink, stock
+#    Lightning with and without torch.compile(mode="reduce-overhead"), the compile mode, and JAX's jit and scan (its
+#    JAX part needs a jaxlib with a GPU backend, else it is skipped with the reason); each configuration prints its
+#    JSON line as it finishes. Then the host syncs inside a sink, and the older GPU benchmarks, small. Steps still
+#    waiting when the budget is spent are reported as skipped.
+step loop_sinking 240 benchmark "$PYTHON" benchmarks/loop_sinking.py --device cuda --repeats 3 --sink 100 \
+    --configs sink_eager sink_cuda_graph sink_cuda_graph_sink stock_lightning_compile stock_lightning sink_compile
+step host_syncs 40 benchmark "$PYTHON" "$SCRATCH/sync_count.py"
 step compiled_step 120 benchmark "$PYTHON" benchmarks/compiled_step.py --device cuda --repeats 3 --steps 200 \
     --models tiny_mlp lenet5 --optimizers sgd --accumulation 1 --unroll 8
-step host_syncs 40 benchmark "$PYTHON" "$SCRATCH/sync_count.py"
-step loop_sinking 150 benchmark "$PYTHON" benchmarks/loop_sinking.py --device cuda --repeats 2 --sink 100
 step sink_throughput 90 benchmark "$PYTHON" benchmarks/sink_throughput.py --device cuda --repeats 1 --steps 200
 step common_path 45 benchmark "$PYTHON" benchmarks/common_path.py --device cuda --repeats 2 --steps 300 \
     --warmup 50 --sink-size 100

@@ -16,6 +16,9 @@ betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2``), ``--sink`` micro-batches of 
   ``interval="step"``, linear warm-up over the first 5% of the steps, then cosine to zero, sized from
   ``trainer.estimated_stepping_batches``), and that scheduled fit with **``micro_steps_per_call=8``** (the
   scheduler's values for each update inside a call: not a default, the knob as a user sets it today);
+- on ``--device cuda`` only, **sink CUDA graph**: ``SinkStrategy(sink_size=K, graph_mode="cuda_graph")`` (its
+  defaults: one captured program per micro-batch), and **sink CUDA graph, whole sink**: the same with
+  ``micro_steps_per_call=K`` (the staged sink's K micro-steps captured as one CUDA graph, one replay per sink);
 - with the optional ``anchors`` extra (``pip install lightning-sink[anchors]``: ``jax``, ``optax``): the same
   network in JAX (its parameters copied from the torch model's, the first batch's loss checked against torch's), the
   same data shapes, ``optax.adamw`` with the torch optimizer's own ``lr``/``betas``/``eps``/``weight_decay``:
@@ -78,7 +81,10 @@ LIGHTNING_CONFIGS = (
     "sink_compile",
     "sink_compile_sched",
     "sink_compile_m8_sched",
+    "sink_cuda_graph",
+    "sink_cuda_graph_sink",
 )
+CUDA_ONLY_CONFIGS = ("sink_cuda_graph", "sink_cuda_graph_sink")
 
 
 class ScheduledClassifier(Classifier):
@@ -154,6 +160,10 @@ def lightning_fit(config: str, model: str, data: TensorDataset, hand: DeviceHand
         options: dict[str, Any] = {} if config == "sink_eager" else {"graph_mode": "compile"}
         if config == "sink_compile_m8_sched":
             options["micro_steps_per_call"] = 8  # the step scheduler inside calls of 8 micro-steps
+        if config in CUDA_ONLY_CONFIGS:
+            options["graph_mode"] = "cuda_graph"
+        if config == "sink_cuda_graph_sink":
+            options["micro_steps_per_call"] = sink  # the whole staged sink captured as one CUDA graph
         strategy = SinkStrategy(sink_size=sink, **options)
     timing = DevicePaired("epoch" if config.startswith("stock") else "batch", sink, hand)
     trainer = quiet_trainer(
@@ -371,7 +381,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on a CPU")
-    parser.add_argument("--configs", nargs="*", choices=LIGHTNING_CONFIGS, default=list(LIGHTNING_CONFIGS))
+    parser.add_argument(
+        "--configs", nargs="*", choices=LIGHTNING_CONFIGS, help="default: all (on a CPU all but the CUDA-graph ones)"
+    )
     parser.add_argument("--no-jax", action="store_true", help="leave out the JAX configurations")
     args = parser.parse_args(argv)
     for name in ("sink", "repeats", "threads"):
@@ -379,6 +391,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error(f"--{name} must be >= 1; got {getattr(args, name)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
+    if args.configs is None:
+        args.configs = [c for c in LIGHTNING_CONFIGS if args.device == "cuda" or c not in CUDA_ONLY_CONFIGS]
+    on_cpu = sorted(set(args.configs) & set(CUDA_ONLY_CONFIGS)) if args.device == "cpu" else []
+    if on_cpu:
+        parser.error(f"--configs {' '.join(on_cpu)}: CUDA graphs need --device cuda")
     return args
 
 

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 import lightning_sink.sink.programs.compiled_choice as compiled_choice
 from lightning_sink import SinkStrategy
+from lightning_sink.compiled.cuda_graphs import CapturedProgram
 from lightning_sink.compiled.device_dataset import SinkIndices
 from tests.compiled.test_lightning_fit import quick_backend  # noqa: F401  (the fixture: aot_eager, a fresh TorchDynamo per test)
 from tests.helpers import RecordingLogger, quiet_trainer
@@ -234,3 +235,36 @@ def test_on_cuda_a_staged_fit_trains_what_the_loader_fit_trains(graph_mode, capl
     assert uploads  # the staged fit uploaded its indices
     for staged, loaded in zip(models[None], models[0]):
         torch.testing.assert_close(staged, loaded, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a CUDA device")
+def test_on_cuda_a_whole_staged_sink_replays_as_one_cuda_graph(monkeypatch):
+    """``graph_mode="cuda_graph"`` with ``micro_steps_per_call=sink_size``: a staged sink's micro-steps (windows of 2,
+    the step scheduler's values inside the call) captured as one CUDA graph and replayed once per sink, training what
+    one captured program per micro-batch trains (no dropout: the loop and the one-step programs are compiled apart,
+    and Inductor's GPU random numbers are its own per graph)."""
+    monkeypatch.setattr(compiled_choice, "COMPILE_BACKEND", "inductor")
+    replays: list[int] = []
+    replay = CapturedProgram.__call__
+
+    def counting(self: CapturedProgram, batch: Any) -> Any:
+        replays[-1] += 1
+        return replay(self, batch)
+
+    monkeypatch.setattr(CapturedProgram, "__call__", counting)
+    data = dataset(64)  # 16 micro-batches a pass: two sinks of 8, four windows each
+    models = {}
+    for per_call in (1, 8):
+        replays.append(0)
+        torch._dynamo.reset()
+        model = Net()
+        model.net[3] = nn.Identity()
+        strategy = SinkStrategy(
+            accumulation_steps=2, sink_size=8, graph_mode="cuda_graph", micro_steps_per_call=per_call
+        )
+        torch.manual_seed(7)
+        quiet_trainer(strategy=strategy, max_epochs=2, accelerator="gpu", devices=1).fit(model, shuffled(data))
+        models[per_call] = [tensor.cpu() for tensor in state(model)]
+    assert replays == [16, 2]  # (sink mode: an epoch is a sink) one replay per micro-batch, then one per sink
+    for whole_sink, one_per_call in zip(models[8], models[1]):
+        torch.testing.assert_close(whole_sink, one_per_call, rtol=1e-5, atol=1e-6)

@@ -287,7 +287,7 @@ class CompiledProgramChooser:
         engine = self.engine
         several = self.micro_steps_per_call
         if several is None and self.graph_mode == "cuda_graph":
-            several = 1  # (several replays in one captured graph: not measured yet)
+            several = 1  # (a loop of several captured as one graph has not run on a GPU: benchmarks/README.md)
         if several is not None and several > 1 and several % engine.accumulation_steps:
             rank_zero_warn(
                 f"micro_steps_per_call={several} is not a multiple of the fit's accumulation_steps="
