@@ -149,10 +149,15 @@ class OptimizerRule:
         skip: Tensor | None,
     ) -> None:
         """Update every parameter from its (unscaled, clipped) gradient; where ``skip`` is true nothing moves."""
-        update = self._sgd if self.kind == "sgd" else self._adam
         for group, scheduled in zip(self.groups, hyper):
-            for i in group.members:
-                update(scheduled, group.flags, params[i], grads[i], states[i], skip)
+            if self.kind == "sgd":
+                for i in group.members:
+                    self._sgd(scheduled, group.flags, params[i], grads[i], states[i], skip)
+                continue
+            corrections = _bias_corrections([states[i]["step"] for i in group.members], scheduled)
+            for column, i in enumerate(group.members):
+                values = {**scheduled, "bias_corrections": corrections[:, column]}
+                self._adam(values, group.flags, params[i], grads[i], states[i], skip)
 
     @staticmethod
     def _write(target: Tensor, value: Tensor, skip: Tensor | None) -> None:
@@ -185,6 +190,8 @@ class OptimizerRule:
         state: dict[str, Tensor],
         skip: Tensor | None,
     ) -> None:
+        """Adam's or AdamW's update of one parameter; ``h``: its group's scheduled values and its two bias
+        corrections (``"bias_corrections"``, a column of ``_bias_corrections``)."""
         grad = -grad if flags["maximize"] else grad
         lr, beta1, beta2 = h["lr"], h["beta1"], h["beta2"]
         step = state["step"] + 1
@@ -195,10 +202,8 @@ class OptimizerRule:
             grad = grad + h["weight_decay"].to(grad.dtype) * param
         exp_avg = state["exp_avg"].lerp(grad, (1 - beta1).to(grad.dtype))
         exp_avg_sq = state["exp_avg_sq"] * beta2.to(grad.dtype) + (1 - beta2).to(grad.dtype) * grad * grad
-        # the bias corrections in float64, as torch.optim computes them from a Python float step count
-        step64 = step.to(torch.float64)
-        bias_correction1 = 1 - beta1**step64
-        bias_correction2_sqrt = torch.sqrt(1 - beta2**step64)
+        bias_correction1, bias_correction2 = h["bias_corrections"].unbind()
+        bias_correction2_sqrt = torch.sqrt(bias_correction2)
         step_size = (lr / bias_correction1).to(param.dtype)
         second = exp_avg_sq
         if flags["amsgrad"]:
@@ -210,6 +215,20 @@ class OptimizerRule:
         self._write(state["exp_avg_sq"], exp_avg_sq, skip)
         self._write(state["step"], step, skip)
         self._write(param, new_param, skip)
+
+
+def _bias_corrections(steps: list[Tensor], hyper: dict[str, Tensor]) -> Tensor:
+    """Adam's bias corrections ``1 - beta ** (step + 1)`` of one group's parameters, for ``beta1`` (row 0) and
+    ``beta2`` (row 1), one column per parameter, in float64 as torch.optim computes them from a Python float step.
+
+    Written as ``exp((step + 1) * log(beta))``, equal to the power within float64 rounding (far below the float32
+    of the update), for where Inductor places it on a CPU: a small value holding a logarithm or an exponential that
+    several kernels read is computed once into a buffer of its own, whereas a plain power was computed again inside
+    every parameter's elementwise loop, once per vector of elements (a C library call the C++ compiler may not move
+    out of the loop), which made it a large share of the whole update."""
+    counts = torch.stack(steps).to(torch.float64) + 1
+    betas = torch.stack([hyper["beta1"], hyper["beta2"]]).to(torch.float64)
+    return 1 - torch.exp(counts[None, :] * torch.log(betas)[:, None])
 
 
 def _setting(settings: dict, name: str) -> Any:
