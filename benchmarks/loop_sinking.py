@@ -39,12 +39,16 @@ JSON line when it ends (a run stopped early keeps them); the last line of stdout
 Fairness on a CPU: every framework on one thread. torch: ``torch.set_num_threads(1)`` (``--threads``). JAX:
 ``XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"``, set before jax is imported;
 ``cpu_over_wall`` (process CPU time over wall time of a timed JAX sink) shows whether it held (at most about 1.0).
+The flags do not hold JAX's runtime to one thread (its dispatch runs beside the Python thread: ``cpu_over_wall``
+up to 1.9 on two cores), so with ``--threads 1`` the whole process is also kept on one core (``--cores``, every
+thread's affinity; ``--cores 0``: not pinned): each framework then has one core, as torch's one thread has.
 On CUDA, JAX allocates GPU memory as it needs it (``XLA_PYTHON_CLIENT_PREALLOCATE=false``), as torch does.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
@@ -382,6 +386,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads on a CPU")
     parser.add_argument(
+        "--cores", type=int, help="CPU cores the process may run on (default: --threads on a CPU; 0: not pinned)"
+    )
+    parser.add_argument(
         "--configs", nargs="*", choices=LIGHTNING_CONFIGS, help="default: all (on a CPU all but the CUDA-graph ones)"
     )
     parser.add_argument("--no-jax", action="store_true", help="leave out the JAX configurations")
@@ -389,6 +396,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("sink", "repeats", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1; got {getattr(args, name)}")
+    if args.cores is None:
+        args.cores = args.threads if args.device == "cpu" else 0
+    if not 0 <= args.cores <= len(os.sched_getaffinity(0)):
+        parser.error(f"--cores must be 0 (not pinned) to {len(os.sched_getaffinity(0))}; got {args.cores}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
     if args.configs is None:
@@ -399,14 +410,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def pin_to_cores(count: int) -> list[int]:
+    """Keep every thread of this process (those started later inherit it) on the first ``count`` allowed cores."""
+    cores = sorted(os.sched_getaffinity(0))[:count]
+    for thread in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):  # (a thread that ended meanwhile)
+            os.sched_setaffinity(int(thread), cores)
+    return cores
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    cores = pin_to_cores(args.cores) if args.cores else None
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     jax_device, skipped = (None, "--no-jax") if args.no_jax else jax_or_reason(device)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     machine = torch.cuda.get_device_name(0) if device.type == "cuda" else f"CPU, {args.threads} torch thread(s)"
+    machine += f", pinned to core(s) {cores}" if cores else ", not pinned"
     result: dict[str, Any] = {
         "benchmark": "loop_sinking",
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {machine}",
