@@ -227,7 +227,7 @@ step cuda_tests 180 tests env PYTHONPATH="$SCRATCH:$PYTHONPATH" "$PYTHON" -m pyt
 #    JAX part needs a jaxlib with a GPU backend, else it is skipped with the reason); each configuration prints its
 #    JSON line as it finishes. Then the host syncs inside a sink, and the older GPU benchmarks, small. Steps still
 #    waiting when the budget is spent are reported as skipped.
-#    Stock Lightning with torch.compile goes last: on the lent torch 2.11 it once took 0.2 s a step.
+#    Stock Lightning with torch.compile goes last: on the lent machine's torch it once ran far slower than the rest.
 step loop_sinking 240 benchmark "$PYTHON" benchmarks/loop_sinking.py --device cuda --repeats 3 --sink 100 \
     --configs sink_eager sink_cuda_graph sink_cuda_graph_sink sink_compile stock_lightning stock_lightning_compile
 step host_syncs 40 benchmark "$PYTHON" "$SCRATCH/sync_count.py"
