@@ -106,3 +106,17 @@ class StepTimer(pl.Callback):
     def on_train_end(self, trainer, module):
         synchronize(module.device)
         self.seconds, self.steps = time.perf_counter() - self.start, trainer.global_step - self.start_step
+
+
+class SinkClock(pl.Callback):
+    """Each Lightning batch's wall time: in sink mode, each sink's seconds."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.seconds.append(time.perf_counter() - self._start)

@@ -18,11 +18,9 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -33,7 +31,7 @@ from loop_sinking import ScheduledClassifier, make_data
 
 from lightning_sink import SinkStrategy
 
-from common import quiet_trainer
+from common import SinkClock, quiet_trainer
 
 CONFIGS = {"calls_of_8": {"device_data_budget": 0}, "default": {}}
 
@@ -49,18 +47,6 @@ class Samples(Dataset):
 
     def __getitem__(self, index: int) -> Any:
         return self.data[index]
-
-
-class SinkClock(pl.Callback):
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
-        self._start = 0.0
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.seconds.append(time.perf_counter() - self._start)
 
 
 def steady_us(model: str, sink: int, data: Samples, options: dict[str, Any]) -> float:

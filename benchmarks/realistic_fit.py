@@ -134,19 +134,17 @@ def one_fit(args: argparse.Namespace) -> dict | None:
 
     torch.set_num_threads(args.threads)
 
-    class SinkClock(pl.Callback):
+    from common import SinkClock
+
+    class SinkClockAndGraphs(SinkClock):
         """Each sink's seconds and the compiled graphs counted at its end."""
 
         def __init__(self) -> None:
-            self.seconds: list[float] = []
+            super().__init__()
             self.graphs: list[int] = []
-            self._start = 0.0
-
-        def on_train_batch_start(self, *args: Any) -> None:
-            self._start = time.perf_counter()
 
         def on_train_batch_end(self, *args: Any) -> None:
-            self.seconds.append(time.perf_counter() - self._start)
+            super().on_train_batch_end(*args)
             self.graphs.append(compiled_graph_count())
 
     lines: list[str] = []
@@ -158,7 +156,7 @@ def one_fit(args: argparse.Namespace) -> dict | None:
     rank_zero = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     rank_zero.addHandler(Lines())
     rank_zero.setLevel(logging.INFO)
-    clock = SinkClock()
+    clock = SinkClockAndGraphs()
     options = {"graph_mode": "compile"} if graph_mode == "compile" else {}
     strategy = SinkDDPStrategy if args.devices > 1 else SinkStrategy
     trainer = pl.Trainer(

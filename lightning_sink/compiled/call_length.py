@@ -35,7 +35,8 @@ runs each segment's calls longest first, then calls of the short length, then on
 left. One graph of the loop serves both lengths (the number of windows is a size the graph leaves open; a call of
 one window is a graph of its own); for programs built without running (a sum across processes traced in), and
 off the CPU, each length is a graph of its own. Neither grows with ``sink_size``. On a GPU, a CUDA graph's replay
-costs little per call and several per call has not been measured there yet: one per call.
+costs little per call, and a loop of several captured as one graph has not run there yet (benchmarks/README.md):
+one per call.
 """
 
 from __future__ import annotations
