@@ -122,6 +122,9 @@ class SinkLogBuffer:
         # each Metric logged in this sink: how it was last logged (Lightning gets it at the first and the last call)
         self._metric_logs: dict[str, _MetricLog] = {}
         self._updates: list[_Update] = []
+        # the settings a LearningRateMonitor will read after an update whose schedulers were stepped before its
+        # compiled call, by the global step that update makes (``schedulers_stepped``)
+        self._settings_ahead: dict[int, list[Settings]] = {}
         self._micro_steps_since_update = 0
         self._micro_steps_in_sink = 0
         self._first_batch_flag: bool | None = None  # Lightning's, as the sink started
@@ -152,6 +155,7 @@ class SinkLogBuffer:
         self._keys.clear()
         self._metric_logs.clear()
         self._updates.clear()
+        self._settings_ahead.clear()
         self._micro_steps_since_update = 0
         self._micro_batch = None
         if self._micro_steps_in_sink > 1:
@@ -174,10 +178,26 @@ class SinkLogBuffer:
             return  # nothing logged yet (keys are only added): the update has nothing to write
         trainer = self._trainer
         settings = None
-        if self._learning_rates.monitors and trainer.loggers and _logs_at_update(trainer, trainer.global_step + 1):
-            settings = self._learning_rates.settings_now()
+        if self._wants_settings(trainer.global_step):
+            settings = self._settings_ahead.pop(trainer.global_step, None)
+            if settings is None:
+                settings = self._learning_rates.settings_now()
         self._updates.append(
             _Update(trainer.global_step, {name: len(key.values) for name, key in self._keys.items()}, settings)
+        )
+
+    def schedulers_stepped(self, global_step: int) -> None:
+        """The step schedulers were just stepped for the update that will make ``global_step``, ahead of that
+        update's own effects (a compiled call of several, ``sink/programs/scheduler_steps.py``): the settings they
+        left are kept for its ``end_update`` where a LearningRateMonitor will read them."""
+        if self._wants_settings(global_step):
+            self._settings_ahead[global_step] = self._learning_rates.settings_now()
+
+    def _wants_settings(self, global_step: int) -> bool:
+        """Whether a LearningRateMonitor writes at the update after the one that makes ``global_step``."""
+        trainer = self._trainer
+        return (
+            bool(self._learning_rates.monitors) and bool(trainer.loggers) and _logs_at_update(trainer, global_step + 1)
         )
 
     # ------------------------------------------------------------------ the stand-in for self.log

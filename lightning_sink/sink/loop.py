@@ -115,7 +115,7 @@ class SinkLoop:
         self._agree = hooks.max_time.agree
         self._recompile_watch = hooks.recompile_watch  # (graph modes: TorchDynamo compiles the step)
         self._progress = hooks.progress
-        self.updates = SinkUpdates(engine)
+        self.updates = self._sink_updates()
         self._ended_on_update = False  # the last segment's last micro-batch closed a window
         self.validation_pending = False  # Lightning decided to validate after the batch and has not zero-grad yet
         self.programs: SinkPrograms | None = None  # the last segment's
@@ -133,8 +133,12 @@ class SinkLoop:
 
     def batch_started(self) -> None:
         """A Lightning batch (a segment) starts: no update yet (what Lightning's ``_should_accumulate`` is told)."""
-        self.updates = SinkUpdates(self._engine)
+        self.updates = self._sink_updates()
         self._ended_on_update = False
+
+    def _sink_updates(self) -> SinkUpdates:
+        buffer = self._log_buffer
+        return SinkUpdates(self._engine, buffer.schedulers_stepped if buffer is not None else None)
 
     def made_no_update(self) -> bool:
         """Lightning's "does this batch accumulate?" (``_should_accumulate``): whether the segment made no update.

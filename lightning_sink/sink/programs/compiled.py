@@ -17,10 +17,10 @@ What stays where it was:
 A program given a ``StagedBatch`` (``sink/staging.py``) runs without a batch argument: it gathers that batch itself.
 
 ``CompiledSeveral`` runs M micro-batches per call (``micro_steps_per_call``) where that is exact: at a window's start,
-with the accumulation the program was built for. Each update of the call reads its own hyperparameters, which
-``SchedulerLookahead`` computes before the call from the fit's ``interval="step"`` schedulers. After the call every
-micro-batch's host effects are done in order, as the one-per-call pair does them, the schedulers' real steps
-included (``SinkLoop`` asks the rest: segment, pass and ``max_steps``; ``max_time`` is read between calls).
+with the accumulation the program was built for. Each update of the call reads its own hyperparameters, for which
+``SchedulerSteps`` steps the fit's ``interval="step"`` schedulers through the call's updates before it. After the
+call every micro-batch's host effects are done in order, as the one-per-call pair does them, the schedulers' steps
+excepted (``SinkLoop`` asks the rest: segment, pass and ``max_steps``; ``max_time`` is read between calls).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from torch import Tensor
 
 from lightning_sink.compiled import StepOutputs, StepPrograms
 from lightning_sink.sink.programs.eager import SinkUpdates
-from lightning_sink.sink.programs.scheduler_lookahead import SchedulerLookahead
+from lightning_sink.sink.programs.scheduler_steps import SchedulerSteps
 from lightning_sink.sink.staging import StagedBatch
 from lightning_sink.strategies.engine import StepEngine
 from lightning_sink.window import FlatAllReduce
@@ -89,7 +89,7 @@ class _Compiled:
         scaler = None if scaling is None else scaling.scaler
         # the schedulers hold after a skipped update: the one host read of the window's flag, as on the eager path,
         # and only where a step scheduler needs it (never with several micro-batches per call: the chooser builds
-        # none then, SchedulerLookahead.reason)
+        # none then, SchedulerSteps.reason)
         engine.last_update_skipped = (
             bool(engine.step_scheduler_configs)
             and scaler is not None
@@ -146,14 +146,14 @@ class CompiledSeveral(_Compiled):
         updates: SinkUpdates,
         copy_outputs: bool,
         count: int,
-        lookahead: SchedulerLookahead,
+        schedulers: SchedulerSteps,
     ) -> None:
-        """``count``: the micro-steps of this call, one of ``programs.call_lengths``; ``lookahead``: the segment's,
-        shared by its calls of every length."""
+        """``count``: the micro-steps of this call, one of ``programs.call_lengths``; ``schedulers``: the fit's
+        step schedulers, stepped through each call's updates before it."""
         super().__init__(programs, engine, updates, copy_outputs)
         assert programs.several is not None and count in programs.call_lengths
         self.count, self._window_length = count, programs.several[1]
-        self._lookahead = lookahead
+        self._schedulers = schedulers
 
     def ready(self) -> bool:
         return (
@@ -164,7 +164,7 @@ class CompiledSeveral(_Compiled):
     def run(self, batches: list[Any], batch_idx: int) -> list[Callable[[], Tensor | None]]:
         programs, steps = self._programs, self._window_length
         programs.batch_index.fill_(batch_idx)  # the programs count it on per micro-step
-        hyperparameters = self._lookahead.rows(programs.rule, len(batches) // steps)
+        hyperparameters = self._schedulers.step_through(programs.rule, len(batches) // steps, self._updates)
         staged = isinstance(batches[0], StagedBatch)
         outputs = programs.run_several(None if staged else batches, hyperparameters, count=len(batches))
         return [partial(self._finish, programs, out, (i + 1) % steps == 0) for i, out in enumerate(outputs)]
@@ -178,5 +178,5 @@ class CompiledSeveral(_Compiled):
             return self._outputs(programs, out)
         window.close()
         result: list[Tensor] = []
-        self._updates.make(lambda: result.append(self._end_window(programs, out)))
+        self._updates.make(lambda: result.append(self._end_window(programs, out)), step_schedulers=False)
         return result[0]

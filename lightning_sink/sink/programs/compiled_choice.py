@@ -21,8 +21,8 @@ between sinks (``sink/programs/window_handover.py``).
 
 With ``micro_steps_per_call=M`` (> 1) the programs are built with one compiled program of M micro-steps as well
 (whole windows, ``StepPrograms.run_several``) where M is a multiple of the accumulation (and, staged, no more than a
-sink stages), and ``choose`` adds a ``CompiledSeveral`` per call length to the pair (longest first; they share the
-segment's ``SchedulerLookahead``). With ``None`` (the default) the build decides M from the step's size, with a
+sink stages), and ``choose`` adds a ``CompiledSeveral`` per call length to the pair (longest first; each steps the fit's
+step schedulers through its call's updates before the call: ``SchedulerSteps``). With ``None`` (the default) the build decides M from the step's size, with a
 second call as long as a staged sink (``compiled/call_length.py``), under DDP too (every process the same lengths,
 agreed after the build); for CUDA graphs it is 1.
 """
@@ -56,7 +56,7 @@ from lightning_sink.sink.programs.build_agreement import agreed_build
 from lightning_sink.sink.programs.build_notice import BuildNotice, cache_note, step_times
 from lightning_sink.sink.programs.compiled import CompiledAccumulate, CompiledSeveral, CompiledUpdate
 from lightning_sink.sink.programs.eager import SinkPrograms, SinkUpdates, choose_eager, choose_programs
-from lightning_sink.sink.programs.scheduler_lookahead import SchedulerLookahead
+from lightning_sink.sink.programs.scheduler_steps import SchedulerSteps
 from lightning_sink.sink.programs.window_handover import WindowHandover
 from lightning_sink.sink.staging import StagedData
 from lightning_sink.strategies.engine import StepEngine
@@ -164,9 +164,9 @@ class CompiledProgramChooser:
         if self.staging is not None:
             self.staging.gathering = True
         copy_outputs = self.graph_mode == "cuda_graph"  # a replay overwrites the graph's outputs
-        lookahead = SchedulerLookahead(engine)  # (the segment's: its calls of every length read one span)
+        schedulers = SchedulerSteps(engine)
         several = tuple(
-            CompiledSeveral(programs, engine, updates, copy_outputs, count, lookahead)
+            CompiledSeveral(programs, engine, updates, copy_outputs, count, schedulers)
             for count in programs.call_lengths
         )
         return SinkPrograms(
@@ -294,7 +294,7 @@ class CompiledProgramChooser:
                 f"{engine.accumulation_steps} (a call runs whole windows): one micro-batch per call instead."
             )
             several = 1
-        not_scheduled = SchedulerLookahead(engine).reason() if several != 1 else None
+        not_scheduled = SchedulerSteps(engine).reason() if several != 1 else None
         if not_scheduled is not None:
             if several is not None:  # (asked for: a warning; chosen by default: the fit's line says why)
                 rank_zero_warn(

@@ -107,19 +107,23 @@ class PairCall:
 
 class SinkUpdates:
     """Counts the updates of one sink as Lightning counts its own (progress counters), then steps the
-    step-interval LR schedulers (not after an update skipped on overflow)."""
+    step-interval LR schedulers (not after an update skipped on overflow; not for an update of a compiled call of
+    several, whose schedulers were stepped before the call: ``sink/programs/scheduler_steps.py``)."""
 
-    def __init__(self, engine: StepEngine) -> None:
+    def __init__(self, engine: StepEngine, schedulers_stepped: Callable[[int], None] | None = None) -> None:
+        """``schedulers_stepped``: told the global step of each update whose schedulers were stepped before its
+        compiled call (the sink's log buffer keeps the settings a LearningRateMonitor reads after it)."""
         self._engine = engine
+        self.schedulers_stepped = schedulers_stepped
         self.count = 0
 
-    def make(self, run_update: Callable[[], Any]) -> None:
+    def make(self, run_update: Callable[[], Any], step_schedulers: bool = True) -> None:
         engine = self._engine
         engine.counters.update_ready()
         run_update()
         engine.counters.update_completed()
         self.count += 1
-        if engine.step_scheduler_configs and not engine.last_update_skipped:
+        if step_schedulers and engine.step_scheduler_configs and not engine.last_update_skipped:
             trainer, direct = engine.trainer, engine.hooks.direct_scheduler_step
             for config in engine.step_scheduler_configs:
                 if trainer.global_step % config.frequency == 0:
