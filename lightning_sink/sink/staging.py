@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
+import numpy
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
@@ -216,9 +217,9 @@ class StagedData:
             if isinstance(item, _SampledIndices) and len(item.indices) == self.batch_size
         ]
         if full:
-            # the segment's indices as one tensor (one conversion, not one per micro-batch), uploaded in one copy;
-            # each micro-batch keeps its row
-            rows = torch.as_tensor([items[i].indices for i in full], dtype=torch.int64)
+            # the segment's indices as one tensor (one conversion, not one per micro-batch; numpy converts nested
+            # lists of ints several times faster than torch does), uploaded in one copy; each micro-batch keeps its row
+            rows = torch.from_numpy(numpy.asarray([items[i].indices for i in full], dtype=numpy.int64))
             self.data()[1].load(rows)
             for i, row in zip(full, rows.unbind(0)):
                 items[i] = StagedBatch(row)
