@@ -29,6 +29,7 @@ agreed after the build); for CUDA graphs it is 1.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -262,6 +263,10 @@ class CompiledProgramChooser:
         )
         if engine.host.world_size > 1:
             built = agreed_build(trainer.strategy, built)
+        # A build leaves tens of thousands of TorchDynamo's and Inductor's objects to Python's cyclic collector,
+        # whose next full collection (a pause as long as hundreds of micro-steps of a small model) would otherwise
+        # fall inside one of the first sinks: it is made here, once, and counted in the build.
+        gc.collect()
         if isinstance(built, Unavailable):
             self._fall_back(built.reason)
             return None
