@@ -17,9 +17,10 @@ class ProgramUnavailable(RuntimeError):
     """A program stopped applying after it was built (e.g. a ``param_groups`` flag it was compiled for changed)."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepOutputs:
-    """What one program call returns, on the device (reading any of it is the caller's host sync, not ours)."""
+    """What one program call returns, on the device (reading any of it is the caller's host sync, not ours).
+    Made once per micro-step, so a plain slotted class (a frozen one costs several times as much to make)."""
 
     loss: Tensor  # the micro-batch's loss as training_step returned it (unscaled, detached)
     logs: dict[str, Tensor] = field(default_factory=dict)  # self.log values of this micro-batch, by name

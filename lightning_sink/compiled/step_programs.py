@@ -176,6 +176,8 @@ class StepPrograms:
         """The micro-batch's ``self.log`` values as the host hands them on, in the order they were logged: its
         Metric calls made first, on the real Metrics, eagerly (``metric_calls.py``), then a logged Metric as the
         object and a logged forward result as that call's result. Call once per ``StepOutputs``, in order."""
+        if not (out.logs or out.metric_calls or out.references):
+            return {}  # (a module that logs nothing in training_step)
         logs: dict[str, Any] = dict(out.logs)
         if out.metric_calls or out.references:
             # (a CUDA graph's outputs are overwritten by its next replay; a Metric may keep its inputs: list states)
@@ -288,8 +290,7 @@ class StepPrograms:
         return side
 
     def _eager_run(self, example_batch: Any) -> Any:
-        """The accumulate program run once eagerly on copies of the state (nothing of the run changes, random
-        numbers included)."""
+        """The accumulate program run once eagerly on copies of the state (nothing of the run changes)."""
         with torch.random.fork_rng(devices=self._rng_devices), self._running():
             return self._traced.accumulate_program(clone_tree(self._state), clone_tree(example_batch))
 

@@ -59,7 +59,7 @@ __all__ = [
 CUDA_BUDGET_SHARE = 4  # on CUDA the default budget is a quarter of the device's memory: the rest is the model's
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StagedBatch:
     """A micro-batch the programs gather on the device: the sampler's indices of its samples (on the host).
 
@@ -230,7 +230,7 @@ class StagedData:
             self.data()[1].load(torch.stack([item.indices for item in gathered]))
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _SampledIndices:
     """A micro-batch as the stream reads it: the sampler's indices as drawn (made a ``StagedBatch`` once taken)."""
 
