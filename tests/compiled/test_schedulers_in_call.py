@@ -33,6 +33,7 @@ from tests.compiled.test_lightning_fit import (
     relative_error,
 )
 from tests.compiled.test_several_per_call import trainer_for
+from tests.helpers import quiet_trainer
 
 
 def warmup_cosine(optimizer: torch.optim.Optimizer, total: int) -> dict[str, Any]:
@@ -142,6 +143,39 @@ def test_a_step_scheduler_inside_calls_matches_the_plain_loop(caplog, several_ca
     assert trainer.global_step == expected["updates"] == 15
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(expected["lr"], rel=1e-12)
     assert relative_error(flat(model.net), flat(reference)) <= 1e-5
+
+
+class RecordedSteps(Net):
+    """A step scheduler whose every ``step()`` call is recorded, as a scheduler with side effects (a print, a
+    counter, a log line) sees them."""
+
+    def __init__(self) -> None:
+        super().__init__("adamw")
+        self.stepped: list[tuple[int, float]] = []
+
+    def configure_optimizers(self) -> Any:
+        optimizer = super().configure_optimizers()
+        stepped = self.stepped
+
+        class Recording(lr_scheduler.LambdaLR):
+            def step(self, epoch: Any = None) -> None:
+                super().step(epoch)
+                stepped.append((self.last_epoch, self.get_last_lr()[0]))
+
+        scheduler = Recording(optimizer, lambda step: 0.9**step)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def test_the_user_scheduler_is_stepped_once_per_update_as_by_stock_lightning(caplog, several_calls):
+    # calls of several read each update's values by stepping the scheduler before the call: it must see exactly
+    # the step() calls stock Lightning makes (none ahead and put back, none twice), in the same order
+    stock = RecordedSteps()
+    quiet_trainer(max_epochs=3, accumulate_grad_batches=2).fit(stock, loader(dataset()))
+    sinks = RecordedSteps()
+    fit(trainer_for(2, 10, 3, 4), sinks, dataset(), caplog)
+    assert set(several_calls) == {4}
+    assert len(stock.stepped) == 1 + 15  # the scheduler's own first step at construction, then one per update
+    assert sinks.stepped == stock.stepped
 
 
 def test_max_time_is_checked_between_calls(caplog, several_calls):
