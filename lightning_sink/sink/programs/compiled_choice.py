@@ -21,10 +21,10 @@ between sinks (``sink/programs/window_handover.py``).
 
 With ``micro_steps_per_call=M`` (> 1) the programs are built with one compiled program of M micro-steps as well
 (whole windows, ``StepPrograms.run_several``) where M is a multiple of the accumulation (and, staged, no more than a
-sink stages), and ``choose`` adds a ``CompiledSeveral`` per call length to the pair (longest first; each steps the fit's
-step schedulers through its call's updates before the call: ``SchedulerSteps``). With ``None`` (the default) the build decides M from the step's size, with a
-second call as long as a staged sink (``compiled/call_length.py``), under DDP too (every process the same lengths,
-agreed after the build); for CUDA graphs it is 1.
+sink stages), and ``choose`` adds a ``CompiledSeveral`` per call length to the pair (longest first; each steps the
+fit's step schedulers through its call's updates before the call: ``SchedulerSteps``). With ``None`` (the default)
+the build decides M from the step's size, with a second call as long as a staged sink (``compiled/call_length.py``),
+under DDP too (every process the same lengths, agreed after the build); for CUDA graphs it is 1.
 """
 
 from __future__ import annotations
