@@ -124,13 +124,19 @@ class SinkUpdates:
         engine.counters.update_completed()
         self.count += 1
         if step_schedulers and engine.step_scheduler_configs and not engine.last_update_skipped:
-            trainer, direct = engine.trainer, engine.hooks.direct_scheduler_step
-            for config in engine.step_scheduler_configs:
-                if trainer.global_step % config.frequency == 0:
-                    if direct:
-                        config.scheduler.step()  # LightningModule.lr_scheduler_step's body (HookPlan)
-                    else:
-                        compat.call_lightning_module_hook(trainer, "lr_scheduler_step", config.scheduler, None)
+            self.step_schedulers(engine.trainer.global_step)
+
+    def step_schedulers(self, global_step: int) -> None:
+        """The step-interval schedulers' steps after the update that made ``global_step``: each config's every
+        ``frequency`` updates, as Lightning steps them (a compiled call of several steps them before the call)."""
+        engine = self._engine
+        trainer, direct = engine.trainer, engine.hooks.direct_scheduler_step
+        for config in engine.step_scheduler_configs:
+            if global_step % config.frequency == 0:
+                if direct:
+                    config.scheduler.step()  # LightningModule.lr_scheduler_step's body (HookPlan)
+                else:
+                    compat.call_lightning_module_hook(trainer, "lr_scheduler_step", config.scheduler, None)
 
 
 def _step_args(engine: StepEngine, batch: Any, batch_idx: int) -> tuple[Any, ...]:

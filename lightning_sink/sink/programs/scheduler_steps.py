@@ -1,6 +1,6 @@
 """The hyperparameters of each update inside one compiled call of several windows (``CompiledSeveral``): before the
-call, the fit's ``interval="step"`` LR schedulers are stepped through the call's updates, exactly as ``SinkUpdates``
-steps them after each update with one call per micro-batch, and each update's values are read from
+call, the fit's ``interval="step"`` LR schedulers are stepped through the call's updates by the step that
+``SinkUpdates`` takes after each update with one call per micro-batch, and each update's values are read from
 ``param_groups`` on the way; the call's updates then leave the schedulers alone (``SinkUpdates.make`` is told so).
 
 Why stepped once, before the call: the program needs every update's values as inputs, and the schedulers' state
@@ -8,9 +8,8 @@ after the call, ``lr_scheduler_configs`` and the values ``param_groups`` hold ar
 micro-batch, reached by the same ``step()`` calls in the same order (at the same ``global_step`` for a
 ``frequency``). Nothing between the updates of one call reads them (its micro-batches run no user hook) but the
 ``LearningRateMonitor`` replay of the sink's log buffer, which is handed the settings each update left as they are
-stepped through (``SinkUpdates.schedulers_stepped``). Any
-scheduler works this way (LambdaLR, OneCycleLR with its momentum cycle, chained and sequential schedulers,
-``frequency > 1``, several configs) as long as stepping it depends on nothing the call computes:
+stepped through (``SinkUpdates.schedulers_stepped``). Any scheduler works this way (LambdaLR, OneCycleLR with
+its momentum cycle, chained and sequential schedulers, ``frequency > 1``, several configs) as long as stepping it depends on nothing the call computes:
 
 - a loss scale that skips overflowing updates: the schedulers hold after a skipped update, which is known on the
   device only after the call;
@@ -63,11 +62,10 @@ class SchedulerSteps:
 
     def step_through(self, rule: OptimizerRule, windows: int, updates: SinkUpdates) -> list[list[list[float]]] | None:
         """Per window of the next call, the hyperparameters its update uses (``OptimizerRule.current_values``
-        rows), the schedulers stepped after each of those updates as ``SinkUpdates.make`` would step them (and
-        ``updates.schedulers_stepped`` told of each); ``None`` without step schedulers (every update uses the
-        current ``param_groups``, nothing is stepped)."""
-        configs = self._engine.step_scheduler_configs
-        if not configs:
+        rows), the schedulers stepped after each of those updates by ``SinkUpdates.step_schedulers``, as one call
+        per micro-batch steps them (and ``updates.schedulers_stepped`` told of each); ``None`` without step
+        schedulers (every update uses the current ``param_groups``, nothing is stepped)."""
+        if not self._engine.step_scheduler_configs:
             return None
         # the call steps the optimizer before these steps take effect: a scheduler would otherwise warn on the
         # fit's first call that it stepped first
@@ -76,9 +74,7 @@ class SchedulerSteps:
         rows = []
         for update in range(1, windows + 1):
             rows.append(rule.current_values())
-            for config in configs:
-                if (step + update) % config.frequency == 0:
-                    config.scheduler.step()
+            updates.step_schedulers(step + update)
             if updates.schedulers_stepped is not None:
                 updates.schedulers_stepped(step + update)
         return rows
