@@ -9,7 +9,8 @@ micro-batch, reached by the same ``step()`` calls in the same order (at the same
 ``frequency``). Nothing between the updates of one call reads them (its micro-batches run no user hook) but the
 ``LearningRateMonitor`` replay of the sink's log buffer, which is handed the settings each update left as they are
 stepped through (``SinkUpdates.schedulers_stepped``). Any scheduler works this way (LambdaLR, OneCycleLR with
-its momentum cycle, chained and sequential schedulers, ``frequency > 1``, several configs) as long as stepping it depends on nothing the call computes:
+its momentum cycle, chained and sequential schedulers, ``frequency > 1``, several configs) as long as stepping it
+depends on nothing the call computes:
 
 - a loss scale that skips overflowing updates: the schedulers hold after a skipped update, which is known on the
   device only after the call;
