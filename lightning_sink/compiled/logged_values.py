@@ -10,6 +10,9 @@ Every argument form the module's own ``log`` / ``log_dict`` accepts is taken: th
 method's signature (``self.log("x", v, True)`` is ``prog_bar=True``), and the options are replayed as keywords. The
 binding is plain Python over the signature's parameter names, read once per module class, because the recorder
 runs inside the traced program, where ``inspect.Signature.bind`` cannot be traced.
+
+After a call, the host makes each micro-batch's ``StepOutputs`` from what the program returned (``step_outputs``)
+and hands its values on in the order they were logged (``host_logs``), a torchmetrics Metric's calls made then.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_sink.compiled.metric_calls import MetricCalls, MetricValue
+from lightning_sink.compiled.metric_calls import MetricCalls, MetricValue, join_tensors
+from lightning_sink.compiled.program_results import StepOutputs
+from lightning_sink.compiled.program_state import clone_tree
 
 __all__ = ["LoggedValues"]
 
@@ -145,3 +150,36 @@ class LoggedValues:
                     module.__dict__[name] = held[name]
                 else:
                     del module.__dict__[name]
+
+    def step_outputs(
+        self,
+        loss: Tensor,
+        values: tuple,
+        side: dict[str, Any],
+        found_inf: Tensor | None = None,
+        scale: Tensor | None = None,
+        skipped: Tensor | None = None,
+    ) -> StepOutputs:
+        """One micro-batch's ``StepOutputs`` from what its program returned: the logged tensors and the Metric
+        calls' tensors (``values``), and what the trace returned besides tensors (``side``: the log options, the
+        Metric calls and logged Metrics)."""
+        logs, metric_tensors = values
+        self.options.update(side["options"])
+        calls = join_tensors(side["calls"], list(metric_tensors)) if side["calls"] else []
+        return StepOutputs(loss, logs, found_inf, scale, skipped, calls, side["references"])
+
+    def host_logs(self, out: StepOutputs, copy_calls: bool) -> dict[str, Any]:
+        """The micro-batch's ``self.log`` values as the host hands them on, in the order they were logged: its
+        Metric calls made first, on the real Metrics, eagerly (``metric_calls.py``), then a logged Metric as the
+        object and a logged forward result as that call's result. ``copy_calls``: the calls' tensors are a CUDA
+        graph's outputs, which its next replay overwrites (and a Metric may keep its inputs: list states)."""
+        if not (out.logs or out.metric_calls or out.references):
+            return {}  # (a module that logs nothing in training_step)
+        logs: dict[str, Any] = dict(out.logs)
+        if out.metric_calls or out.references:
+            assert self.metric_calls is not None  # (only a module with Metrics records their calls)
+            results = self.metric_calls.replay(clone_tree(out.metric_calls) if copy_calls else out.metric_calls)
+            for name, reference in out.references.items():
+                logs[name] = self.metric_calls.resolve(reference, results)
+        order = [name for name in self.options if name in logs]
+        return {name: logs[name] for name in order + [name for name in logs if name not in order]}

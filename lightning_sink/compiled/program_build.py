@@ -1,8 +1,9 @@
 """``build_step_programs``: the module, optimizer and batch checked (a module or optimizer the programs cannot run is
 ``Unavailable``; a placement that cannot work raises ``ValueError``, as a wrong setting does when its
 ``ProgramSettings`` is made), the ``StepPrograms`` assembled, the length of a call decided where the
-caller left it to the build, and every program compiled (and on CUDA captured) before the first call; a failure to
-compile is ``Unavailable`` too, nothing of the run changed."""
+caller left it to the build, and the programs compiled (and on CUDA captured) before the first call (with calls of
+several their loop, the one-micro-step pair when first needed: ``StepPrograms.build_pair``); a failure to compile is
+``Unavailable`` too, nothing of the run changed."""
 
 from __future__ import annotations
 
@@ -107,13 +108,14 @@ def _choose_call_length(
 
 
 def _compile_or_one_per_call(programs: StepPrograms, example_batch: Any) -> None:
-    """Compile the programs with the calls of several the build chose; where the loop does not build (an operation
-    torch's ``scan`` cannot hold), without them: the step still runs compiled, one micro-step per call, and
-    ``call_note`` says why."""
+    """Compile the programs with the calls of several the build chose (their loop alone: the one-micro-step pair
+    waits for a micro-batch that needs it); where the loop does not build (an operation torch's ``scan`` cannot
+    hold), the pair instead: the step still runs compiled, one micro-step per call, and ``call_note`` says why (a
+    step that does not build as the pair either raises the pair's error: no program at all)."""
     try:
         programs.compile(example_batch)
     except Exception as error:
-        if programs.several is None or not programs.one_per_call_compiled:
+        if programs.several is None:
             raise  # (the step itself did not build: no program at all)
         programs.drop_several(
             f"one micro-step per call (the loop over windows did not build: {type(error).__name__}:"

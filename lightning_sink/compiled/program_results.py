@@ -30,7 +30,7 @@ class StepOutputs:
     scale: Tensor | None = None
     skipped: Tensor | None = None
     # the micro-batch's torchmetrics Metric calls, recorded in the program, and the logged Metrics: made and
-    # resolved on the host by ``StepPrograms.host_logs`` (metric_calls.py)
+    # resolved on the host by ``LoggedValues.host_logs`` (metric_calls.py)
     metric_calls: list[Any] = field(default_factory=list)
     references: dict[str, MetricValue] = field(default_factory=dict)
 

@@ -15,17 +15,16 @@ parameters, buffers, optimizer state, hyperparameters, window buffers and loss-s
 it writes back in place, so the module, the optimizer (``state_dict``, schedulers) and the ``LossScaler`` hold the
 current values between calls.
 
-Both programs are compiled when built, on copies of that state with an example batch (the random-number state
-restored afterwards), so a ``training_step`` that cannot be one graph is refused before anything changed and the
-first real call runs at full speed. One object answers ``accumulate(batch)`` / ``update(batch)`` per micro-batch,
-the window's state (buffers, micro-step count) explicit in ``window``.
+The programs are compiled when built, on copies of that state with an example batch (random numbers restored), so
+a ``training_step`` that cannot be one graph is refused before anything changed; with calls of several micro-steps
+the loop alone, the one-micro-step pair when a micro-batch first needs it (``build_pair``). One object answers
+``accumulate`` / ``update`` per micro-batch and ``run_several`` per call, the window's state explicit in ``window``.
 
-The parts, one module each: the programs' bodies as they are traced (``traced_programs.py``), one micro-batch's
-forward and backward (``step_gradients.py``), the window's update (``window_update.py``), the window and the
-hyperparameter table (``program_state.py``), the sum across processes (``rank_sum.py``), what a call returns
-(``program_results.py``), how each is compiled (``program_compile.py``), and ``build_step_programs``'s checks and
-assembly (``program_build.py``). This module
-holds the object that compiles them and answers the calls.
+The parts, one module each: the programs' bodies as traced (``traced_programs.py``), one micro-batch's forward and
+backward (``step_gradients.py``), the window's update (``window_update.py``), the window and the hyperparameter
+table (``program_state.py``), the sum across processes (``rank_sum.py``), what a call returns
+(``program_results.py``), how each is compiled (``program_compile.py``), ``build_step_programs``'s checks and
+assembly (``program_build.py``). This module holds the object that compiles them and answers the calls.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_sink._torch_compat import note_optimizer_step
@@ -45,7 +44,7 @@ from lightning_sink.compiled.autocast_region import AutocastRegion
 from lightning_sink.compiled.cuda_graphs import CapturedProgram
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
 from lightning_sink.compiled.logged_values import LoggedValues
-from lightning_sink.compiled.metric_calls import MetricCalls, join_tensors
+from lightning_sink.compiled.metric_calls import MetricCalls
 from lightning_sink.compiled.program_compile import CompiledPrograms
 from lightning_sink.compiled.program_results import ProgramUnavailable, StackedRows, StepOutputs
 from lightning_sink.compiled.program_state import HyperTable, ProgramWindow, clone_tree, several_call
@@ -55,13 +54,11 @@ from lightning_sink.compiled.step_gradients import StepGradients, untrained_tens
 from lightning_sink.compiled.traced_programs import TracedPrograms
 from lightning_sink.compiled.window_update import WindowUpdate
 
-__all__ = [
-    "ProgramUnavailable",
-    "RankSum",
-    "StepOutputs",
-    "StepPrograms",
-    "ProgramWindow",
-]
+__all__ = ["ProgramUnavailable", "RankSum", "StepOutputs", "StepPrograms", "ProgramWindow"]
+
+
+# a program's name, the compiled program and how to make its batch argument from one example batch
+_Program = tuple[str, Callable[..., Any], Callable[[Any], Any]]
 
 
 def _several_name(count: int, lengths: tuple[int, ...]) -> str:
@@ -107,6 +104,8 @@ class StepPrograms:
         # what a micro-step of a call of several returns besides tensors (log options, Metric calls), the same at
         # every micro-step: a loop returns tensors only, so it is taken from one eager run before the first call
         self._side: dict[str, Any] | None = None
+        # after a build of the loop alone: the pair still to build (``build_pair``), over a copy of its example batch
+        self._pair_pending, self._pair_example = False, None
         self._state = self._initial_state(data)
 
         # a sum across processes traced into the programs: built without running them (no collective in the build)
@@ -157,35 +156,9 @@ class StepPrograms:
         with self.logged.installed_on(self.module), metrics:
             yield
 
-    def _outputs(
-        self,
-        loss: Tensor,
-        values: tuple,
-        side: dict[str, Any],
-        found_inf: Tensor | None = None,
-        scale: Tensor | None = None,
-        skipped: Tensor | None = None,
-    ) -> StepOutputs:
-        """One micro-batch's ``StepOutputs`` from what its program returned."""
-        logs, metric_tensors = values
-        self.logged.options.update(side["options"])
-        calls = join_tensors(side["calls"], list(metric_tensors)) if side["calls"] else []
-        return StepOutputs(loss, logs, found_inf, scale, skipped, calls, side["references"])
-
     def host_logs(self, out: StepOutputs) -> dict[str, Any]:
-        """The micro-batch's ``self.log`` values as the host hands them on, in the order they were logged: its
-        Metric calls made first, on the real Metrics, eagerly (``metric_calls.py``), then a logged Metric as the
-        object and a logged forward result as that call's result. Call once per ``StepOutputs``, in order."""
-        if not (out.logs or out.metric_calls or out.references):
-            return {}  # (a module that logs nothing in training_step)
-        logs: dict[str, Any] = dict(out.logs)
-        if out.metric_calls or out.references:
-            # (a CUDA graph's outputs are overwritten by its next replay; a Metric may keep its inputs: list states)
-            results = self.metric_calls.replay(clone_tree(out.metric_calls) if self.captured else out.metric_calls)
-            for name, reference in out.references.items():
-                logs[name] = self.metric_calls.resolve(reference, results)
-        order = [name for name in self.logged.options if name in logs]
-        return {name: logs[name] for name in order + [name for name in logs if name not in order]}
+        """The micro-batch's ``self.log`` values as the host hands them on (``LoggedValues.host_logs``), in order."""
+        return self.logged.host_logs(out, copy_calls=bool(self.captured))
 
     def _call(self, name: str, batch: Any) -> Any:
         captured = self.captured.get(name)
@@ -196,11 +169,13 @@ class StepPrograms:
 
     def accumulate(self, batch: Any = None) -> StepOutputs:
         """Run a micro-batch that does not end its window (``None``: the staged dataset's next one)."""
+        self.build_pair()
         loss, values, side = self._call("accumulate", batch)
-        return self._outputs(loss, values, side)
+        return self.logged.step_outputs(loss, values, side)
 
     def update(self, batch: Any = None) -> StepOutputs:
         """Run a window's last micro-batch, then update (or skip, on overflow) and reset the window."""
+        self.build_pair()
         changed = self.rule.changed_flags()
         if changed is not None:
             raise ProgramUnavailable(f"the update program no longer applies: {changed}")
@@ -214,7 +189,7 @@ class StepPrograms:
         else:
             loss, values, side, found_inf = self._call("update", batch)
         note_optimizer_step(self.rule.optimizer)
-        return self._outputs(loss, values, side, found_inf)
+        return self.logged.step_outputs(loss, values, side, found_inf)
 
     def run_several(
         self,
@@ -250,7 +225,7 @@ class StepPrograms:
         note_optimizer_step(self.rule.optimizer)
         positions = [StackedRows(output) for output in stacked]  # a window's positions, each stacked over the windows
         return [
-            self._outputs(*position.micro_step(window, self._side))
+            self.logged.step_outputs(*position.micro_step(window, self._side))
             for window in range(count // self.several[1])
             for position in positions
         ]
@@ -270,10 +245,10 @@ class StepPrograms:
         self._hyper.size(self._windows_per_call())
 
     @property
-    def one_per_call_compiled(self) -> bool:
-        """Whether ``compile`` built every program of one micro-step per call (the accumulate and update programs)."""
-        several = {_several_name(count, self.call_lengths) for count in self.call_lengths}
-        return all(name in self.compile_seconds for name, _, _ in self._programs() if name not in several)
+    def pair_built(self) -> bool:
+        """Whether the accumulate and update programs (one micro-step per call) are compiled: with calls of several,
+        ``compile`` leaves them to ``build_pair``, for the first micro-batch that needs them."""
+        return bool(self.compile_seconds) and not self._pair_pending
 
     def drop_several(self, note: str) -> None:
         """Before the programs run: no calls of several after all (their loop did not build), one micro-step per
@@ -349,11 +324,11 @@ class StepPrograms:
         """Whether the update runs as two compiled parts with an eager all-reduce between them."""
         return self.rank_sum is not None and self.rank_sum.all_reduce is not None
 
-    def _programs(self) -> list[tuple[str, Callable[..., Any], Callable[[Any], Any]]]:
-        """Name, compiled program and how to make its batch argument from one example batch."""
-        programs: list[tuple[str, Callable[..., Any], Callable[[Any], Any]]] = [
-            ("accumulate", self._compiled.accumulate, lambda example: example),
-        ]
+    def _programs(self) -> list[_Program]:
+        return self._pair_programs() + self._several_programs()
+
+    def _pair_programs(self) -> list[_Program]:
+        programs: list[_Program] = [("accumulate", self._compiled.accumulate, lambda example: example)]
         if self._sums_eagerly():
             size = sum(param.numel() for param in self.params)
             flat = torch.zeros(size, dtype=torch.float32, device=self.params[0].device)
@@ -361,11 +336,13 @@ class StepPrograms:
             programs.append(("update_apply", self._compiled.update_apply, lambda example: flat))
         else:
             programs.append(("update", self._compiled.update, lambda example: example))
-        for count in self.call_lengths:  # (with staged data one graph for every length of several windows)
-            programs.append(
-                (_several_name(count, self.call_lengths), self._compiled.several, partial(self._example_call, count))
-            )
         return programs
+
+    def _several_programs(self) -> list[_Program]:  # (staged: one graph for every length of several windows)
+        return [
+            (_several_name(count, self.call_lengths), self._compiled.several, partial(self._example_call, count))
+            for count in self.call_lengths
+        ]
 
     def _several_call(self, count: int, batches: list[Any] | None) -> dict[str, Any]:
         """A call of ``count`` micro-steps' input (``program_state.several_call``)."""
@@ -376,21 +353,44 @@ class StepPrograms:
         return self._several_call(count, None if example is None else [example] * count)  # (None: staged data)
 
     def compile(self, example_batch: Any) -> None:
-        """Compile both programs now, on copies of the state (nothing of the run changes, random numbers
-        included), timing each; with a sum across processes traced in, without running them."""
-        devices = self._rng_devices
-        if self.several is not None and self._side is None:
+        """Compile the programs now, on copies of the state (nothing of the run changes, random numbers included),
+        timing each; with a sum across processes traced in, without running them. With calls of several, their loop
+        alone: the accumulate and update programs of one micro-step are compiled when a micro-batch first needs
+        them (``build_pair``), over a copy of ``example_batch`` kept until then."""
+        if self.several is None:
+            self._compile(self._pair_programs(), example_batch)
+            return
+        if self._side is None:
             self._side = self._eager_side(example_batch)
-        for name, program, batch_of in self._programs():
+        self._compile(self._several_programs(), example_batch)
+        self._pair_pending, self._pair_example = True, clone_tree(example_batch)
+
+    def build_pair(self) -> float:
+        """Compile the accumulate and update programs where ``compile`` left them for later; the seconds it took
+        (0.0 where they are built)."""
+        if not self._pair_pending:
+            return 0.0
+        start = time.perf_counter()
+        self._compile(self._pair_programs(), self._pair_example)
+        self._pair_pending, self._pair_example = False, None
+        return time.perf_counter() - start
+
+    def _compile(self, programs: list[_Program], example: Any) -> None:
+        devices = self._rng_devices
+        for name, program, batch_of in programs:
             start = time.perf_counter()
+            state = clone_tree(self._state)
+            if state["data"] is not None:
+                state["data"]["cursor"].zero_()  # (staged: the copy reads its batch from the first row, always filled)
             with torch.random.fork_rng(devices=devices), self._running(), self._compiled.building():
-                program(clone_tree(self._state), clone_tree(batch_of(example_batch)))
+                program(state, clone_tree(batch_of(example)))
             if devices:
                 torch.cuda.synchronize(devices[0])
             self.compile_seconds[name] = time.perf_counter() - start
 
     def capture(self, example_batch: Any) -> None:
-        """Capture both compiled programs as CUDA graphs (after ``compile``); later calls replay them."""
+        """Capture the compiled programs as CUDA graphs (after ``compile``); later calls replay them."""
+        self.build_pair()
         device = self.params[0].device
         for name, program, batch_of in self._programs():
             start = time.perf_counter()

@@ -202,7 +202,7 @@ class SinkLoop:
         trainer = self._engine.trainer
         # the updates this segment may make before max_steps (global_step moves only through its updates)
         updates_allowed = trainer.max_steps - trainer.global_step if trainer.max_steps != -1 else -1
-        segment, deadline, programs = self._begin_segment()
+        segment, deadline, programs = self._begin_segment(updates_allowed)
         calls = _SegmentCalls(PairCall(programs, self._engine), programs.several)
         length = segment.length
         next_batch = self.stream.next if self._batches is None else self._batches(self.stream, length)
@@ -238,7 +238,7 @@ class SinkLoop:
         stacked = torch.stack(losses)
         return {"loss": stacked[-1], "mean_loss": stacked.mean(), "losses": stacked}
 
-    def _begin_segment(self) -> tuple[Segment, float | None, SinkPrograms]:
+    def _begin_segment(self, updates_allowed: int) -> tuple[Segment, float | None, SinkPrograms]:
         """The segment about to run, the ``max_time`` deadline (None: no limit; read before the programs are chosen,
         so a build counts against it), and the programs it runs."""
         segment = self._next_segment()
@@ -248,7 +248,10 @@ class SinkLoop:
         self.validation_due = False
         seconds = self._time_left()
         deadline = time.monotonic() + seconds if seconds is not None else None
-        self.programs = programs = self._choose(self._engine, self.updates, self._read_example)
+        programs = self._choose(self._engine, self.updates, self._read_example)
+        if programs.build_pair is not None and self._trains_one_per_call(programs, segment.length, updates_allowed):
+            programs = programs.build_pair()
+        self.programs = programs
         self._engine.window.loss_divisor = programs.update.loss_divisor
         return segment, deadline, programs
 
@@ -276,7 +279,9 @@ class SinkLoop:
         fit, else one, trained by the pair), each with the function that trains it or does its host effects. Empty:
         the data pass ended before the sink's first micro-batch; None: it ended inside a sink of one pass
         (``sink_size=-1``)."""
-        fitting = (several for several in calls.several if self._fits_in_call(several, left, updates_allowed))
+        updates_left = None if updates_allowed == -1 else updates_allowed - self.updates.count
+        in_pass = self._data_position.trained_in_pass
+        fitting = (several for several in calls.several if self._fits_in_call(several, left, updates_left, in_pass))
         call = next(fitting, calls.one)
         batches = []
         for _ in range(call.count):
@@ -317,20 +322,40 @@ class SinkLoop:
             programs.end_sink()  # the compiled programs' window sum into the store (checkpoints read it there)
         compat.set_logging_step(self._engine.trainer, updated=self.updates.count > 0)  # (the buffer writes steps)
 
-    def _fits_in_call(self, several: SeveralSteps, left_in_segment: float, updates_allowed: int) -> bool:
+    def _fits_in_call(
+        self, several: SeveralSteps, left_in_segment: float, updates_left: int | None, trained_in_pass: int
+    ) -> bool:
         """Whether the next ``several.count`` micro-batches may run in one call: the segment (whose end is a point
         of the schedule: validation, a checkpoint, the sink's end), the data pass (whose end is read from the stream
-        only after its last batch was trained) and ``max_steps`` all leave room for them, and the programs say the
-        call is exact."""
+        only after its last batch was trained) and ``max_steps`` (``updates_left``; None: no limit) all leave room
+        for them, and the programs say the call is exact."""
         count = several.count
         if left_in_segment < count:
             return False
-        if updates_allowed != -1 and updates_allowed - self.updates.count < count // self._engine.accumulation_steps:
+        if updates_left is not None and updates_left < count // self._engine.accumulation_steps:
             return False
         pass_length = self._schedule.pass_length
-        if pass_length is None or pass_length - self._data_position.trained_in_pass < count:
+        if pass_length is None or pass_length - trained_in_pass < count:
             return False
         return several.ready()
+
+    def _trains_one_per_call(self, programs: SinkPrograms, length: float, updates_allowed: int) -> bool:
+        """Whether the segment about to run will train any micro-batch one per call (by the pair): its calls counted
+        ahead by ``_next_call``'s rule, before any runs (calls of several are whole windows: the window stays as it
+        is between them). A ``max_time`` stop only makes fewer calls."""
+        left, updates, in_pass = length, self.updates.count, self._data_position.trained_in_pass
+        pass_length, steps = self._schedule.pass_length, self._engine.accumulation_steps
+        while left > 0:
+            if updates_allowed != -1 and updates >= updates_allowed:
+                return False
+            if pass_length is not None and in_pass >= pass_length:
+                in_pass = 0  # (the stream reads the pass's end, and the next pass starts)
+            updates_left = None if updates_allowed == -1 else updates_allowed - updates
+            call = next((c for c in programs.several if self._fits_in_call(c, left, updates_left, in_pass)), None)
+            if call is None:
+                return True
+            left, updates, in_pass = left - call.count, updates + call.count // steps, in_pass + call.count
+        return False
 
     def _prepared(self, batch: Any) -> Any:
         """The batch as the step gets it: converted by the precision plugin and on the device (a staged batch is

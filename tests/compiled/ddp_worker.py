@@ -274,6 +274,26 @@ def fail_loop_on_rank_1(out_dir: Path) -> None:
     default_per_call(out_dir)
 
 
+def pair_when_needed(out_dir: Path) -> None:
+    """AdamW in windows of 2 with OneCycleLR, ``max_steps=17`` (34 micro-batches a rank, sinks of 12): the default
+    runs the first two sinks as one call each and the third as a call of 8 and two micro-batches one per call, for
+    which the one-micro-step programs are built then (agreed across the processes); once more with their build
+    refused on rank 1 only (every process then runs the eager step from there); and one call per micro-batch."""
+    from lightning_sink.compiled import StepPrograms
+
+    result = {}
+    for name, options in (("one_per_call", {"micro_steps_per_call": 1}), ("default", {}), ("refused", {})):
+        if name == "refused" and os.environ.get("LOCAL_RANK") == "1":
+
+            def refused(self: StepPrograms) -> float:
+                raise RuntimeError("no pair on this process")
+
+            StepPrograms.build_pair = refused  # type: ignore[method-assign]
+        result[name] = compiled_fit("adamw", 2, dataset(), options, one_cycle=True, max_steps=17)
+    if dist.get_rank() == 0:
+        torch.save(result, out_dir / "pair_when_needed.pt")
+
+
 if __name__ == "__main__":
     compiled_choice.COMPILE_BACKEND = "aot_eager"
     workers = {
@@ -284,6 +304,7 @@ if __name__ == "__main__":
         "default_per_call": default_per_call,
         "fail_loop_on_rank_1": fail_loop_on_rank_1,
         "against_stock": against_stock,
+        "pair_when_needed": pair_when_needed,
     }
     workers[sys.argv[2]](Path(sys.argv[1]))
     leave_the_group_and_exit()  # (tests/distributed.py: the group torn down before the process ends)

@@ -185,7 +185,9 @@ def test_from_a_loader_the_default_runs_a_sink_in_one_call_with_one_loop_graph(c
     assert "8 micro-steps per call, one loop over its windows" in default["said"], default["said"]
     assert "and 10 per call for a sink's batches from the loader" in default["said"], default["said"]
     assert "gathered on the device" not in default["said"]
-    assert compiled_graph_count() - graphs == 3  # the accumulate and update programs and one loop
+    # one loop: every micro-batch ran in a call of 10, so the one-micro-step pair was never built
+    assert compiled_graph_count() - graphs == 1
+    assert "the accumulate and update programs of one micro-step compile when first needed" in default["said"]
     assert torch.equal(flat(default["model"].net), flat(one["model"].net))
     assert default["points"] == one["points"] and default["trainer"].global_step == 15
     reference = default["reference"]  # the same 30 micro-batches through a plain PyTorch loop
@@ -204,17 +206,24 @@ def test_a_sink_cut_by_a_pass_end_runs_the_short_calls_for_the_rest(caplog, seve
         trainer = quiet_trainer(strategy=strategy, max_epochs=2, logger=logger, log_every_n_steps=1)
         model = Net("adamw")
         x, y = dataset().tensors
+        caplog.clear()
         fit(trainer, model, TensorDataset(x.repeat(3, 1), y.repeat(3)), caplog)  # a pass of 30 micro-batches
-        return {"model": model, "trainer": trainer, "points": logger.points}
+        said = [r.getMessage() for r in caplog.records if "programs of one micro-step compiled in" in r.getMessage()]
+        return {"model": model, "trainer": trainer, "points": logger.points, "pair_built": said}
 
     one = run(1)
-    assert several_calls == []
+    assert several_calls == [] and one["pair_built"] == []  # (built with the fit's build: nothing later)
     graphs = compiled_graph_count()
     default = run(None)
     assert several_calls == [20, 8, 8]
-    # the accumulate and update programs and one loop: the calls of 20 and of 8 share its graph (the number of
-    # windows, the hyperparameter rows' length, is a size the graph leaves open)
+    # the accumulate and update programs, built for the second sink's micro-batches one per call, and one loop: the
+    # calls of 20 and of 8 share its graph (the number of windows, the hyperparameter rows' length, is a size the
+    # graph leaves open)
     assert compiled_graph_count() - graphs == 3
+    assert (
+        len(default["pair_built"]) == 1
+        and "for micro-batches a call of several cannot take" in default["pair_built"][0]
+    )
     assert default["trainer"].global_step == one["trainer"].global_step == 20
     assert torch.equal(flat(default["model"].net), flat(one["model"].net))
     assert default["points"] == one["points"]

@@ -12,7 +12,7 @@ from lightning_sink.loss_scale import DynamicLossScale
 from tests.compiled.models import OPTIMIZERS, Classifier, make_batches
 from tests.distributed import run_launched
 
-COMPILED = "the accumulate and update programs are compiled whole"
+COMPILED = "programs are compiled whole"
 
 
 def launch(tmp_path, scenario: str, timeout: int = 300) -> dict:
@@ -126,6 +126,26 @@ def test_a_loop_that_builds_on_one_process_only_runs_one_micro_step_per_call_eve
     assert not [line for line in default["said"] if "8 micro-steps per call" in line], default["said"]
     assert torch.equal(default["ranks"][0], default["ranks"][1])
     assert torch.equal(default["ranks"][0], one["ranks"][0])
+
+
+@pytest.mark.slow
+def test_the_one_micro_step_programs_are_built_under_ddp_when_a_sink_first_needs_them(tmp_path):
+    """``max_steps=17`` with sinks of 12 and windows of 2: the third sink ends with two micro-batches one per call,
+    whose programs the build left out; they are built there, on both processes, and the fit trains bit for bit what
+    one call per micro-batch trains. Refused on rank 1 only, both processes run the eager step from there (one
+    warning, no process left waiting) and train the same within rounding."""
+    result = launch(tmp_path, "pair_when_needed", timeout=900)
+    one, default, refused = result["one_per_call"], result["default"], result["refused"]
+    for fit in (one, default, refused):
+        assert fit["global_step"] == 17
+        assert torch.equal(fit["ranks"][0], fit["ranks"][1])
+    built = [line for line in default["said"] if "programs of one micro-step compiled in" in line]
+    assert len(built) == 1, default["said"]
+    assert torch.equal(default["ranks"][0], one["ranks"][0])
+    assert (default["lr"], default["betas"]) == (one["lr"], one["betas"])
+    fell_back = [line for line in refused["said"] if "no whole-step programs" in line]
+    assert len(fell_back) == 1 and "another process could not build them" in fell_back[0], refused["said"]
+    assert relative_error(refused["ranks"][0], one["ranks"][0]) < 1e-6
 
 
 @pytest.mark.slow

@@ -24,7 +24,10 @@ With ``micro_steps_per_call=M`` (> 1) the programs are built with one compiled p
 sink stages), and ``choose`` adds a ``CompiledSeveral`` per call length to the pair (longest first; each steps the
 fit's step schedulers through its call's updates before the call: ``SchedulerSteps``). With ``None`` (the default)
 the build decides M from the step's size, with a second call as long as a staged sink (``compiled/call_length.py``),
-under DDP too (every process the same lengths, agreed after the build); for CUDA graphs it is 1.
+under DDP too (every process the same lengths, agreed after the build); for CUDA graphs it is 1. With calls of
+several the build compiles their loop alone: the returned programs carry ``build_pair`` until the pair of one
+micro-step is built, and the sink loop calls it at the first segment that trains a micro-batch one per call
+(``_with_pair``: built then, agreed across processes, or the eager pair from there).
 """
 
 from __future__ import annotations
@@ -32,17 +35,16 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 from typing import Any
 
-import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
-from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_sink import _lightning_compat as compat
 from lightning_sink._torch_compat import inductor_cache_counts
-from lightning_sink.accumulation import GradientAccumulator, SingleStepGradients, unique_trainable
+from lightning_sink.accumulation import unique_trainable
 from lightning_sink.compiled import (
     AutocastRegion,
     ProgramSettings,
@@ -57,12 +59,12 @@ from lightning_sink.sink.programs.build_agreement import agreed_build
 from lightning_sink.sink.programs.build_notice import BuildNotice, cache_note, step_times
 from lightning_sink.sink.programs.compiled import CompiledAccumulate, CompiledSeveral, CompiledUpdate
 from lightning_sink.sink.programs.eager import SinkPrograms, SinkUpdates, choose_eager, choose_programs
+from lightning_sink.sink.programs.run_reason import run_reason
 from lightning_sink.sink.programs.scheduler_steps import SchedulerSteps
 from lightning_sink.sink.programs.window_handover import WindowHandover
 from lightning_sink.sink.staging import StagedData
 from lightning_sink.strategies.engine import StepEngine
-from lightning_sink.strategies.step_autocast import step_autocast
-from lightning_sink.window import FlatAllReduce, NoGradients
+from lightning_sink.window import FlatAllReduce
 
 __all__ = [
     "COMPILE_BACKEND",
@@ -84,15 +86,6 @@ COMPILE_BACKEND = "inductor"
 # updates all run inside one call); such programs are built without running (``BuildWithoutRunning``), so no build
 # communicates and the processes agree on what they built afterwards (``build_agreement.py``).
 DDP_SUM_ROUTE = "eager"
-
-# Hooks that run between a micro-batch's forward and the window's update: a compiled program would not call them.
-_CALLBACK_HOOKS_BETWEEN = ("on_before_backward", "on_after_backward", "on_before_zero_grad", "on_before_optimizer_step")
-_MODULE_HOOKS_BETWEEN = _CALLBACK_HOOKS_BETWEEN + (
-    "backward",
-    "optimizer_zero_grad",
-    "optimizer_step",
-    "configure_gradient_clipping",
-)
 
 
 class CompiledProgramChooser:
@@ -119,6 +112,9 @@ class CompiledProgramChooser:
         self._loader_limit = loader_limit
         self.programs: StepPrograms | None = None
         self._handover: WindowHandover | None = None  # the open window's sum between the store and the programs
+        # whether the one-micro-step pair is known built (on every process): until then a segment that needs it
+        # builds it first (``_with_pair``)
+        self._pair_agreed = False
         self.reason: str | None = None  # why there are no programs (then the eager pair runs)
         self._trainable: tuple[int, ...] = ()  # the parameters the programs were built over
         self.autocast: AutocastRegion | None = None  # the precision plugin's autocast, built into the forward
@@ -145,8 +141,10 @@ class CompiledProgramChooser:
         if self.staging is not None:
             self.staging.gathering = False  # until the compiled pair is returned
         if self.reason is None and self.programs is None:
-            reason = self._run_reason()
-            if reason is not None:
+            reason = run_reason(self.engine, self.graph_mode)
+            if isinstance(reason, AutocastRegion):
+                self.autocast = reason  # mixed precision: built into the programs' forward
+            elif reason is not None:
                 self._fall_back(reason)
         if self.reason is not None:
             return choose_programs(engine, updates)
@@ -170,12 +168,43 @@ class CompiledProgramChooser:
             CompiledSeveral(programs, engine, updates, copy_outputs, count, schedulers)
             for count in programs.call_lengths
         )
-        return SinkPrograms(
+        compiled = SinkPrograms(
             CompiledAccumulate(programs, engine, updates, copy_outputs),
             CompiledUpdate(programs, engine, updates, copy_outputs),
             end_sink=handover.into_store,
             several=several,
         )
+        if self._pair_agreed:
+            return compiled
+        return replace(compiled, build_pair=partial(self._with_pair, engine, updates, compiled))
+
+    def _with_pair(self, engine: StepEngine, updates: SinkUpdates, compiled: SinkPrograms) -> SinkPrograms:
+        """The first segment that trains a micro-batch one per call (the loop's does not: a sink's rest shorter than
+        a call, a window left open): the accumulate and update programs built now (the fit's build compiled the
+        loop alone) and, across processes, agreed built everywhere; where they do not build, the eager pair from
+        here on (the window's sum is in the store still: the programs' buffers hold a copy)."""
+        assert self.programs is not None
+        self._pair_agreed = True
+        failure = None
+        try:
+            seconds = self.programs.build_pair()
+        except Exception as error:  # (the loop over the same step built: not expected, but never a crash)
+            seconds, failure = 0.0, f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+        if engine.host.world_size > 1:  # (every process reaches this segment: the same calls everywhere)
+            everywhere = engine.trainer.strategy.reduce_boolean_decision(failure is None, all=True)
+            failure = failure or (None if everywhere else "another process could not build them (its warning says why)")
+        if failure is not None:
+            if self.staging is not None:
+                self.staging.gathering = False
+            self._fall_back(f"the accumulate and update programs of one micro-step did not build ({failure})")
+            return choose_programs(engine, updates)
+        if seconds:
+            rank_zero_info(
+                f"{type(engine.host).__name__}(graph_mode={self.graph_mode!r}): the accumulate and update programs"
+                f" of one micro-step compiled in {seconds:.1f} s, for micro-batches a call of several cannot take"
+                " (a segment's rest shorter than a call, or a window left open)"
+            )
+        return compiled
 
     def _changed_since_build(self) -> str | None:
         """A reason the built programs no longer apply, found at a sink's start (a window may be open: its sum is in
@@ -195,43 +224,6 @@ class CompiledProgramChooser:
         return tuple(sorted(id(p) for p in unique_trainable(params)))
 
     # ------------------------------------------------------------------ the decision
-    def _run_reason(self) -> str | None:
-        """Why this run cannot use compiled programs, whatever its module and optimizer."""
-        engine = self.engine
-        host, trainer = engine.host, engine.trainer
-        if host.world_size > 1 and not isinstance(engine.reducer, FlatAllReduce):
-            return (
-                f"{type(host).__name__} combines the ranks' gradients with {type(engine.reducer).__name__}, which"
-                " the compiled programs do not do (the model-parallel strategy stays eager)"
-            )
-        if host.world_size > 1 and self.graph_mode == "cuda_graph":
-            return "the CUDA-graph programs are for one process: use graph_mode='compile' under DDP"
-        store = engine.window.store
-        if isinstance(store, NoGradients):
-            return "the optimizer holds no trainable parameter"
-        if not isinstance(store, (GradientAccumulator, SingleStepGradients)):
-            return (
-                f"{type(host).__name__} keeps the window's gradients in {type(store).__name__} (sharded by the"
-                " model-parallel strategy), which stays eager"
-            )
-        if engine.parts.needs_step_context:
-            region = step_autocast(host.precision_plugin)  # mixed precision: built into the programs' forward
-            if isinstance(region, str):
-                return region
-            self.autocast = region
-        used = _hooks_between(trainer)
-        if used:
-            return (
-                f"{', '.join(used)} overridden: a compiled program would not call it; move that work into"
-                " training_step, remove the override, or use graph_mode='eager'"
-            )
-        if not (engine.hooks.direct_sink_step and engine.hooks.direct_before_step):
-            return (
-                "Lightning's hooks are dispatched here (a profiler records them, or Strategy.backward is wrapped):"
-                " run without the profiler or the wrapper, or use graph_mode='eager'"
-            )
-        return None
-
     def build(self, batch: Any) -> StepPrograms | None:
         """At the fit's first segment, over its first micro-batch (with staged data, ``batch=None``): build the
         programs (compiling them now, on copies of the state), or fall back with the reason."""
@@ -271,6 +263,8 @@ class CompiledProgramChooser:
             self._fall_back(built.reason)
             return None
         self.programs = built
+        # (under DDP agreed at the first segment that needs the pair, whatever this process built)
+        self._pair_agreed = built.pair_built and engine.host.world_size == 1
         self._trainable = self._trainable_key()
         self._handover = WindowHandover(built, engine.window)
         self._handover.into_programs()
@@ -325,13 +319,20 @@ class CompiledProgramChooser:
         region = self.autocast
         where = "" if region is None else f"; the forward under autocast({region.device_type!r}, {region.dtype})"
         kind = "compiled and captured as CUDA graphs" if self.graph_mode == "cuda_graph" else "compiled"
+        programs = "accumulate and update programs are" if built.pair_built else "step programs are"
+        # (the loop alone: a fit whose segments all take calls of several never builds the pair)
+        later = (
+            ""
+            if built.pair_built
+            else "; the accumulate and update programs of one micro-step compile when first needed"
+        )
         across = ""
         if built.rank_sum is not None:
             across = f", the window summed across {built.rank_sum.ranks} processes by one all-reduce"
         return (
-            f"{type(self.engine.host).__name__}(graph_mode={self.graph_mode!r}): the accumulate and update programs"
-            f" are {kind} whole (forward, backward, accumulation, {', '.join(parts)} update{across}){length} in"
-            f" {took}{where}; {self._data_note()}"
+            f"{type(self.engine.host).__name__}(graph_mode={self.graph_mode!r}): the {programs} {kind} whole"
+            f" (forward, backward, accumulation, {', '.join(parts)} update{across}){length} in {took}{where}{later};"
+            f" {self._data_note()}"
         )
 
     def _rank_sum(self, several: int | None) -> RankSum | None:
@@ -362,22 +363,6 @@ class CompiledProgramChooser:
             f"{type(self.engine.host).__name__}(graph_mode={self.graph_mode!r}): no whole-step programs, {path}"
             f" runs instead (the eager step programs): {reason}."
         )
-
-
-def _hooks_between(trainer: Any) -> list[str]:
-    """The hooks between a micro-batch's forward and the window's update that this run overrides, named with who
-    overrides them."""
-    module = trainer.lightning_module
-    found = [
-        f"LightningModule.{name}" for name in _MODULE_HOOKS_BETWEEN if is_overridden(name, module, pl.LightningModule)
-    ]
-    for callback in compat.trainer_settings(trainer).callbacks:
-        found += [
-            f"{type(callback).__name__}.{name}"
-            for name in _CALLBACK_HOOKS_BETWEEN
-            if is_overridden(name, callback, pl.Callback)
-        ]
-    return found
 
 
 def compiled_choice(

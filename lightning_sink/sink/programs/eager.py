@@ -305,6 +305,9 @@ class SinkPrograms:
     end_sink: Callable[[], None] | None = None  # called at the sink's end (compiled programs save the window there)
     # calls of several micro-batches (compiled programs), longest first: the loop runs the longest that fits
     several: tuple[SeveralSteps, ...] = ()
+    # compiled programs built with their calls of several alone: before a segment that trains any micro-batch one
+    # per call, the loop calls it for the programs to run instead (the pair built, or the eager pair where it did not)
+    build_pair: Callable[[], SinkPrograms] | None = None
 
 
 def choose_programs(engine: StepEngine, updates: SinkUpdates) -> SinkPrograms:

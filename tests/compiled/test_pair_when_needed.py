@@ -1,0 +1,130 @@
+"""With calls of several micro-steps (the default's loop over windows), the fit's build compiles the loop alone: the
+accumulate and update programs of one micro-step are built at the start of the first segment that trains a
+micro-batch one per call (a sink's rest shorter than a call, a window left open across sinks, ``max_steps``, a
+validation point), never inside a call, and never in a fit whose micro-batches all run in calls of several. Each
+fit against the same fit with one call per micro-batch, bit for bit, and where the build of the pair fails, the
+eager step from there, against a plain PyTorch loop.
+
+The programs are built with the ``aot_eager`` backend, as in ``test_call_length.py``."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_sink import SinkStrategy
+from lightning_sink.compiled import StepPrograms
+from tests.compiled.test_lightning_fit import (
+    Net,
+    RecordingLogger,
+    dataset,
+    fit,
+    flat,
+    plain_loop,
+    quick_backend,  # noqa: F401  (the fixture: aot_eager, a fresh TorchDynamo per test)
+    relative_error,
+)
+from tests.helpers import quiet_trainer
+
+# (accumulation steps, sink size, the trainer's limits, whether some micro-batch trains one per call); a data pass
+# is 10 micro-batches, staged on the device, and the default's calls are 8 micro-steps and a whole sink
+CASES = {
+    "every sink one call": (2, 10, {"max_epochs": 3}, False),
+    "max_steps inside the last sink": (2, 10, {"max_steps": 12}, True),
+    "a window open across sinks": (3, 10, {"max_epochs": 3}, True),
+    "checkpoints every 9 updates": (1, 10, {"max_epochs": 2, "every_n_train_steps": 9}, True),
+}
+
+
+@pytest.fixture
+def pair_calls(monkeypatch) -> list[bool]:
+    """For each one-micro-step call of the fit, whether its programs were built before it (by the sink loop, at its
+    segment's start) rather than inside the call."""
+    built_before: list[bool] = []
+    accumulate, update = StepPrograms.accumulate, StepPrograms.update
+
+    def accumulate_seen(self: StepPrograms, batch: Any = None) -> Any:
+        built_before.append(self.pair_built)
+        return accumulate(self, batch)
+
+    def update_seen(self: StepPrograms, batch: Any = None) -> Any:
+        built_before.append(self.pair_built)
+        return update(self, batch)
+
+    monkeypatch.setattr(StepPrograms, "accumulate", accumulate_seen)
+    monkeypatch.setattr(StepPrograms, "update", update_seen)
+    return built_before
+
+
+def run(case: str, calls: int | None, caplog: Any, folder: Path) -> dict[str, Any]:
+    steps, sink_size, limits, _ = CASES[case]
+    limits = dict(limits)
+    if "every_n_train_steps" in limits:  # (a schedule point: segments of 9 and 1, then 8 and 2)
+        every = limits.pop("every_n_train_steps")
+        limits.update(callbacks=[ModelCheckpoint(dirpath=folder, every_n_train_steps=every)], enable_checkpointing=True)
+    strategy = SinkStrategy(
+        accumulation_steps=steps, sink_size=sink_size, graph_mode="compile", micro_steps_per_call=calls
+    )
+    logger = RecordingLogger()
+    trainer = quiet_trainer(strategy=strategy, logger=logger, log_every_n_steps=1, **limits)
+    model = Net("adamw")
+    reference = copy.deepcopy(model.net)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(trainer, model, dataset(), caplog)
+    said = [record.getMessage() for record in caplog.records] + [str(warning.message) for warning in caught]
+    return {
+        "model": model,
+        "trainer": trainer,
+        "points": logger.points,
+        "reference": reference,
+        "build": [line for line in said if "programs are compiled whole" in line],
+        "pair_built": [line for line in said if "programs of one micro-step compiled in" in line],
+        "fell_back": [line for line in said if "no whole-step programs" in line],
+    }
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_pair_is_built_at_the_first_segment_that_needs_it(case, caplog, several_calls, pair_calls, tmp_path):
+    one = run(case, 1, caplog, tmp_path / "one")
+    assert several_calls == [] and one["pair_built"] == []  # (one per call: the fit's build made the pair)
+    assert all(pair_calls), "a one-micro-step call ran before its programs were built"
+    pair_calls.clear()
+    default = run(case, None, caplog, tmp_path / "default")
+    needs_pair = CASES[case][3]
+    assert several_calls, "the default ran no call of several"
+    assert "the accumulate and update programs of one micro-step compile when first needed" in default["build"][0]
+    assert len(default["pair_built"]) == int(needs_pair), default["pair_built"]
+    assert bool(pair_calls) == needs_pair and all(pair_calls), pair_calls
+    assert default["fell_back"] == []
+    assert default["trainer"].global_step == one["trainer"].global_step
+    assert torch.equal(flat(default["model"].net), flat(one["model"].net))
+    assert default["points"] == one["points"]
+
+
+def test_a_pair_that_does_not_build_leaves_the_eager_step_from_there(caplog, several_calls, monkeypatch, tmp_path):
+    """The pair's build fails at the last sink (``max_steps`` inside it): the fit trains on with the eager step,
+    says so in one warning naming the error, and ends where a plain loop ends."""
+
+    def refused(self: StepPrograms) -> float:
+        raise RuntimeError("no pair here")
+
+    monkeypatch.setattr(StepPrograms, "build_pair", refused)
+    result = run("max_steps inside the last sink", None, caplog, tmp_path)
+    assert several_calls == [10, 10]
+    assert len(result["fell_back"]) == 1, result["fell_back"]
+    assert (
+        "the accumulate and update programs of one micro-step did not build (RuntimeError: no pair here)"
+        in (result["fell_back"][0])
+    )
+    assert result["trainer"].global_step == 12
+    reference = result["reference"]
+    expected = plain_loop(reference, "adamw", 24, 2, dataset())
+    assert expected["updates"] == 12
+    assert relative_error(flat(result["model"].net), flat(reference)) <= 1e-5
