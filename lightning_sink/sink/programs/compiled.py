@@ -70,7 +70,7 @@ class _Compiled:
     def _outputs(self, programs: StepPrograms, out: StepOutputs) -> Tensor:
         """The micro-batch's loss, its logged values handed to ``self.log``."""
         copy = self._copy_outputs
-        logs = programs.host_logs(out)  # (a torchmetrics Metric's calls made here, eagerly)
+        logs = programs.logged.host_logs(out, copy)  # (a torchmetrics Metric's calls made here, eagerly)
         if logs:
             module = self._engine.trainer.lightning_module
             options = programs.logged.options
