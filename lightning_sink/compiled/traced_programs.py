@@ -71,8 +71,8 @@ class TracedPrograms:
         graph serves calls of any number of windows, ``CompiledPrograms``); ``"batches"``, the call's micro-batches stacked per leaf of the
         batch as [windows, accumulation, ...], or None where the programs gather each batch from the staged dataset
         themselves.
-        The loop carries every state tensor the programs write, as copies the body writes in place, and the state
-        takes the last carry back at the end. Returns, per position in a window, its outputs stacked over the
+        The loop carries every state tensor the programs write but the window's (empty at each window's start and
+        end), as copies the body writes in place, and the state takes the last carry back at the end. Returns, per position in a window, its outputs stacked over the
         windows (an update's with its found_inf, scale and skipped count under a loss scale); the host takes each
         micro-step's row (a graph returning every row would grow with the call's length)."""
         assert self.several is not None  # built with micro_steps_per_call
@@ -84,7 +84,11 @@ class TracedPrograms:
             xs["batches"] = batches
 
         def window(carry: list[Tensor], x: dict[str, Any]) -> tuple[list[Tensor], list[tuple]]:
-            local = _with_written(state, [tensor.clone() for tensor in carry])
+            local = _with_carry(state, [tensor.clone() for tensor in carry])
+            # the window's sum and count: every window of a call starts empty (a call starts at a window's start)
+            # and its update empties it, so they live in the body alone, not in the loop's carry
+            local["window"] = [buffer.new_zeros(buffer.shape) for buffer in state["window"]]
+            local["micro_steps"] = state["micro_steps"].new_zeros(())
             local["hyper"] = [dict(zip(self.update.rule.names, row.unbind())) for row in x["hyper"]]
             outputs: list[tuple] = []
             for position in range(accumulation):
@@ -98,16 +102,17 @@ class TracedPrograms:
                 extra = () if scaler is None else (found_inf, scaler["scale"], scaler["skipped"])
                 outputs.append((loss, values, *extra))
             # (copies: a loop's outputs may not alias its carry or one another)
-            return _written(local), tree_map(_copy, outputs)
+            return _carry(local), tree_map(_copy, outputs)
 
-        last, stacked = scan_loop(window, _written(state), xs)
-        for tensor, value in zip(_written(state), last):
+        last, stacked = scan_loop(window, _carry(state), xs)
+        for tensor, value in zip(_carry(state), last):
             tensor.copy_(value)
         return stacked
 
 
-# The state entries the programs write, which a loop carries (the staged data's read-only rows left out).
-_WRITTEN = ("params", "buffers", "window", "micro_steps", "batch_index", "optimizer", "scaler", "data")
+# The state entries a loop over windows carries from one window to the next: what the programs write, but the
+# window's sum and count (empty at every window's start and end) and the staged data's read-only rows.
+_CARRIED = ("params", "buffers", "batch_index", "optimizer", "scaler", "data")
 
 
 def _row(index: int, leaf: Any) -> Any:
@@ -118,12 +123,12 @@ def _copy(leaf: Any) -> Any:
     return leaf.clone() if isinstance(leaf, Tensor) else leaf
 
 
-def _written(state: dict[str, Any]) -> list[Tensor]:
-    """The tensors of the entries ``_WRITTEN`` names, in a fixed order (a dict's by sorted key)."""
-    return [leaf for key in _WRITTEN for leaf in _leaves(_carried(state, key))]
+def _carry(state: dict[str, Any]) -> list[Tensor]:
+    """The loop's carry: the tensors of the entries ``_CARRIED`` names, in a fixed order (a dict's by sorted key)."""
+    return [leaf for key in _CARRIED for leaf in _leaves(_carried_value(state, key))]
 
 
-def _carried(state: dict[str, Any], key: str) -> Any:
+def _carried_value(state: dict[str, Any], key: str) -> Any:
     value = state[key]
     return value["cursor"] if key == "data" and value is not None else value
 
@@ -138,8 +143,8 @@ def _leaves(value: Any) -> list[Tensor]:
     return [leaf for item in value for leaf in _leaves(item)]
 
 
-def _with_written(state: dict[str, Any], tensors: list[Tensor]) -> dict[str, Any]:
-    """``state`` with the tensors ``_written`` lists replaced by ``tensors``, in the same order."""
+def _with_carry(state: dict[str, Any], tensors: list[Tensor]) -> dict[str, Any]:
+    """``state`` with the tensors of its carry (``_carry``) replaced by ``tensors``, in the same order."""
     supply = iter(tensors)
 
     def rebuilt(value: Any) -> Any:
@@ -153,7 +158,7 @@ def _with_written(state: dict[str, Any], tensors: list[Tensor]) -> dict[str, Any
         return type(value)(rebuilt(item) for item in value)
 
     local = dict(state)
-    for key in _WRITTEN:
+    for key in _CARRIED:
         if key == "data" and state["data"] is not None:
             local["data"] = {"rows": state["data"]["rows"], "cursor": next(supply)}
         elif key != "data":
