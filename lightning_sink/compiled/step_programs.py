@@ -148,8 +148,6 @@ class StepPrograms:
             "data": None if data is None else {"rows": data[1].rows, "cursor": data[1].cursor},
         }
 
-    # -- host side -------------------------------------------------------------------------------------------
-
     @contextlib.contextmanager
     def _running(self) -> Iterator[None]:
         metrics = self.metric_calls.installed_on() if self.metric_calls.metrics else contextlib.nullcontext()
@@ -197,10 +195,11 @@ class StepPrograms:
         hyperparameters: list[list[list[float]]] | None = None,
         count: int | None = None,
     ) -> list[StepOutputs]:
-        """Run whole windows, ``micro_steps_per_call`` micro-batches (``None``: ``count`` from the staged dataset,
-        by default the longest call; a call runs one of ``call_lengths``), in one call. ``hyperparameters``: per
-        window of the call, the values its update uses (per param group, one float per name of ``rule.names``:
-        ``OptimizerRule.current_values`` rows); ``None``: every update uses the current ``param_groups``."""
+        """Run whole windows from an empty one (no ``accumulate`` since the last ``update``), ``micro_steps_per_call``
+        micro-batches (``None``: ``count`` from the staged dataset, by default the longest call; one of
+        ``call_lengths``), in one call. ``hyperparameters``: per window, the values its update uses (per param
+        group, one float per name of ``rule.names``: ``OptimizerRule.current_values`` rows); ``None``: every update
+        uses the current ``param_groups``."""
         if self.several is None:
             raise ProgramUnavailable("built without micro_steps_per_call > 1: call accumulate/update instead")
         count = self.several[0] if count is None else count
