@@ -179,10 +179,10 @@ class CompiledProgramChooser:
         return replace(compiled, build_pair=partial(self._with_pair, engine, updates, compiled))
 
     def _with_pair(self, engine: StepEngine, updates: SinkUpdates, compiled: SinkPrograms) -> SinkPrograms:
-        """The first segment that trains a micro-batch one per call (the loop's does not: a sink's rest shorter than
-        a call, a window left open): the accumulate and update programs built now (the fit's build compiled the
-        loop alone) and, across processes, agreed built everywhere; where they do not build, the eager pair from
-        here on (the window's sum is in the store still: the programs' buffers hold a copy)."""
+        """The first segment that trains a micro-batch one per call (a sink's rest shorter than a call, a window
+        left open): the accumulate and update programs built now (the fit's build compiled the loop alone) and,
+        across processes, agreed built everywhere; where they do not build, the eager pair from here on (the
+        window's sum is in the store still: the programs' buffers hold a copy)."""
         assert self.programs is not None
         self._pair_agreed = True
         failure = None
@@ -202,7 +202,8 @@ class CompiledProgramChooser:
             rank_zero_info(
                 f"{type(engine.host).__name__}(graph_mode={self.graph_mode!r}): the accumulate and update programs"
                 f" of one micro-step compiled in {seconds:.1f} s, for micro-batches a call of several cannot take"
-                " (a segment's rest shorter than a call, or a window left open)"
+                " (a segment's rest shorter than a call: a schedule point, max_steps, a pass's end; or a window left"
+                " open)"
             )
         return compiled
 
