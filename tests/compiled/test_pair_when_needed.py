@@ -26,6 +26,7 @@ from tests.compiled.test_lightning_fit import (
     dataset,
     fit,
     flat,
+    loader,
     plain_loop,
     quick_backend,  # noqa: F401  (the fixture: aot_eager, a fresh TorchDynamo per test)
     relative_error,
@@ -128,3 +129,27 @@ def test_a_pair_that_does_not_build_leaves_the_eager_step_from_there(caplog, sev
     expected = plain_loop(reference, "adamw", 24, 2, dataset())
     assert expected["updates"] == 12
     assert relative_error(flat(result["model"].net), flat(reference)) <= 1e-5
+
+
+@pytest.mark.parametrize("case", ["max_steps inside the last sink", "checkpoints every 9 updates"])
+def test_a_fit_that_builds_the_pair_midway_trains_as_stock_lightning_without_sinking(case, caplog, tmp_path):
+    """The same run without sinking: stock Lightning with ``accumulate_grad_batches``, the same limits and
+    checkpoint callback: the same updates, the same steps logged, parameters within the compiled programs'
+    rounding."""
+    steps, _, limits, _ = CASES[case]
+    limits = dict(limits)
+    if "every_n_train_steps" in limits:
+        every = limits.pop("every_n_train_steps")
+        checkpoint = ModelCheckpoint(dirpath=tmp_path / "stock", every_n_train_steps=every)
+        limits.update(callbacks=[checkpoint], enable_checkpointing=True)
+    logger = RecordingLogger()
+    stock = Net("adamw")
+    trainer = quiet_trainer(accumulate_grad_batches=steps, logger=logger, log_every_n_steps=1, **limits)
+    trainer.fit(stock, loader(dataset()))
+    sink = run(case, None, caplog, tmp_path / "sink")
+    assert len(sink["pair_built"]) == 1 and sink["points"]
+    assert sink["trainer"].global_step == trainer.global_step
+    assert [(step, sorted(values)) for step, values in sink["points"]] == [
+        (step, sorted(values)) for step, values in logger.points
+    ]
+    assert relative_error(flat(sink["model"].net), flat(stock.net)) <= 1e-5
