@@ -68,13 +68,14 @@ class TracedPrograms:
         update at its last micro-batch, is traced and built once, whatever the call's length). ``call``:
         ``"hyper"``, per param group the rows of hyperparameters of the call's windows, one row a window (their
         count, like the stacked batches' first size, is the call's windows: a size the graph may leave open, so one
-        graph serves calls of any number of windows, ``CompiledPrograms``); ``"batches"``, the call's micro-batches stacked per leaf of the
-        batch as [windows, accumulation, ...], or None where the programs gather each batch from the staged dataset
-        themselves.
+        graph serves calls of any number of windows, ``CompiledPrograms``); ``"batches"``, the call's micro-batches
+        stacked per leaf of the batch as [windows, accumulation, ...], or None where the programs gather each batch
+        from the staged dataset themselves.
         The loop carries every state tensor the programs write but the window's (empty at each window's start and
-        end), as copies the body writes in place, and the state takes the last carry back at the end. Returns, per position in a window, its outputs stacked over the
-        windows (an update's with its found_inf, scale and skipped count under a loss scale); the host takes each
-        micro-step's row (a graph returning every row would grow with the call's length)."""
+        end), as copies the body writes in place, and the state takes the last carry back at the end. Returns, per
+        position in a window, its outputs stacked over the windows (an update's with its found_inf, scale and
+        skipped count under a loss scale); the host takes each micro-step's row (a graph returning every row would
+        grow with the call's length)."""
         assert self.several is not None  # built with micro_steps_per_call
         accumulation = self.several[1]
         batches = call["batches"]
