@@ -19,6 +19,7 @@ from typing import Any
 from torch import Tensor
 
 from lightning_sink._torch_compat import scan_loop, traced_all_reduce_sum, tree_map
+from lightning_sink.compiled.flat_carry import FlatCarry
 from lightning_sink.compiled.rank_sum import flatten_bucket, unflatten_bucket
 from lightning_sink.compiled.step_gradients import StepGradients
 from lightning_sink.compiled.window_update import WindowUpdate
@@ -72,7 +73,8 @@ class TracedPrograms:
         stacked per leaf of the batch as [windows, accumulation, ...], or None where the programs gather each batch
         from the staged dataset themselves.
         The loop carries every state tensor the programs write but the window's (empty at each window's start and
-        end), as copies the body writes in place, and the state takes the last carry back at the end. Returns, per
+        end), packed into one flat tensor per dtype and device (``FlatCarry``) and unpacked into copies the body
+        writes in place, and the state takes the last carry back at the end. Returns, per
         position in a window, its outputs stacked over the windows (an update's with its found_inf, scale and
         skipped count under a loss scale); the host takes each micro-step's row (a graph returning every row would
         grow with the call's length)."""
@@ -84,8 +86,11 @@ class TracedPrograms:
         if not staged:
             xs["batches"] = batches
 
+        carried = _carry(state)
+        flat = FlatCarry(carried)
+
         def window(carry: list[Tensor], x: dict[str, Any]) -> tuple[list[Tensor], list[tuple]]:
-            local = _with_carry(state, [tensor.clone() for tensor in carry])
+            local = _with_carry(state, flat.unpack(carry))
             # the window's sum and count: every window of a call starts empty (a call starts at a window's start)
             # and its update empties it, so they live in the body alone, not in the loop's carry
             local["window"] = [buffer.new_zeros(buffer.shape) for buffer in state["window"]]
@@ -103,10 +108,10 @@ class TracedPrograms:
                 extra = () if scaler is None else (found_inf, scaler["scale"], scaler["skipped"])
                 outputs.append((loss, values, *extra))
             # (copies: a loop's outputs may not alias its carry or one another)
-            return _carry(local), tree_map(_copy, outputs)
+            return flat.pack(_carry(local)), tree_map(_copy, outputs)
 
-        last, stacked = scan_loop(window, _carry(state), xs)
-        for tensor, value in zip(_carry(state), last):
+        last, stacked = scan_loop(window, flat.pack(carried), xs)
+        for tensor, value in zip(carried, flat.views(last)):
             tensor.copy_(value)
         return stacked
 
