@@ -20,6 +20,7 @@ from lightning_sink.data import DataPosition
 from lightning_sink.device_prefetch import CudaBatchCopier
 from lightning_sink.sink.logging import SinkLogBuffer
 from lightning_sink.sink.loop import MaxTimeRule, SinkLoop, SinkLoopHooks
+from lightning_sink.sink.programs.build_survivors import BuildSurvivors
 from lightning_sink.sink.programs.compiled_choice import compiled_choice
 from lightning_sink.sink.progress import SinkProgress, epoch_micro_batches
 from lightning_sink.sink.schedule import SinkSchedule
@@ -51,6 +52,7 @@ class SinkWiring:
     def __init__(self) -> None:
         self.loop: SinkLoop | None = None
         self._progress: SinkProgress | None = None  # the progress bar counts micro-batches
+        self._survivors = BuildSurvivors()  # the compiled build's objects, out of full collections until unwire
 
     def wire(
         self,
@@ -96,6 +98,7 @@ class SinkWiring:
                     staging,
                     settings.micro_steps_per_call,
                     (sink_size if sink_size > 0 else pass_length, _budget(host, settings)),
+                    self._survivors,
                 ),
                 batches=staged.batches if staged is not None else None,
                 progress=self._progress.advance if self._progress is not None else None,
@@ -115,14 +118,16 @@ class SinkWiring:
         return loop
 
     def unwire(self) -> None:
-        """Give the progress bar its hooks back and close the loop (its stream's reading thread); Lightning's loop
-        rules are removed by whoever removes the fit's (``compat.remove_loop_overrides``)."""
+        """Give the progress bar its hooks back, close the loop (its stream's reading thread) and give the build's
+        objects back to the collector; Lightning's loop rules are removed by whoever removes the fit's
+        (``compat.remove_loop_overrides``)."""
         if self._progress is not None:
             self._progress.remove()
             self._progress = None
         if self.loop is not None:
             self.loop.close()
             self.loop = None
+        self._survivors.release()
 
 
 def _validates_after_segment(

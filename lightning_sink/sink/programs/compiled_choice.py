@@ -32,7 +32,6 @@ micro-step is built, and the sink loop calls it at the first segment that trains
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -57,6 +56,7 @@ from lightning_sink.compiled.build_record import BuildFigures
 from lightning_sink.compiled.call_length import loader_call
 from lightning_sink.sink.programs.build_agreement import agreed_build
 from lightning_sink.sink.programs.build_notice import BuildNotice, cache_note, step_times
+from lightning_sink.sink.programs.build_survivors import BuildSurvivors
 from lightning_sink.sink.programs.compiled import CompiledAccumulate, CompiledSeveral, CompiledUpdate
 from lightning_sink.sink.programs.eager import SinkPrograms, SinkUpdates, choose_eager, choose_programs
 from lightning_sink.sink.programs.run_reason import run_reason
@@ -99,10 +99,13 @@ class CompiledProgramChooser:
         staging: StagedData | Unavailable | None = None,
         micro_steps_per_call: int | None = None,
         loader_limit: tuple[int | None, int] = (None, 0),
+        survivors: BuildSurvivors | None = None,
     ) -> None:
         """``loader_limit``: from a loader, the sink's micro-batches (None: unknown) and the device-data budget in
-        bytes, which bound a call longer than the default's (``call_length.loader_call``)."""
+        bytes, which bound a call longer than the default's (``call_length.loader_call``); ``survivors``: what
+        keeps the build's objects out of later full collections until the fit's end (the fit releases it)."""
         self.engine = engine
+        self._survivors = survivors if survivors is not None else BuildSurvivors()
         self.graph_mode = graph_mode
         # the training data staged on the device (then the programs are built at the first sink's start and gather
         # their own batches), or why it is not (said in the fit's line on the programs)
@@ -256,10 +259,7 @@ class CompiledProgramChooser:
         )
         if engine.host.world_size > 1:
             built = agreed_build(trainer.strategy, built)
-        # A build leaves tens of thousands of TorchDynamo's and Inductor's objects to Python's cyclic collector,
-        # whose next full collection (a pause as long as hundreds of micro-steps of a small model) would otherwise
-        # fall inside one of the first sinks: it is made here, once, and counted in the build.
-        gc.collect()
+        self._survivors.keep()  # the build's garbage collected here, what it leaves out of full collections
         if isinstance(built, Unavailable):
             self._fall_back(built.reason)
             return None
@@ -372,13 +372,15 @@ def compiled_choice(
     staging: StagedData | Unavailable | None = None,
     micro_steps_per_call: int | None = None,
     loader_limit: tuple[int | None, int] = (None, 0),
+    survivors: BuildSurvivors | None = None,
 ) -> Callable[[StepEngine, SinkUpdates, Callable[[], Any]], SinkPrograms]:
     """The sink loop's ``choose`` for ``graph_mode``: the compiled pair where it applies, else ``choose_programs``.
     ``staging``: the fit's staged training data (``sink/staging.py``), or why there is none; ``micro_steps_per_call``:
     micro-batches per compiled call where that is exact (``CompiledSeveral``; ``None``: decided by the build);
-    ``loader_limit``: what bounds a longer call from a loader (``CompiledProgramChooser``)."""
+    ``loader_limit``: what bounds a longer call from a loader, ``survivors``: what the build leaves kept out of full
+    collections (``CompiledProgramChooser``)."""
     if graph_mode == "eager":
         return choose_eager
-    chooser = CompiledProgramChooser(engine, graph_mode, staging, micro_steps_per_call, loader_limit)
+    chooser = CompiledProgramChooser(engine, graph_mode, staging, micro_steps_per_call, loader_limit, survivors)
     chooser.notice.at_fit_start()
     return chooser.choose
