@@ -23,7 +23,7 @@ from lightning_sink.sink.loop import MaxTimeRule, SinkLoop, SinkLoopHooks
 from lightning_sink.sink.programs.build_survivors import BuildSurvivors
 from lightning_sink.sink.programs.compiled_choice import compiled_choice
 from lightning_sink.sink.progress import SinkProgress, epoch_micro_batches
-from lightning_sink.sink.schedule import SinkSchedule
+from lightning_sink.sink.schedule import SchedulePoints, SinkSchedule
 from lightning_sink.sink.staging import StagedData, StagingConditions, default_device_data_budget, plan_staging
 from lightning_sink.sink.step_triggers import describe_sink_epoch, schedule_points
 from lightning_sink.sink_data import MicroBatchStream, SinkLoader, default_prefetch_depth
@@ -105,15 +105,7 @@ class SinkWiring:
             ),
         )
         sink_loader.sink_continues = loop.sink_continues
-        scheduled = None
-        if points.validate_every_in_fit or points.validate_every_in_pass:
-            scheduled = _validates_after_segment(trainer, loop, position, points.validate_every_n_passes)
-
-        def validates(lightning_decides: Callable[[], bool]) -> bool:
-            return loop.decide_validation(scheduled() if scheduled is not None else lightning_decides())
-
-        overrides = compat.LoopOverrides.for_sinks(loop.made_no_update, lambda: loop.sink_finished, validates)
-        compat.install_loop_overrides(trainer, overrides)
+        _install_loop_rules(trainer, loop, position, points)
         rank_zero_info(describe_sink_epoch(sink_size, settings.accumulation_steps, pass_length, trainer.max_epochs))
         return loop
 
@@ -128,6 +120,20 @@ class SinkWiring:
             self.loop.close()
             self.loop = None
         self._survivors.release()
+
+
+def _install_loop_rules(trainer: pl.Trainer, loop: SinkLoop, position: DataPosition, points: SchedulePoints) -> None:
+    """Lightning's loop rules for sinks (``LoopOverrides.for_sinks``), validation deciding after each segment by
+    the fit's schedule points where it has them, else by Lightning's own rule."""
+    scheduled = None
+    if points.validate_every_in_fit or points.validate_every_in_pass:
+        scheduled = _validates_after_segment(trainer, loop, position, points.validate_every_n_passes)
+
+    def validates(lightning_decides: Callable[[], bool]) -> bool:
+        return loop.decide_validation(scheduled() if scheduled is not None else lightning_decides())
+
+    overrides = compat.LoopOverrides.for_sinks(loop.made_no_update, lambda: loop.sink_finished, validates)
+    compat.install_loop_overrides(trainer, overrides)
 
 
 def _validates_after_segment(
