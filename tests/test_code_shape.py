@@ -55,10 +55,9 @@ def shape_problems(path: Path, relative: str) -> list[str]:
             problems.append(f"{relative}:{function.lineno} {name}: {length} lines (at most {FUNCTION_LINES})")
         public_constructor = owner is not None and function.name == "__init__" and not owner.name.startswith("_")
         exempt = public_constructor or f"{relative}:{name}" in PUBLIC_SIGNATURES
-        if parameter_count(function) > PARAMETERS and not exempt:
-            problems.append(
-                f"{relative}:{function.lineno} {name}: {parameter_count(function)} parameters (at most {PARAMETERS})"
-            )
+        parameters = parameter_count(function)
+        if parameters > PARAMETERS and not exempt:
+            problems.append(f"{relative}:{function.lineno} {name}: {parameters} parameters (at most {PARAMETERS})")
     return problems
 
 
