@@ -120,7 +120,8 @@ class CompiledPrograms:
     """Each traced program (``traced_programs.py``) compiled for ``device`` with ``backend``: the accumulate and
     update programs, the update in two parts (the eager route of the sum across processes: the all-reduce between
     them) and the call of several. ``quiet``: built without running (``BuildWithoutRunning``), for programs with a
-    sum across processes traced in."""
+    sum across processes traced in. ``one_loop_graph``: every call of two windows or more, whatever their number,
+    runs one compiled graph of the loop."""
 
     def __init__(self, traced: TracedPrograms, backend: str, device: torch.device, quiet: bool) -> None:
         options = compile_options(backend, device)
@@ -136,7 +137,8 @@ class CompiledPrograms:
         several = compiled(traced.several_program, compiler, options)
         # (built without running, a program returns placeholders of its outputs' shapes, which must be known; and a
         # loop with an open size has been measured on CPUs only: elsewhere each length is built as a graph of its own)
-        self.several = several if self._quiet is not None or device.type != "cpu" else _windows_may_vary(several)
+        self.one_loop_graph = self._quiet is None and device.type == "cpu"
+        self.several = _windows_may_vary(several) if self.one_loop_graph else several
 
     def building(self) -> contextlib.AbstractContextManager[None]:
         """Where the programs' first calls compile them: without running where they are built quietly."""

@@ -213,7 +213,7 @@ class StepPrograms:
         self.rule.refresh()
         self._hyper.fill(hyperparameters, count // self.several[1])
         if self._side is None:
-            self._side = self._eager_side(batches[0] if batches is not None else None)
+            self._side = self._eager_run(batches[0] if batches is not None else None)[-1]
         call = self._several_call(count, batches)
         captured = self.captured.get(_several_name(count, self.call_lengths))
         if captured is not None:
@@ -257,11 +257,6 @@ class StepPrograms:
         # (the hyperparameter table keeps its size: the programs built already were traced with it)
         self._traced.several, self._shorter, self._side = None, None, None
         self.call_note = note
-
-    def _eager_side(self, example_batch: Any) -> dict[str, Any]:
-        """What a micro-step returns besides tensors (its log options and Metric calls), from one eager run."""
-        *_, side = self._eager_run(example_batch)
-        return side
 
     def _eager_run(self, example_batch: Any) -> Any:
         """The accumulate program run once eagerly on copies of the state (nothing of the run changes)."""
@@ -323,9 +318,6 @@ class StepPrograms:
         """Whether the update runs as two compiled parts with an eager all-reduce between them."""
         return self.rank_sum is not None and self.rank_sum.all_reduce is not None
 
-    def _programs(self) -> list[_Program]:
-        return self._pair_programs() + self._several_programs()
-
     def _pair_programs(self) -> list[_Program]:
         programs: list[_Program] = [("accumulate", self._compiled.accumulate, lambda example: example)]
         if self._sums_eagerly():
@@ -337,10 +329,17 @@ class StepPrograms:
             programs.append(("update", self._compiled.update, lambda example: example))
         return programs
 
-    def _several_programs(self) -> list[_Program]:  # (staged: one graph for every length of several windows)
+    def _several_programs(self) -> list[_Program]:
+        """The calls of several to build, longest first; where calls of two windows or more share one graph
+        (``CompiledPrograms.one_loop_graph``) and the shorter has two, the shorter alone (the longer, run on copies
+        of the state, would take as long as a whole sink only to find its graph built)."""
+        lengths = self.call_lengths
+        accumulation = lengths[0] // self._windows_per_call() if lengths else 1
+        if self._compiled.one_loop_graph and len(lengths) == 2 and lengths[1] > accumulation:
+            lengths = lengths[1:]
         return [
             (_several_name(count, self.call_lengths), self._compiled.several, partial(self._example_call, count))
-            for count in self.call_lengths
+            for count in lengths
         ]
 
     def _several_call(self, count: int, batches: list[Any] | None) -> dict[str, Any]:
@@ -360,7 +359,7 @@ class StepPrograms:
             self._compile(self._pair_programs(), example_batch)
             return
         if self._side is None:
-            self._side = self._eager_side(example_batch)
+            self._side = self._eager_run(example_batch)[-1]
         self._compile(self._several_programs(), example_batch)
         self._pair_pending, self._pair_example = True, clone_tree(example_batch)
 
@@ -391,7 +390,7 @@ class StepPrograms:
         """Capture the compiled programs as CUDA graphs (after ``compile``); later calls replay them."""
         self.build_pair()
         device = self.params[0].device
-        for name, program, batch_of in self._programs():
+        for name, program, batch_of in self._pair_programs() + self._several_programs():
             start = time.perf_counter()
             with self._running():
                 self.captured[name] = CapturedProgram(program, self._state, batch_of(example_batch), clone_tree, device)

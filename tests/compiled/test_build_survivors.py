@@ -5,6 +5,7 @@ its own choice."""
 from __future__ import annotations
 
 import gc
+import weakref
 from typing import Any
 
 import lightning.pytorch as pl
@@ -12,6 +13,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from lightning_sink import SinkStrategy
+from lightning_sink.sink.programs.build_survivors import BuildSurvivors
 from tests.compiled.test_lightning_fit import MICRO, Net, dataset, quick_backend  # noqa: F401  (the fixture)
 from tests.helpers import quiet_trainer
 
@@ -72,3 +74,27 @@ def test_a_process_that_froze_objects_itself_keeps_its_own_choice():
     # neither more frozen nor given back (some of the frozen objects are freed by their reference counts)
     assert frozen * 0.9 <= gc.get_freeze_count() <= frozen
     gc.unfreeze()
+
+
+class Cycle:
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_the_collection_after_a_build_traverses_the_builds_own_objects_only():
+    """What existed before the build is frozen first: in the build the collector tracks only what the build made
+    (the process tracks hundreds of thousands of torch's and Lightning's objects), the build's garbage cycles are
+    collected after it and its survivors frozen with the rest until ``release``."""
+    survivors = BuildSurvivors()
+    tracked_before = len(gc.get_objects())
+    with survivors.around_build():
+        made = [[index] for index in range(1000)]
+        garbage = Cycle()
+        gone = weakref.ref(garbage)
+        del garbage
+        tracked_in_build = len(gc.get_objects())
+    assert tracked_before > 50_000 and 1000 <= tracked_in_build < 1000 + 5000, (tracked_before, tracked_in_build)
+    assert gone() is None  # collected after the build
+    assert gc.get_freeze_count() >= tracked_before + len(made)
+    survivors.release()
+    assert gc.get_freeze_count() == 0

@@ -20,7 +20,14 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_sink import SinkStrategy
 from lightning_sink._torch_compat import compiled_graph_count
-from lightning_sink.compiled import ProgramSettings, StepPrograms, build_step_programs, call_length, traced_programs
+from lightning_sink.compiled import (
+    ProgramSettings,
+    StepPrograms,
+    build_step_programs,
+    call_length,
+    program_compile,
+    traced_programs,
+)
 from lightning_sink.compiled.call_length import (
     LOADER_CALL_BYTES,
     LONGEST_CALL,
@@ -148,6 +155,40 @@ def test_the_default_runs_a_staged_sink_in_one_call_and_trains_what_one_per_call
     assert default["points"] == one["points"] and default["trainer"].global_step == 15
     expected = plain_loop(reference, "adamw", 30, 2, dataset())
     assert relative_error(flat(model.net), flat(reference)) <= 1e-5 and expected["updates"] == 15
+
+
+class GraphsAtSinkEnds(pl.Callback):
+    def __init__(self) -> None:
+        self.counts: list[int] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.counts.append(compiled_graph_count())
+
+
+def test_the_build_runs_no_whole_sink_where_every_call_length_is_one_loop_graph(caplog, monkeypatch):
+    """Staged sinks of 10 in windows of 2, calls of 8 beside them: on a CPU both lengths run one graph of the loop,
+    so the build compiles it with the call of 8 alone (on copies of the state, then timed) and never runs a whole
+    sink there; the fit's calls of 10 compile nothing more."""
+    windows: list[int] = []  # the windows of each run of the loop, in the build and in the fit
+    one_graph = program_compile._windows_may_vary
+
+    def counted(several: Any) -> Any:
+        run = one_graph(several)
+
+        def counting(state: Any, call: Any) -> Any:
+            windows.append(len(call["hyper"][0]))
+            return run(state, call)
+
+        return counting
+
+    monkeypatch.setattr(program_compile, "_windows_may_vary", counted)
+    graphs = compiled_graph_count()
+    at_sink_ends = GraphsAtSinkEnds()
+    strategy = SinkStrategy(accumulation_steps=2, sink_size=10, graph_mode="compile")
+    trainer = quiet_trainer(strategy=strategy, max_epochs=3, callbacks=[at_sink_ends])
+    fit(trainer, Net("adamw"), dataset(), caplog)
+    assert windows == [4] + [4, 4, 4] + [5, 5, 5]  # built with 8, timed with 8, then the three sinks
+    assert at_sink_ends.counts == [graphs + 1] * 3  # the loop's one graph, compiled in the build
 
 
 class Samples(torch.utils.data.Dataset):

@@ -4,30 +4,41 @@ collections until the fit ends.
 A build leaves tens of thousands of TorchDynamo's and Inductor's objects behind. Python's full collection traverses
 every object the collector tracks, and it runs again whenever the objects that survived the younger collections
 reach a quarter of the old ones: in a long fit of a small model, a pause as long as hundreds of micro-steps every
-few dozen sinks. After the build the garbage it made is collected at once (counted in the build, not in a later
-sink), and the objects that survive are moved into the collector's permanent generation (``gc.freeze``), which full
-collections skip. At the fit's end they are given back (``gc.unfreeze``), so that whatever among them becomes
-garbage later is collected again as before. Where something else in the process has frozen objects already, its
-choice is left alone: nothing is frozen, nor given back.
+few dozen sinks. So around a build (``around_build``) the objects that exist before it are moved into the
+collector's permanent generation (``gc.freeze``), which collections skip; after it the garbage the build made is
+collected at once (counted in the build, not in a later sink), a collection that traverses only the build's own
+objects rather than the whole process's (torch's, Lightning's), and what survives joins the frozen ones. At the
+fit's end they are given back (``gc.unfreeze``), so that whatever among them becomes garbage later is collected
+again as before (a cycle that was garbage already before the build is collected then too). Where something else in
+the process has frozen objects already, its choice is left alone: nothing is frozen, nor given back, and the
+collection after a build traverses everything.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
 __all__ = ["BuildSurvivors"]
 
 
 class BuildSurvivors:
-    """One fit's freeze of what its builds left: ``keep`` after each build, ``release`` at the fit's end."""
+    """One fit's freeze of what its builds left: ``around_build`` for each build, ``release`` at the fit's end."""
 
     def __init__(self) -> None:
         self._frozen = False
 
-    def keep(self) -> None:
-        """Collect the build's garbage now and move what survives out of later full collections."""
+    @contextlib.contextmanager
+    def around_build(self) -> Iterator[None]:
+        """Freeze what exists now, run the build, collect its garbage and freeze what survives."""
+        self._freeze()
+        yield
         gc.collect()
-        if not self._frozen and gc.get_freeze_count() == 0:
+        self._freeze()
+
+    def _freeze(self) -> None:
+        if self._frozen or gc.get_freeze_count() == 0:
             gc.freeze()
             self._frozen = True
 

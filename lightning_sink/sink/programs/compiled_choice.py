@@ -239,27 +239,8 @@ class CompiledProgramChooser:
         start, cache_before = time.perf_counter(), inductor_cache_counts()
         data = self.staging.data() if self.staging is not None else None
         several, not_scheduled = self._call_length(data)
-        built = build_step_programs(
-            trainer.lightning_module,
-            engine.optimizer(),
-            batch,
-            ProgramSettings(
-                loss_scale=None if scaling is None else scaling.scaler,
-                gradient_clip_val=clip_val,
-                gradient_clip_algorithm=algorithm,
-                backend=COMPILE_BACKEND,
-                cuda_graph=self.graph_mode == "cuda_graph",
-                autocast=self.autocast,
-                rank_sum=self._rank_sum(several),
-                data=data,
-                micro_steps_per_call=several,
-                accumulation_steps=engine.accumulation_steps if several != 1 else 1,
-                loader_call=None if data is not None else loader_call(batch, *self._loader_limit),
-            ),
-        )
-        if engine.host.world_size > 1:
-            built = agreed_build(trainer.strategy, built)
-        self._survivors.keep()  # the build's garbage collected here, what it leaves out of full collections
+        with self._survivors.around_build():  # (the build's objects kept out of full collections for the fit)
+            built = self._built(batch, data, several, clip_val, algorithm)
         if isinstance(built, Unavailable):
             self._fall_back(built.reason)
             return None
@@ -280,6 +261,32 @@ class CompiledProgramChooser:
         rank_zero_info(self._build_line(built, parts, self._length_note(built, several, not_scheduled), took))
         self.notice.after_build(figures)
         return built
+
+    def _built(
+        self, batch: Any, data: Any, several: int | None, clip_val: float | None, algorithm: str
+    ) -> StepPrograms | Unavailable:
+        """The programs built with the fit's settings (under DDP, agreed built by every process)."""
+        engine = self.engine
+        trainer, scaling = engine.trainer, engine.scaling
+        built = build_step_programs(
+            trainer.lightning_module,
+            engine.optimizer(),
+            batch,
+            ProgramSettings(
+                loss_scale=None if scaling is None else scaling.scaler,
+                gradient_clip_val=clip_val,
+                gradient_clip_algorithm=algorithm,
+                backend=COMPILE_BACKEND,
+                cuda_graph=self.graph_mode == "cuda_graph",
+                autocast=self.autocast,
+                rank_sum=self._rank_sum(several),
+                data=data,
+                micro_steps_per_call=several,
+                accumulation_steps=engine.accumulation_steps if several != 1 else 1,
+                loader_call=None if data is not None else loader_call(batch, *self._loader_limit),
+            ),
+        )
+        return agreed_build(trainer.strategy, built) if engine.host.world_size > 1 else built
 
     def _call_length(self, data: Any) -> tuple[int | None, str | None]:
         """The micro-steps per compiled call to build (None: the build decides from the step's size), and why a
