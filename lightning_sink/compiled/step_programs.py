@@ -334,7 +334,7 @@ class StepPrograms:
         (``CompiledPrograms.one_loop_graph``) and the shorter has two, the shorter alone (the longer, run on copies
         of the state, would take as long as a whole sink only to find its graph built)."""
         lengths = self.call_lengths
-        accumulation = lengths[0] // self._windows_per_call() if lengths else 1
+        accumulation = self.several[1] if self.several is not None else 1
         if self._compiled.one_loop_graph and len(lengths) == 2 and lengths[1] > accumulation:
             lengths = lengths[1:]
         return [
