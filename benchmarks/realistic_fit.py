@@ -18,7 +18,7 @@ Three fits per round, each in a new process (nothing compiled or cached in memor
 - **compile, cold**: ``SinkStrategy(sink_size=K, graph_mode="compile")`` with an empty Inductor cache
   (``TORCHINDUCTOR_CACHE_DIR`` a new folder): what a first fit pays;
 - **compile, cached**: the same again over the cache the cold fit left: what every later fit of the same module
-  pays (the build then mostly reads Inductor's caches).
+  pays (the build then loads the loop over windows the cold fit saved there, ``compiled/saved_loop.py``).
 
 Per fit: the whole ``trainer.fit`` in seconds; the package's own build line (``build_seconds``); the steady sinks'
 median time, from which ``run_seconds`` (the fit's micro-batches at that pace) is derived, so build and run are
@@ -51,57 +51,9 @@ CLASSES = 10
 
 
 def build_module() -> Any:
-    """The realistic module (imports Lightning and torchmetrics only in the fit's own process)."""
-    import lightning.pytorch as pl
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
-    from torchmetrics.classification import MulticlassAccuracy
-
-    class RealisticCNN(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.net = nn.Sequential(
-                nn.Conv2d(1, 8, 3, bias=False),  # (no bias before BatchNorm: it would have no gradient)
-                nn.BatchNorm2d(8),
-                nn.ReLU(),
-                nn.MaxPool2d(2),
-                nn.Conv2d(8, 16, 3, bias=False),
-                nn.BatchNorm2d(16),
-                nn.ReLU(),
-                nn.MaxPool2d(2),
-                nn.Dropout(0.2),
-                nn.Flatten(),
-                nn.Linear(16 * 5 * 5, 64),
-                nn.ReLU(),
-                nn.Dropout(0.2),
-                nn.Linear(64, CLASSES),
-            )
-            self.train_acc = MulticlassAccuracy(num_classes=CLASSES)
-            self.val_acc = MulticlassAccuracy(num_classes=CLASSES)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            logits = self.net(x)
-            loss = F.cross_entropy(logits, y)
-            self.train_acc(logits, y)
-            self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
-            self.log("loss", loss, prog_bar=True)
-            return loss
-
-        def validation_step(self, batch: Any, batch_idx: int) -> None:
-            x, y = batch
-            logits = self.net(x)
-            self.val_acc(logits, y)
-            self.log("val_loss", F.cross_entropy(logits, y))
-            self.log("val_acc", self.val_acc)
-
-        def configure_optimizers(self) -> Any:
-            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3)
-            total = int(self.trainer.estimated_stepping_batches)
-            scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=1e-2, total_steps=total)
-            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+    """The realistic module (``realistic_module.py``: imports Lightning and torchmetrics only in the fit's own
+    process)."""
+    from realistic_module import RealisticCNN
 
     return RealisticCNN()
 
@@ -114,7 +66,7 @@ def loaders(micro_batches: int) -> tuple[Any, Any]:
     generator = torch.Generator().manual_seed(0)
     samples = BATCH * micro_batches
     x = torch.randn(samples, 1, 28, 28, generator=generator)
-    y = torch.randint(0, CLASSES, (samples,), generator=generator)
+    y = torch.randint(0, CLASSES, (samples,), generator=generator)  # (the module's classes: realistic_module.py)
     train = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(1))
     val = DataLoader(TensorDataset(x[: 8 * BATCH], y[: 8 * BATCH]), batch_size=BATCH)
     return train, val

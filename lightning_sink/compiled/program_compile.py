@@ -25,6 +25,7 @@ from lightning_sink._torch_compat import (
     tree_map,
 )
 from lightning_sink.compiled.forward_compile import RANDOM_AS_EAGER
+from lightning_sink.compiled.saved_loop import SavedLoop
 from lightning_sink.compiled.traced_programs import TracedPrograms
 
 __all__ = ["BuildWithoutRunning", "CompiledPrograms", "compile_options", "compiled", "inductor_options"]
@@ -139,6 +140,10 @@ class CompiledPrograms:
         # loop with an open size has been measured on CPUs only: elsewhere each length is built as a graph of its own)
         self.one_loop_graph = self._quiet is None and device.type == "cpu"
         self.several = _windows_may_vary(several) if self.one_loop_graph else several
+        self.saved: SavedLoop | None = None  # the loop kept on disk for later fits (saved_loop.py)
+        if self.one_loop_graph and backend == "inductor":
+            self.saved = SavedLoop(traced.several_program, options, self.several, _mark_windows)
+            self.several = self.saved
 
     def building(self) -> contextlib.AbstractContextManager[None]:
         """Where the programs' first calls compile them: without running where they are built quietly."""
@@ -152,9 +157,13 @@ def _windows_may_vary(several: Callable[..., Any]) -> Callable[..., Any]:
     size of one)."""
 
     def run(state: dict[str, Any], call: dict[str, Any]) -> Any:
-        for rows in call["hyper"]:
-            may_vary_in_size(rows, 0)
-        tree_map(lambda leaf: may_vary_in_size(leaf, 0) if isinstance(leaf, torch.Tensor) else None, call["batches"])
+        _mark_windows(call)
         return several(state, call)
 
     return run
+
+
+def _mark_windows(call: dict[str, Any]) -> None:
+    for rows in call["hyper"]:
+        may_vary_in_size(rows, 0)
+    tree_map(lambda leaf: may_vary_in_size(leaf, 0) if isinstance(leaf, torch.Tensor) else None, call["batches"])

@@ -56,7 +56,7 @@ class StepGradients:
         metric_calls: MetricCalls,
         dataset: tuple[Tensor, ...],
     ) -> None:
-        self._step = _TrainingStep(module)
+        self.module, self._step = module, _TrainingStep(module)
         self.autocast, self.logged, self.metric_calls = autocast, logged, metric_calls
         self._dataset = dataset  # read only: never copied
         self._param_names = [f"module.{name}" for name, param in module.named_parameters() if param.requires_grad]

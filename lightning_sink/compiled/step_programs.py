@@ -67,8 +67,7 @@ def _several_name(count: int, lengths: tuple[int, ...]) -> str:
 
 
 class StepPrograms:
-    """The compiled accumulate and update programs of one module and optimizer (build with
-    ``build_step_programs``)."""
+    """The compiled accumulate and update programs of one module and optimizer (``build_step_programs``)."""
 
     def __init__(
         self,
@@ -98,8 +97,7 @@ class StepPrograms:
         self._hyper = HyperTable(self.rule)
         self._hyper.size(self._windows_per_call())
         self.hyper_table = self._hyper.tables  # (the list the state holds: resized and filled in place)
-        # why the calls are as long as they are, where the build chose it (micro_steps_per_call=None)
-        self.call_note = ""
+        self.call_note = ""  # why the calls are as long as they are, where the build chose it
         self._shorter: int | None = None  # a second, shorter call length (unroll(shorter=...))
         # what a micro-step of a call of several returns besides tensors (log options, Metric calls), the same at
         # every micro-step: a loop returns tensors only, so it is taken from one eager run before the first call
@@ -107,12 +105,16 @@ class StepPrograms:
         # after a build of the loop alone: the pair still to build (``build_pair``), over a copy of its example batch
         self._pair_pending, self._pair_example = False, None
         self._state = self._initial_state(data)
-
         # a sum across processes traced into the programs: built without running them (no collective in the build)
         quiet = self.rank_sum is not None and self.rank_sum.group is not None
         self._compiled = CompiledPrograms(self._traced, backend, device, quiet)
         self.compile_seconds: dict[str, float] = {}
         self.captured: dict[str, CapturedProgram] = {}
+
+    @property
+    def saved_note(self) -> str:
+        """What became of the loop kept on disk for later fits at the build (``saved_loop.py``), or ""."""
+        return self._compiled.saved.note if self._compiled.saved is not None else ""
 
     @property
     def several(self) -> tuple[int, int] | None:

@@ -257,7 +257,8 @@ class CompiledProgramChooser:
             parts.append(f"{algorithm} clipping")
         seconds = time.perf_counter() - start
         figures = BuildFigures(seconds, *(built.step_seconds(batch, engine.accumulation_steps) or (None, None)))
-        took = f"{seconds:.1f} s{cache_note(cache_before, inductor_cache_counts())}{step_times(figures)}"
+        cached = cache_note(cache_before, inductor_cache_counts())
+        took = f"{seconds:.1f} s{built.saved_note}{cached}{step_times(figures)}"
         rank_zero_info(self._build_line(built, parts, self._length_note(built, several, not_scheduled), took))
         self.notice.after_build(figures)
         return built

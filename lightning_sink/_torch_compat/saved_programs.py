@@ -1,0 +1,175 @@
+"""A compiled program kept on disk and loaded by a later process (torch's ``aot_compile``): which of TorchDynamo's
+guards such a program cannot keep, how the values its guards read are pickled, the globals those guards look up,
+TorchDynamo's checksums of the sources it traced, and the size marks a loaded program must not see."""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import io
+import re
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DroppedGuard",
+    "caches_disabled",
+    "compile_to_save",
+    "forget_size_marks",
+    "guards_pass",
+    "inlined_sources",
+    "load_saved",
+    "save_program",
+    "source_checksum",
+]
+
+# the attributes TorchDynamo's size marks (``maybe_mark_dynamic`` and the like) leave on a tensor
+_SIZE_MARKS = (
+    "_dynamo_dynamic_indices",
+    "_dynamo_weak_dynamic_indices",
+    "_dynamo_unbacked_indices",
+    "_dynamo_strict_unbacked_indices",
+    "_dynamo_static_indices",
+    "_has_dynamo_dim_marking",
+)
+_BUILTINS_GLOBAL = re.compile(rb"__builtins_dict___\d+")
+
+
+@dataclass(frozen=True)
+class DroppedGuard:
+    """A guard TorchDynamo cannot save with a program: its kind, the path it reads (a Python expression over the
+    program's arguments by name and ``G``, its globals) and the value it found there when the program was built."""
+
+    kind: str
+    path: str
+    value: Any
+
+
+def caches_disabled() -> bool:
+    """Whether Inductor's on-disk caches are switched off (``TORCHINDUCTOR_FORCE_DISABLE_CACHES``): saved programs
+    are then neither read nor written either."""
+    from torch._inductor import config
+
+    return bool(config.force_disable_caches)
+
+
+def compile_to_save(
+    function: Callable[..., Any], options: dict[str, Any] | None, args: tuple, dropped: list[DroppedGuard]
+) -> Any:
+    """``function`` compiled for ``args`` as ``torch.compile(fullgraph=True, backend="inductor", dynamic=False)``
+    would, into a program ``save_program`` can write, which runs without checking TorchDynamo's guards: the caller
+    checks them first (``guards_pass``). The guards of kinds TorchDynamo cannot save (object identities: of modules, classes, functions
+    and their closures) are left out and listed in ``dropped``, for the caller to check in its own way."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    unsaved = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
+
+    def keep(entries: Any) -> list[bool]:
+        kept = []
+        for entry in entries:
+            saved = not ({entry.guard_type, *(entry.derived_guard_types or ())} & unsaved)
+            if not saved:
+                dropped.append(DroppedGuard(entry.guard_type, entry.name, entry.value if entry.has_value else None))
+            kept.append(saved)
+        return kept
+
+    compiled: Any = torch.compile(
+        function,
+        fullgraph=True,
+        backend="inductor",
+        dynamic=False,
+        options={**(options or {}), "guard_filter_fn": keep},
+    )
+    with _guard_values_pickled():
+        program = compiled.aot_compile((args, {}))
+    program.disable_guard_check()  # (the caller checks them before each call: ``guards_pass``)
+    return program
+
+
+@contextlib.contextmanager
+def _guard_values_pickled() -> Iterator[None]:
+    """While a program's guards are saved, two mends to torch's pickler of the values they read. It marks a module's
+    attributes that no guard reads as missing by their ``id``: a dtype or a device is one object that every tensor
+    shares, so a LightningModule's ``_dtype`` made every tensor's dtype missing and the program could not be loaded
+    (dtypes, devices, layouts and memory formats are pickled as themselves). And it pickles an optimizer whole,
+    whose ``__setstate__`` then reads the state tensors the pickler left out: an optimizer's attributes are
+    restored as they were, without it."""
+    from torch._dynamo.guards import GuardsStatePickler
+
+    pickler: Any = GuardsStatePickler
+    original = pickler.reducer_override
+
+    def reducer_override(self: Any, obj: Any) -> Any:
+        if isinstance(obj, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+            return NotImplemented
+        if isinstance(obj, torch.optim.Optimizer):
+            return (_new_object, (type(obj),), dict(obj.__dict__), None, None, _restore_attributes)
+        return original(self, obj)
+
+    pickler.reducer_override = reducer_override  # (restored below)
+    try:
+        yield
+    finally:
+        pickler.reducer_override = original
+
+
+def _new_object(cls: type) -> Any:
+    return object.__new__(cls)
+
+
+def _restore_attributes(obj: Any, attributes: dict[str, Any]) -> None:
+    obj.__dict__.update(attributes)
+
+
+def save_program(program: Any, path: Path) -> None:
+    """Write a program from ``compile_to_save`` to ``path`` (torch's format: a pickle, as Inductor's caches are)."""
+    program.save_compiled_function(str(path))
+
+
+def load_saved(data: bytes, program_globals: dict[str, Any]) -> Any:
+    """The program saved in ``data`` (its guards checked by the caller, ``guards_pass``), its code run with
+    ``program_globals`` (the traced function's module's globals). The builtins are put back where its guards look for them: TorchDynamo puts them into the globals
+    of the process that traced, under names the saved guards keep (``__builtins_dict___0``)."""
+    for name in sorted(set(_BUILTINS_GLOBAL.findall(data))):
+        program_globals.setdefault(name.decode(), builtins.__dict__)
+    program: Any = torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=program_globals)
+    program.disable_guard_check()  # (the caller checks them before each call: ``guards_pass``)
+    return program
+
+
+def guards_pass(program: Any, args: tuple) -> bool:
+    """Whether the saved guards of ``program`` hold for ``args`` (TorchDynamo's own check, as at every call)."""
+    return bool(program.guard_check(*args))
+
+
+def inlined_sources(program: Any) -> list[tuple[str, int, int, str]]:
+    """The sources TorchDynamo traced into ``program``: (module, first line, last line, checksum) each."""
+    sources = program.source_info().inlined_sources
+    return sorted((source.module, source.firstlineno, source.lastlineno, source.checksum) for source in sources)
+
+
+def source_checksum(module_name: str, first: int, last: int) -> str | None:
+    """TorchDynamo's checksum of lines ``first`` to ``last`` of an imported module as its file reads now (None:
+    the module is not imported, or its source cannot be read; nothing is imported here)."""
+    from torch._dynamo.package import _hash_sourcelines
+
+    module = sys.modules.get(module_name)
+    if module is None:
+        return None
+    try:
+        return str(_hash_sourcelines(module, first, last))
+    except (OSError, TypeError):
+        return None
+
+
+def forget_size_marks(tensor: torch.Tensor) -> None:
+    """Take TorchDynamo's size marks off ``tensor``: a loaded program's guards refuse a tensor marked where the
+    saved example was not (its marks are not saved), while its graph already leaves the marked sizes open."""
+    for name in _SIZE_MARKS:
+        if hasattr(tensor, name):
+            delattr(tensor, name)

@@ -1,0 +1,289 @@
+"""The loop over windows kept on disk (``SavedLoop``): a later fit of the same module, optimizer, settings and code
+loads the compiled loop instead of tracing it again, which is most of an identical build's time (TorchDynamo's
+trace and reading the graph back from Inductor's caches).
+
+Each saved loop is two files in ``lightning_sink_loops/`` of Inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``):
+the program in torch's format (``aot_compile``; a pickle, as Inductor's own cache entries are, so that folder must
+be as trusted as Inductor's) and an entry that says what the program is for. The entry is never trusted: it is read
+only up to ``MAX_ENTRY_BYTES``, the program is read only up to the size the entry gives and only when its SHA-256
+matches, and a load happens only where these all hold:
+
+- the key: torch's, Python's and this package's versions, Inductor's settings and the shapes, dtypes and devices of
+  everything the program reads;
+- the sources TorchDynamo traced (the module's ``training_step``, this package's programs, torch's optimizer code)
+  read the same as when the program was built (TorchDynamo's checksums);
+- TorchDynamo's guards saved with the program hold (the values, flags and tensor properties the trace relied on: a
+  dropout's ``p``, ``training``, an optimizer flag), checked before every call as a compiled program's are;
+- the guards it cannot save (which module, class or function sits at each path) hold (``GuardIdentities``): those
+  reached from the program's arguments (the module and its submodules, the optimizer) before every call too, those
+  of module-level functions and classes at the first call (a function replaced in a module while the fit runs is
+  not seen; its source file edited is).
+
+A call whose checks fail runs the loop compiled as usual instead (``fallback``), as a recompile would. Where there is
+no entry, the loop is compiled by ``aot_compile`` (about as long as a first build, longer than a build whose graph
+Inductor's cache holds) and saved for the next fit. A module whose class is defined inside a function cannot be
+saved (torch refuses it): its loop is compiled as usual. ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` turns saving and
+loading off with Inductor's caches."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_sink._torch_compat import inductor_cache_folder, tree_map
+from lightning_sink._torch_compat.saved_programs import (
+    DroppedGuard,
+    caches_disabled,
+    compile_to_save,
+    forget_size_marks,
+    guards_pass,
+    inlined_sources,
+    load_saved,
+    save_program,
+    source_checksum,
+)
+from lightning_sink.compiled.guard_identities import GuardIdentities, PathNotFollowed, identity
+
+__all__ = ["FORMAT", "LOOPS_FOLDER", "MAX_ENTRY_BYTES", "MAX_PROGRAM_BYTES", "SavedLoop"]
+
+LOOPS_FOLDER = "lightning_sink_loops"
+FORMAT = 1
+MAX_ENTRY_BYTES = 8 << 20
+MAX_PROGRAM_BYTES = 1 << 30
+_ARGUMENTS = ("self", "state", "call")
+
+
+class SavedLoop:
+    """``program`` (``TracedPrograms.several_program``, bound) run through its saved file (module docstring).
+    ``options``: Inductor's; ``fallback``: the loop compiled as usual, for calls the saved one does not serve;
+    ``mark``: marks a call's sizes that may vary (before the build, so that one graph serves them)."""
+
+    def __init__(
+        self,
+        program: Any,
+        options: dict[str, Any] | None,
+        fallback: Callable[..., Any],
+        mark: Callable[[dict[str, Any]], None],
+        folder: Path | None = None,
+    ) -> None:
+        self._owner, self._function = program.__self__, program.__func__
+        self._options, self._fallback, self._mark = options, fallback, mark
+        self._folder = folder if folder is not None else inductor_cache_folder() / LOOPS_FOLDER
+        self._program: Any = None
+        self._identities: GuardIdentities | None = None
+        self._started = False
+        self.note = ""  # what became of the saved loop at the first call, for the build's line
+
+    def __call__(self, state: dict[str, Any], call: dict[str, Any]) -> Any:
+        if not self._started:
+            self._started = True
+            self._start(state, call)
+        if self._program is not None:
+            tree_map(_unmarked, call)
+            arguments = dict(zip(_ARGUMENTS, (self._owner, state, call)))
+            if self._serves(arguments):
+                return self._program(self._owner, state, call)
+        return self._fallback(state, call)
+
+    def _serves(self, arguments: dict[str, Any], every_path: bool = False) -> bool:
+        """Whether the guards hold: TorchDynamo's saved ones, and the identities (``every_path``: also those from
+        the program's globals, which a fit's own code does not change: checked at the first call only)."""
+        assert self._identities is not None
+        program_globals = self._function.__globals__
+        try:
+            if self._identities.first_difference(arguments, program_globals, not every_path) is not None:
+                return False
+            return guards_pass(self._program, (arguments["self"], arguments["state"], arguments["call"]))
+        except Exception:  # (a guard that cannot be checked does not hold: the loop compiled as usual runs)
+            return False
+
+    def _start(self, state: dict[str, Any], call: dict[str, Any]) -> None:
+        refused = None if not caches_disabled() else "Inductor's caches are switched off"
+        refused = refused or _local_class(self._owner)
+        if refused is not None:
+            self.note = f"; the loop is not saved for a later fit ({refused})"
+            return
+        key = _key(self._owner, state, call, self._options)
+        loaded = self._load(key, state, call)
+        if loaded:
+            self.note = "; the loop loaded from the program a fit of the same module and settings saved"
+            return
+        self._build_and_save(key, state, call)
+
+    def _load(self, key: str, state: dict[str, Any], call: dict[str, Any]) -> bool:
+        """The saved program of ``key``, taken where every check passes for this call."""
+        entry = _read_entry(self._folder / f"{key}.json", key)
+        if entry is None:
+            return False
+        data = _read_program(self._folder / f"{key}.program", entry)
+        if data is None or not _sources_unchanged(entry["sources"]):
+            return False
+        try:
+            program = load_saved(data, dict(self._function.__globals__))
+            identities = GuardIdentities(entry["identities"])
+        except Exception:  # a file torch cannot read back (another torch build, a damaged file): build instead
+            return False
+        self._program, self._identities = program, identities
+        tree_map(_unmarked, call)
+        if self._serves(dict(zip(_ARGUMENTS, (self._owner, state, call))), every_path=True):
+            return True
+        self._program, self._identities = None, None
+        return False
+
+    def _build_and_save(self, key: str, state: dict[str, Any], call: dict[str, Any]) -> None:
+        self._mark(call)
+        dropped: list[DroppedGuard] = []
+        try:
+            program = compile_to_save(self._function, self._options, (self._owner, state, call), dropped)
+            arguments = dict(zip(_ARGUMENTS, (self._owner, state, call)))
+            identities = _identities(dropped, arguments, self._function.__globals__)
+        except Exception as error:  # (the loop is then compiled as usual, by the fallback)
+            self.note = f"; the loop is not saved for a later fit ({type(error).__name__}: {_first_line(error)})"
+            return
+        self._program, self._identities = program, identities
+        saved = _save(self._folder, key, program, identities)
+        self.note = (
+            "; the loop saved for a later fit" if saved else "; the loop could not be saved (folder not writable)"
+        )
+
+
+def _unmarked(leaf: Any) -> None:
+    if isinstance(leaf, torch.Tensor):
+        forget_size_marks(leaf)
+
+
+def _local_class(owner: Any) -> str | None:
+    """Why the module cannot be saved: a class of its, or its optimizer's, defined inside a function."""
+    module = owner.gradients.module
+    for value in [*module.modules(), owner.update.rule.optimizer]:
+        if "<locals>" in type(value).__qualname__:
+            return f"{type(value).__qualname__} is defined inside a function"
+    return None
+
+
+def _identities(dropped: list[DroppedGuard], arguments: dict[str, Any], program_globals: dict[str, Any]) -> Any:
+    """The left-out guards as identities, each checked against the value TorchDynamo saw at its path."""
+    identities = GuardIdentities.recorded([guard.path for guard in dropped], arguments, program_globals)
+    seen = dict(identities.entries)
+    for guard in dropped:
+        if guard.value is not None and seen[guard.path] != identity(guard.value):
+            raise PathNotFollowed(f"{guard.path} leads elsewhere than TorchDynamo's guard")
+    return identities
+
+
+def _key(owner: Any, state: dict[str, Any], call: dict[str, Any], options: dict[str, Any] | None) -> str:
+    from lightning_sink import __version__
+
+    module = owner.gradients.module
+    described = [
+        torch.__version__,
+        sys.version,
+        __version__,
+        FORMAT,
+        sorted((options or {}).items()),
+        identity(type(module)),
+        [identity(type(value)) for value in module.modules()],
+        _spec(state),
+        _spec(call),
+    ]
+    return hashlib.sha256(repr(described).encode()).hexdigest()[:32]
+
+
+def _spec(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), str(value.dtype), str(value.device), value.requires_grad)
+    if isinstance(value, dict):
+        return {str(key): _spec(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_spec(item) for item in value]
+    return identity(value) if not isinstance(value, (int, float, str, bool, type(None))) else repr(value)
+
+
+def _read_entry(path: Path, key: str) -> dict[str, Any] | None:
+    """The entry at ``path`` where it is well formed and for ``key``; None otherwise (no code runs from it)."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(MAX_ENTRY_BYTES + 1)
+        entry = json.loads(data) if len(data) <= MAX_ENTRY_BYTES else None
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != key:
+        return None
+    size, digest, sources, identities = (entry.get(name) for name in ("bytes", "sha256", "sources", "identities"))
+    if type(size) is not int or not 0 < size <= MAX_PROGRAM_BYTES or not isinstance(digest, str):
+        return None
+    if not _rows(sources, (str, int, int, str)) or not _rows(identities, (str, str)):
+        return None
+    return entry
+
+
+def _rows(value: Any, types: tuple[type, ...]) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(row, list) and len(row) == len(types) and all(type(item) is kind for item, kind in zip(row, types))
+        for row in value
+    )
+
+
+def _read_program(path: Path, entry: dict[str, Any]) -> bytes | None:
+    """The program's bytes where the file holds exactly the size and SHA-256 the entry gives."""
+    try:
+        with open(path, "rb") as file:
+            data = file.read(entry["bytes"] + 1)
+    except OSError:
+        return None
+    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        return None
+    return data
+
+
+def _sources_unchanged(sources: list[list[Any]]) -> bool:
+    return all(source_checksum(module, first, last) == checksum for module, first, last, checksum in sources)
+
+
+def _save(folder: Path, key: str, program: Any, identities: GuardIdentities) -> bool:
+    """Write the program, then its entry (each atomically: a reader sees a whole file or none; the program's bytes
+    read back and their digest put in the entry); False where the folder cannot be written."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        temporary = _temporary(folder, ".program")
+        try:
+            save_program(program, temporary)
+            data = temporary.read_bytes()
+            os.replace(temporary, folder / f"{key}.program")
+        finally:
+            temporary.unlink(missing_ok=True)
+        entry = {
+            "format": FORMAT,
+            "key": key,
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "sources": [list(source) for source in inlined_sources(program)],
+            "identities": [list(row) for row in identities.entries],
+        }
+        temporary = _temporary(folder, ".json")
+        try:
+            temporary.write_text(json.dumps(entry))
+            os.replace(temporary, folder / f"{key}.json")
+        finally:
+            temporary.unlink(missing_ok=True)
+    except OSError:
+        return False
+    return True
+
+
+def _temporary(folder: Path, suffix: str) -> Path:
+    handle, name = tempfile.mkstemp(dir=folder, prefix=".saving-", suffix=suffix)
+    os.close(handle)
+    return Path(name)
+
+
+def _first_line(error: Exception) -> str:
+    return ((str(error).strip().splitlines() or [""])[0])[:160]

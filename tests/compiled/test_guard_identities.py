@@ -1,0 +1,126 @@
+"""``GuardIdentities``: the guards a saved program cannot keep, as paths and names of what sits there. A name must
+be the same in another process exactly when the object is the same code; a path is followed, never evaluated."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+from torch import nn
+
+from lightning_sink.compiled import guard_identities
+from lightning_sink.compiled.guard_identities import GuardIdentities, PathNotFollowed, identity
+
+
+def _scaled(factor: float):
+    def scale(x):
+        return x * factor
+
+    return scale
+
+
+def _shifted(factor: float):
+    def scale(x):
+        return x + factor
+
+    return scale
+
+
+class Holder:
+    def __init__(self) -> None:
+        self.net = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1))
+        self.table = {"first": _scaled(2.0), "second": len}
+
+
+IDENTITY_IN_A_NEW_PROCESS = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from lightning_sink.compiled.guard_identities import identity
+import lightning_sink.compiled.traced_programs as traced
+import torch
+print(identity(traced._carry)); print(identity(traced.TracedPrograms.several_program)); print(identity(torch.optim))
+print(identity(torch.optim.AdamW)); print(identity(torch.add))
+"""
+
+
+def test_names_are_the_same_in_a_new_process():
+    import torch
+
+    import lightning_sink.compiled.traced_programs as traced
+
+    here = [
+        identity(traced._carry),
+        identity(traced.TracedPrograms.several_program),
+        identity(torch.optim),
+        identity(torch.optim.AdamW),
+        identity(torch.add),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", IDENTITY_IN_A_NEW_PROCESS, "."], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert done.stdout.splitlines() == here
+
+
+def test_names_tell_code_and_closures_apart():
+    assert identity(_scaled(2.0)) == identity(_scaled(2.0))
+    assert identity(_scaled(2.0)) != identity(_scaled(3.0))  # (what the closure holds)
+    assert identity(_scaled(2.0)) != identity(_shifted(2.0))  # (the same name and closure, other code)
+    assert identity(nn.Linear) != identity(nn.Conv1d)
+    assert identity(types) == "module types"
+    assert identity(nn.Linear(2, 2)) == identity(nn.Linear(3, 3))  # (an instance: its class; its values are
+    # TorchDynamo's saved guards)
+
+
+def test_paths_are_followed_through_attributes_items_and_globals():
+    holder = Holder()
+    arguments = {"self": holder}
+    program_globals = {"helper": _scaled(2.0)}
+    paths = [
+        "self.net._modules['1'].__class__",
+        "self.table['first']",
+        "dict(type(self).__dict__)['__init__']",
+        "self.table[list(dict.keys(self.table))[1]]",
+        "G['helper']",
+        "G['__import_torch_dot_nn'].Linear",
+        "__import__('torch.nn').nn.functional.dropout",
+        "G['__builtins_dict___0']['len']",
+    ]
+    recorded = GuardIdentities.recorded(paths, arguments, program_globals)
+    assert dict(recorded.entries)["self.net._modules['1'].__class__"] == identity(nn.Dropout)
+    assert dict(recorded.entries)["self.table[list(dict.keys(self.table))[1]]"] == identity(len)
+    assert recorded.first_difference(arguments, program_globals) is None
+
+    holder.table["first"] = _scaled(3.0)
+    difference = recorded.first_difference(arguments, program_globals)
+    assert difference is not None and difference.startswith("self.table['first']: function"), difference
+    del holder.net._modules["1"]
+    difference = recorded.first_difference(arguments, program_globals)
+    assert difference == "self.net._modules['1'].__class__: not found (KeyError)", difference
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "__import__('os').system('touch should_not_exist')",
+        "self.net.forward(1)",
+        "getattr(self, 'net')",
+        "__import__('a_module_never_imported_here')",
+        "G['__import_a_module_never_imported_here'].x",
+        "self.net[0 + 1]",
+        "lambda: 1",
+    ],
+)
+def test_a_path_that_would_run_code_or_import_is_refused(path: str, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(PathNotFollowed):
+        GuardIdentities.recorded([path], {"self": Holder()}, {})
+    try:  # (as a saved entry names it: refused when the entry is read, or not found when followed)
+        difference = GuardIdentities([(path, "anything")]).first_difference({"self": Holder()}, {})
+    except PathNotFollowed:
+        difference = "refused"
+    assert difference == "refused" or "not found (PathNotFollowed)" in difference, difference
+    assert not (tmp_path / "should_not_exist").exists()
+    assert "a_module_never_imported_here" not in sys.modules
+    guard_identities._getter.cache_clear()

@@ -1,0 +1,183 @@
+"""The loop over windows kept on disk (``compiled/saved_loop.py``): a second identical fit in a new process loads
+it instead of tracing it and trains exactly as a fit that compiled it as usual (saving off); a fit that differs in
+what the trace relied on (a dropout's ``p``, an edited ``training_step``) or finds a damaged file builds again and
+trains as its own code says. Each fit is a fresh Python process, as a user's next run is."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+MODULE = """
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Net(pl.LightningModule):
+    def __init__(self, p):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(p), nn.Linear(16, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y) * SCALE
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+"""
+
+FIT = """
+import sys
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from lightning_sink import SinkStrategy
+from net_module import Net
+
+generator = torch.Generator().manual_seed(1)
+data = TensorDataset(torch.randn(64, 8, generator=generator), torch.randint(0, 4, (64,), generator=generator))
+trainer = pl.Trainer(
+    accelerator="cpu", strategy=SinkStrategy(sink_size=8, graph_mode="compile"), max_epochs=3, logger=False,
+    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+)
+
+
+class ChangeP(pl.Callback):
+    def on_train_epoch_end(self, trainer, module):
+        module.net[2].p = 0.5  # (from the second sink on)
+
+
+torch.manual_seed(2)  # (the dropout masks)
+module = Net(float(sys.argv[2]))
+if sys.argv[3] == "change p":
+    trainer.callbacks.append(ChangeP())
+trainer.fit(module, DataLoader(data, batch_size=4))
+torch.save(module.state_dict(), sys.argv[1])
+"""
+
+LOADED = "the loop loaded from the program a fit of the same module and settings saved"
+SAVED = "the loop saved for a later fit"
+
+
+class Fits:
+    """Fits of ``net_module.Net`` in new processes sharing one Inductor cache folder."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.cache, self.count = folder, folder / "inductor_cache", 0
+        (folder / "fit.py").write_text(FIT)
+        self.write_module(scale="1.0")
+
+    def write_module(self, scale: str) -> None:
+        (self.folder / "net_module.py").write_text(MODULE.replace("SCALE", scale))
+
+    def run(self, p: float = 0.25, change: str = "", **env: str) -> tuple[str, dict[str, torch.Tensor]]:
+        """The fit's build line and trained parameters."""
+        self.count += 1
+        out = self.folder / f"fit{self.count}.pt"
+        path = os.pathsep.join([str(self.folder), str(Path.cwd())])
+        environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(self.cache), "PYTHONPATH": path, **env}
+        done = subprocess.run(
+            [sys.executable, str(self.folder / "fit.py"), str(out), str(p), change],
+            env=environment,
+            capture_output=True,
+            text=True,
+            timeout=900,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = [line for line in (done.stdout + done.stderr).splitlines() if "programs are compiled whole" in line]
+        assert len(lines) == 1, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "one loop over its windows" in lines[0], lines[0]  # (the loop over windows is what is saved)
+        return lines[0], torch.load(out)
+
+    def saved_files(self) -> list[Path]:
+        return sorted((self.cache / "lightning_sink_loops").glob("*"))
+
+
+def _equal(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> bool:
+    return first.keys() == second.keys() and all(torch.equal(first[name], second[name]) for name in first)
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory) -> Fits:
+    return Fits(tmp_path_factory.mktemp("saved_loop"))
+
+
+@pytest.fixture(scope="module")
+def usual(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The fit compiled as usual: Inductor's caches, and with them saving, switched off."""
+    line, state = Fits(tmp_path_factory.mktemp("usual")).run(TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
+    assert "the loop is not saved for a later fit (Inductor's caches are switched off)" in line, line
+    return state
+
+
+@pytest.mark.slow
+def test_a_second_identical_fit_loads_the_saved_loop_and_trains_as_the_usual_build(fits: Fits, usual):
+    first_line, first = fits.run()
+    assert SAVED in first_line, first_line
+    assert [path.suffix for path in fits.saved_files()] == [".json", ".program"]
+    second_line, second = fits.run()
+    assert LOADED in second_line, second_line
+    assert _equal(first, usual) and _equal(second, usual)
+
+
+@pytest.mark.slow
+def test_a_changed_dropout_p_is_not_served_by_the_saved_loop(fits: Fits, usual):
+    fits.run()  # (saved, or loaded from the test before)
+    line, state = fits.run(p=0.5)
+    assert LOADED not in line and SAVED in line, line
+    assert not _equal(state, usual)  # (the other p's masks: a loaded loop would have trained with 0.25)
+
+
+@pytest.mark.slow
+def test_a_p_changed_between_sinks_runs_the_usual_build_from_that_sink_on(fits: Fits, tmp_path_factory):
+    """The saved loop's guards are checked before every call, as a compiled program's are: a callback that changes
+    a dropout's ``p`` after the first sink sends the later calls to the loop compiled as usual (with the new p)."""
+    _, usual = Fits(tmp_path_factory.mktemp("usual_change")).run(
+        change="change p", TORCHINDUCTOR_FORCE_DISABLE_CACHES="1"
+    )
+    fits.run()  # (saved, or loaded)
+    line, state = fits.run(change="change p")
+    assert LOADED in line, line
+    assert _equal(state, usual)
+
+
+@pytest.mark.slow
+def test_an_edited_training_step_is_not_served_by_the_saved_loop(fits: Fits):
+    fits.write_module(scale="1.0")
+    _, before = fits.run()
+    fits.write_module(scale="2.0")  # (the file TorchDynamo traced reads differently now)
+    try:
+        line, after = fits.run()
+    finally:
+        fits.write_module(scale="1.0")
+    assert LOADED not in line and SAVED in line, line
+    assert not _equal(before, after)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["flipped program byte", "truncated program", "entry not JSON", "entry for 2"])
+def test_a_damaged_saved_loop_is_built_again(fits: Fits, usual, damage: str):
+    fits.run()
+    entry_path, program_path = fits.saved_files()
+    program, entry = program_path.read_bytes(), entry_path.read_text()
+    if damage == "flipped program byte":
+        program_path.write_bytes(program[:1000] + bytes([program[1000] ^ 1]) + program[1001:])
+    elif damage == "truncated program":
+        program_path.write_bytes(program[:-10])
+    elif damage == "entry not JSON":
+        entry_path.write_text(entry[:-5])
+    else:
+        entry_path.write_text(json.dumps({**json.loads(entry), "format": 2}))
+    line, state = fits.run()
+    assert LOADED not in line and SAVED in line, line
+    assert _equal(state, usual)
