@@ -378,3 +378,54 @@ def test_a_program_built_without_running_compiles_then_runs_as_torch_compile_wou
     assert torch.equal(state["sum"], torch.full((4,), 4.0))
     with pytest.raises(ValueError, match="Inductor's"):
         compat.backend_compiler("aot_eager", {"fallback_random": True})
+
+
+class _SavedHolder(torch.nn.Module):
+    """A module as a LightningModule is for a saved program's guards: a ``_dtype`` attribute no guard reads (a dtype
+    every tensor shares) and an optimizer reached through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+        self.scale = 2.0
+        self._dtype = torch.float32
+        self.optimizer = torch.optim.AdamW(self.linear.parameters(), lr=0.5)
+
+
+def _saved_step(holder: _SavedHolder, x: torch.Tensor) -> torch.Tensor:
+    return holder.linear(x) * holder.scale + holder.optimizer.param_groups[0]["lr"]
+
+
+def test_a_program_saved_with_its_guards_loads_runs_and_checks_them(tmp_path: Path):
+    """``compile_to_save``: the guards torch cannot save listed, the rest saved (a module's dtype attribute and an
+    optimizer reached by the guards no obstacle); ``load_saved`` gives a program equal to eager whose saved guards
+    refuse a changed value; the traced sources' checksums read the same now."""
+    holder, x = _SavedHolder(), torch.randn(3, 2)
+    dropped: list[compat.DroppedGuard] = []
+    program = compat.compile_to_save(_saved_step, None, (holder, x), dropped)
+    assert dropped and all(isinstance(guard.path, str) for guard in dropped)
+    path = tmp_path / "program.bin"
+    compat.save_program(program, path)
+    loaded = compat.load_saved(path.read_bytes(), dict(globals()))
+    assert compat.guards_pass(loaded, (holder, x))
+    assert torch.allclose(loaded(holder, x), _saved_step(holder, x))
+    sources = compat.inlined_sources(program)
+    assert any(module == __name__ for module, *_ in sources)
+    assert all(compat.source_checksum(module, first, last) == digest for module, first, last, digest in sources)
+    assert compat.source_checksum("a_module_never_imported_here", 1, 2) is None
+    holder.scale = 3.0
+    assert not compat.guards_pass(loaded, (holder, x))
+
+
+def test_size_marks_come_off_and_the_cache_switch_is_read(monkeypatch):
+    tensor = torch.zeros(4, 2)
+    compat.may_vary_in_size(tensor, 0)
+    assert any(name.startswith("_dynamo") or name.startswith("_has_dynamo") for name in vars(tensor))
+    compat.forget_size_marks(tensor)
+    assert not any(name.startswith("_dynamo") or name.startswith("_has_dynamo") for name in vars(tensor))
+    from torch._inductor import config
+
+    monkeypatch.setattr(config, "force_disable_caches", True)
+    assert compat.caches_disabled()
+    monkeypatch.setattr(config, "force_disable_caches", False)
+    assert not compat.caches_disabled()

@@ -3,8 +3,8 @@
 Each name here is guarded by ``tests/test_torch_compat.py``: a torch upgrade that moves or changes one fails there,
 naming it, instead of deep inside a conversion or a checkpoint load. The package's modules import these names from
 here; the submodules hold them by concept: ``data_loading`` (the indexed reads), ``checkpoints`` (DCP and DTensor),
-``distributed`` (process groups, the traced all-reduce, FSDP2's window state) and ``compile`` (torch.compile,
-TorchDynamo and Inductor).
+``distributed`` (process groups, the traced all-reduce, FSDP2's window state), ``compile`` (torch.compile,
+TorchDynamo and Inductor) and ``saved_programs`` (a compiled program saved to disk and loaded again).
 """
 
 from __future__ import annotations
@@ -47,8 +47,28 @@ from lightning_sink._torch_compat.distributed import (
     set_fsdp_partial_sum,
     traced_all_reduce_sum,
 )
+from lightning_sink._torch_compat.saved_programs import (
+    DroppedGuard,
+    caches_disabled,
+    compile_to_save,
+    forget_size_marks,
+    guards_pass,
+    inlined_sources,
+    load_saved,
+    save_program,
+    source_checksum,
+)
 
 __all__ = [
+    "DroppedGuard",
+    "caches_disabled",
+    "compile_to_save",
+    "forget_size_marks",
+    "guards_pass",
+    "inlined_sources",
+    "load_saved",
+    "save_program",
+    "source_checksum",
     "inductor_cache_counts",
     "inductor_cache_folder",
     "StridedShard",

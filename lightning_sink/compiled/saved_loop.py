@@ -38,17 +38,18 @@ from typing import Any
 
 import torch
 
-from lightning_sink._torch_compat import inductor_cache_folder, tree_map
-from lightning_sink._torch_compat.saved_programs import (
+from lightning_sink._torch_compat import (
     DroppedGuard,
     caches_disabled,
     compile_to_save,
     forget_size_marks,
     guards_pass,
+    inductor_cache_folder,
     inlined_sources,
     load_saved,
     save_program,
     source_checksum,
+    tree_map,
 )
 from lightning_sink.compiled.guard_identities import GuardIdentities, PathNotFollowed, identity
 
