@@ -2,14 +2,13 @@
 loads the compiled loop instead of tracing it again, which is most of an identical build's time (TorchDynamo's
 trace and reading the graph back from Inductor's caches).
 
-Each saved loop is two files in ``lightning_sink_loops/`` of Inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``):
-the program in torch's format (``aot_compile``; a pickle, as Inductor's own cache entries are, so that folder must
-be as trusted as Inductor's) and an entry that says what the program is for. The entry is never trusted: it is read
-only up to ``MAX_ENTRY_BYTES``, the program is read only up to the size the entry gives and only when its SHA-256
-matches, and a load happens only where these all hold:
+The loops are kept in ``lightning_sink_loops/`` of Inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``), each a
+program in torch's format (``aot_compile``; a pickle, as Inductor's own cache entries are, so that folder must be as
+private as Inductor's) and an entry (``loop_store.py``: read bounded, the program's SHA-256 checked). A saved loop
+is used only where all of these hold:
 
-- the key: torch's, Python's and this package's versions, Inductor's settings and the shapes, dtypes and devices of
-  everything the program reads;
+- the key: torch's, Python's and this package's versions, Inductor's settings, the module's classes and the shapes,
+  dtypes and devices of everything the program reads;
 - the sources TorchDynamo traced (the module's ``training_step``, this package's programs, torch's optimizer code)
   read the same as when the program was built (TorchDynamo's checksums);
 - TorchDynamo's guards saved with the program hold (the values, flags and tensor properties the trace relied on: a
@@ -19,20 +18,19 @@ matches, and a load happens only where these all hold:
   of module-level functions and classes at the first call (a function replaced in a module while the fit runs is
   not seen; its source file edited is).
 
-A call whose checks fail runs the loop compiled as usual instead (``fallback``), as a recompile would. Where there is
-no entry, the loop is compiled by ``aot_compile`` (about as long as a first build, longer than a build whose graph
-Inductor's cache holds) and saved for the next fit. A module whose class is defined inside a function cannot be
+A call whose checks fail runs the loop compiled as usual instead (``fallback``), as a recompile would. Where nothing
+is saved, the loop is compiled by ``aot_compile`` (about as long as a first build, longer than a build whose graph
+Inductor's cache holds) and saved for the next fit; where torch cannot save it, the loop is compiled as usual and
+the reason kept, so that later fits do not try again. A module whose class is defined inside a function cannot be
 saved (torch refuses it): its loop is compiled as usual. ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` turns saving and
 loading off with Inductor's caches."""
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import sys
-import tempfile
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -52,13 +50,11 @@ from lightning_sink._torch_compat import (
     tree_map,
 )
 from lightning_sink.compiled.guard_identities import GuardIdentities, PathNotFollowed, identity
+from lightning_sink.compiled.loop_store import FORMAT, LoopStore
 
-__all__ = ["FORMAT", "LOOPS_FOLDER", "MAX_ENTRY_BYTES", "MAX_PROGRAM_BYTES", "SavedLoop"]
+__all__ = ["LOOPS_FOLDER", "SavedLoop"]
 
 LOOPS_FOLDER = "lightning_sink_loops"
-FORMAT = 1
-MAX_ENTRY_BYTES = 8 << 20
-MAX_PROGRAM_BYTES = 1 << 30
 _ARGUMENTS = ("self", "state", "call")
 
 
@@ -77,7 +73,7 @@ class SavedLoop:
     ) -> None:
         self._owner, self._function = program.__self__, program.__func__
         self._options, self._fallback, self._mark = options, fallback, mark
-        self._folder = folder if folder is not None else inductor_cache_folder() / LOOPS_FOLDER
+        self._store = LoopStore(folder if folder is not None else inductor_cache_folder() / LOOPS_FOLDER)
         self._program: Any = None
         self._identities: GuardIdentities | None = None
         self._started = False
@@ -113,23 +109,23 @@ class SavedLoop:
             self.note = f"; the loop is not saved for a later fit ({refused})"
             return
         key = _key(self._owner, state, call, self._options)
-        loaded = self._load(key, state, call)
-        if loaded:
+        refused = self._store.refusal(key)
+        if refused is not None:
+            self.note = f"; the loop is not saved for a later fit (an earlier fit found: {refused})"
+            return
+        if self._load(key, state, call):
             self.note = "; the loop loaded from the program a fit of the same module and settings saved"
             return
         self._build_and_save(key, state, call)
 
     def _load(self, key: str, state: dict[str, Any], call: dict[str, Any]) -> bool:
         """The saved program of ``key``, taken where every check passes for this call."""
-        entry = _read_entry(self._folder / f"{key}.json", key)
-        if entry is None:
-            return False
-        data = _read_program(self._folder / f"{key}.program", entry)
-        if data is None or not _sources_unchanged(entry["sources"]):
+        stored = self._store.load(key)
+        if stored is None or not _sources_unchanged(stored.sources):
             return False
         try:
-            program = load_saved(data, dict(self._function.__globals__))
-            identities = GuardIdentities(entry["identities"])
+            program = load_saved(stored.program, dict(self._function.__globals__))
+            identities = GuardIdentities([(path, name) for path, name in stored.identities])
         except Exception:  # a file torch cannot read back (another torch build, a damaged file): build instead
             return False
         self._program, self._identities = program, identities
@@ -147,12 +143,17 @@ class SavedLoop:
             arguments = dict(zip(_ARGUMENTS, (self._owner, state, call)))
             identities = _identities(dropped, arguments, self._function.__globals__)
         except Exception as error:  # (the loop is then compiled as usual, by the fallback)
-            self.note = f"; the loop is not saved for a later fit ({type(error).__name__}: {_first_line(error)})"
+            reason = f"{type(error).__name__}: {_first_line(error)}"
+            self._store.refuse(key, reason)
+            self.note = f"; the loop is not saved for a later fit ({reason})"
             return
         self._program, self._identities = program, identities
-        saved = _save(self._folder, key, program, identities)
+        sources = [list(source) for source in inlined_sources(program)]
+        written = self._store.save(
+            key, partial(save_program, program), sources, [list(row) for row in identities.entries]
+        )
         self.note = (
-            "; the loop saved for a later fit" if saved else "; the loop could not be saved (folder not writable)"
+            "; the loop saved for a later fit" if written else "; the loop could not be saved (folder not writable)"
         )
 
 
@@ -208,82 +209,8 @@ def _spec(value: Any) -> Any:
     return identity(value) if not isinstance(value, (int, float, str, bool, type(None))) else repr(value)
 
 
-def _read_entry(path: Path, key: str) -> dict[str, Any] | None:
-    """The entry at ``path`` where it is well formed and for ``key``; None otherwise (no code runs from it)."""
-    try:
-        with open(path, "rb") as file:
-            data = file.read(MAX_ENTRY_BYTES + 1)
-        entry = json.loads(data) if len(data) <= MAX_ENTRY_BYTES else None
-    except (OSError, ValueError, RecursionError):
-        return None
-    if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != key:
-        return None
-    size, digest, sources, identities = (entry.get(name) for name in ("bytes", "sha256", "sources", "identities"))
-    if type(size) is not int or not 0 < size <= MAX_PROGRAM_BYTES or not isinstance(digest, str):
-        return None
-    if not _rows(sources, (str, int, int, str)) or not _rows(identities, (str, str)):
-        return None
-    return entry
-
-
-def _rows(value: Any, types: tuple[type, ...]) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(row, list) and len(row) == len(types) and all(type(item) is kind for item, kind in zip(row, types))
-        for row in value
-    )
-
-
-def _read_program(path: Path, entry: dict[str, Any]) -> bytes | None:
-    """The program's bytes where the file holds exactly the size and SHA-256 the entry gives."""
-    try:
-        with open(path, "rb") as file:
-            data = file.read(entry["bytes"] + 1)
-    except OSError:
-        return None
-    if len(data) != entry["bytes"] or hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        return None
-    return data
-
-
 def _sources_unchanged(sources: list[list[Any]]) -> bool:
     return all(source_checksum(module, first, last) == checksum for module, first, last, checksum in sources)
-
-
-def _save(folder: Path, key: str, program: Any, identities: GuardIdentities) -> bool:
-    """Write the program, then its entry (each atomically: a reader sees a whole file or none; the program's bytes
-    read back and their digest put in the entry); False where the folder cannot be written."""
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        temporary = _temporary(folder, ".program")
-        try:
-            save_program(program, temporary)
-            data = temporary.read_bytes()
-            os.replace(temporary, folder / f"{key}.program")
-        finally:
-            temporary.unlink(missing_ok=True)
-        entry = {
-            "format": FORMAT,
-            "key": key,
-            "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest(),
-            "sources": [list(source) for source in inlined_sources(program)],
-            "identities": [list(row) for row in identities.entries],
-        }
-        temporary = _temporary(folder, ".json")
-        try:
-            temporary.write_text(json.dumps(entry))
-            os.replace(temporary, folder / f"{key}.json")
-        finally:
-            temporary.unlink(missing_ok=True)
-    except OSError:
-        return False
-    return True
-
-
-def _temporary(folder: Path, suffix: str) -> Path:
-    handle, name = tempfile.mkstemp(dir=folder, prefix=".saving-", suffix=suffix)
-    os.close(handle)
-    return Path(name)
 
 
 def _first_line(error: Exception) -> str:

@@ -33,7 +33,7 @@ class Net(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
-"""
+CONFIG"""
 
 FIT = """
 import sys
@@ -76,8 +76,8 @@ class Fits:
         (folder / "fit.py").write_text(FIT)
         self.write_module(scale="1.0")
 
-    def write_module(self, scale: str) -> None:
-        (self.folder / "net_module.py").write_text(MODULE.replace("SCALE", scale))
+    def write_module(self, scale: str, config: str = "") -> None:
+        (self.folder / "net_module.py").write_text(MODULE.replace("SCALE", scale).replace("CONFIG", config))
 
     def run(self, p: float = 0.25, change: str = "", **env: str) -> tuple[str, dict[str, torch.Tensor]]:
         """The fit's build line and trained parameters."""
@@ -162,6 +162,31 @@ def test_an_edited_training_step_is_not_served_by_the_saved_loop(fits: Fits):
         fits.write_module(scale="1.0")
     assert LOADED not in line and SAVED in line, line
     assert not _equal(before, after)
+
+
+# training_step reads an object whose class is defined inside a function: torch cannot save the loop's guards
+LOCAL_CONFIG = """
+    def on_fit_start(self):
+        self.config = _config()
+
+
+def _config():
+    class Config:
+        weight = 1.0
+
+    return Config()
+"""
+
+
+@pytest.mark.slow
+def test_a_loop_torch_cannot_save_is_compiled_as_usual_and_not_tried_again(tmp_path: Path, usual):
+    fits = Fits(tmp_path)
+    fits.write_module(scale="self.config.weight", config=LOCAL_CONFIG)
+    first_line, first = fits.run()
+    assert "the loop is not saved for a later fit (TypeError: " in first_line, first_line
+    second_line, second = fits.run()
+    assert "the loop is not saved for a later fit (an earlier fit found: TypeError: " in second_line, second_line
+    assert _equal(first, usual) and _equal(second, usual)
 
 
 @pytest.mark.slow
