@@ -63,8 +63,9 @@ def compile_to_save(
 ) -> Any:
     """``function`` compiled for ``args`` as ``torch.compile(fullgraph=True, backend="inductor", dynamic=False)``
     would, into a program ``save_program`` can write, which runs without checking TorchDynamo's guards: the caller
-    checks them first (``guards_pass``). The guards of kinds TorchDynamo cannot save (object identities: of modules, classes, functions
-    and their closures) are left out and listed in ``dropped``, for the caller to check in its own way."""
+    checks them first (``guards_pass``). The guards of kinds TorchDynamo cannot save (object identities: of modules,
+    classes, functions and their closures) are left out and listed in ``dropped``, for the caller to check in its
+    own way."""
     from torch._dynamo.guards import CheckFunctionManager
 
     unsaved = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
@@ -133,8 +134,9 @@ def save_program(program: Any, path: Path) -> None:
 
 def load_saved(data: bytes, program_globals: dict[str, Any]) -> Any:
     """The program saved in ``data`` (its guards checked by the caller, ``guards_pass``), its code run with
-    ``program_globals`` (the traced function's module's globals). The builtins are put back where its guards look for them: TorchDynamo puts them into the globals
-    of the process that traced, under names the saved guards keep (``__builtins_dict___0``)."""
+    ``program_globals`` (the traced function's module's globals). The builtins are put back where its guards look
+    for them: TorchDynamo puts them into the globals of the process that traced, under names the saved guards keep
+    (``__builtins_dict___0``)."""
     for name in sorted(set(_BUILTINS_GLOBAL.findall(data))):
         program_globals.setdefault(name.decode(), builtins.__dict__)
     program: Any = torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=program_globals)

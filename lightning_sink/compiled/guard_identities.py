@@ -7,9 +7,9 @@ the object found there that holds across processes: a module's name, a class's q
 qualified name with a digest of its code and of what its closure holds. A later fit follows each path again and
 compares; a path it cannot follow, or a different object, means the saved program is not the one for this fit.
 
-Paths are followed, never evaluated: only the program's arguments by name, attributes, items whose key is a constant or a path,
-``G[...]`` (the program's globals; ``__import_a_dot_b`` and ``__import__('a')`` a module already imported, nothing
-imported here), and ``dict(...)``, ``type(...)`` and ``list(dict.keys(...))`` of what they reach.
+Paths are followed, never evaluated: only the program's arguments by name, attributes, items whose key is a
+constant or a path, ``G[...]`` (the program's globals; ``__import_a_dot_b`` and ``__import__('a')`` a module already
+imported, nothing imported here), and ``dict(...)``, ``type(...)`` and ``list(dict.keys(...))`` of what they reach.
 """
 
 from __future__ import annotations

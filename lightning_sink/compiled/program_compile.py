@@ -122,7 +122,8 @@ class CompiledPrograms:
     update programs, the update in two parts (the eager route of the sum across processes: the all-reduce between
     them) and the call of several. ``quiet``: built without running (``BuildWithoutRunning``), for programs with a
     sum across processes traced in. ``one_loop_graph``: every call of two windows or more, whatever their number,
-    runs one compiled graph of the loop."""
+    runs one compiled graph of the loop, which on a CPU with Inductor is kept on disk for later fits (``saved``:
+    ``saved_loop.py``)."""
 
     def __init__(self, traced: TracedPrograms, backend: str, device: torch.device, quiet: bool) -> None:
         options = compile_options(backend, device)
