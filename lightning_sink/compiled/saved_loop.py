@@ -28,6 +28,7 @@ loading off with Inductor's caches."""
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -182,13 +183,11 @@ def _identities(dropped: list[DroppedGuard], arguments: dict[str, Any], program_
 
 
 def _key(owner: Any, state: dict[str, Any], call: dict[str, Any], options: dict[str, Any] | None) -> str:
-    from lightning_sink import __version__
-
     module = owner.gradients.module
     described = [
         torch.__version__,
         sys.version,
-        __version__,
+        _package_version(),
         FORMAT,
         sorted((options or {}).items()),
         identity(type(module)),
@@ -197,6 +196,14 @@ def _key(owner: Any, state: dict[str, Any], call: dict[str, Any], options: dict[
         _spec(call),
     ]
     return hashlib.sha256(repr(described).encode()).hexdigest()[:32]
+
+
+def _package_version() -> str:
+    """This package's installed version (read from its metadata: importing the package here would be a cycle)."""
+    try:
+        return importlib.metadata.version("lightning-sink")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def _spec(value: Any) -> Any:
