@@ -28,6 +28,7 @@ __all__ = ["GuardIdentities", "PathNotFollowed", "identity"]
 _Getter = Callable[[dict[str, Any], dict[str, Any]], Any]
 _CALLS: dict[str, Callable[[Any], Any]] = {"dict": dict, "type": type}
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
+_EMPTY_CELL = object()
 
 
 class PathNotFollowed(Exception):
@@ -55,10 +56,8 @@ def identity(value: Any) -> str:
 
 
 def _cell_identity(cell: Any) -> str:
-    try:
-        return identity(cell.cell_contents)
-    except ValueError:  # (an empty cell)
-        return "empty"
+    contents = _cell_contents(cell)
+    return "empty" if contents is _EMPTY_CELL else identity(contents)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -133,8 +132,8 @@ def _parts(value: Any) -> tuple[Any, ...]:
 def _cell_contents(cell: Any) -> Any:
     try:
         return cell.cell_contents
-    except ValueError:
-        return None
+    except ValueError:  # (an empty cell)
+        return _EMPTY_CELL
 
 
 @functools.lru_cache(maxsize=8192)

@@ -52,6 +52,7 @@ from lightning_sink._torch_compat import (
 )
 from lightning_sink.compiled.guard_identities import GuardIdentities, PathNotFollowed, identity
 from lightning_sink.compiled.loop_store import FORMAT, LoopStore
+from lightning_sink.error_text import reason_of
 
 __all__ = ["LOOPS_FOLDER", "SavedLoop"]
 
@@ -144,7 +145,7 @@ class SavedLoop:
             arguments = dict(zip(_ARGUMENTS, (self._owner, state, call)))
             identities = _identities(dropped, arguments, self._function.__globals__)
         except Exception as error:  # (the loop is then compiled as usual, by the fallback)
-            reason = f"{type(error).__name__}: {_first_line(error)}"
+            reason = f"{type(error).__name__}: {reason_of(error)}"
             self._store.refuse(key, reason)
             self.note = f"; the loop is not saved for a later fit ({reason})"
             return
@@ -218,7 +219,3 @@ def _spec(value: Any) -> Any:
 
 def _sources_unchanged(sources: list[list[Any]]) -> bool:
     return all(source_checksum(module, first, last) == checksum for module, first, last, checksum in sources)
-
-
-def _first_line(error: Exception) -> str:
-    return ((str(error).strip().splitlines() or [""])[0])[:160]
