@@ -4,7 +4,9 @@ to repay it.
 
 A build's figures (``BuildFigures``): its seconds, and one micro-step's seconds run eagerly and compiled, both timed
 at the build on copies of the state. The gain per micro-step is the difference; the build repays itself after
-``build_seconds / gain`` micro-batches, and a fit with fewer left finishes sooner with ``graph_mode="eager"``.
+``build_seconds / gain`` micro-batches, and a fit with fewer left finishes sooner with ``graph_mode="eager"``. A build
+whose loop is kept on disk says so (``loop_kept``): the next identical fit loads that loop instead of building, so its
+build's cost is known only once it has run.
 
 The figures are kept in one small JSON file beside Inductor's on-disk cache of compiled graphs
 (``TORCHINDUCTOR_CACHE_DIR``), whose contents decide how long an identical build takes: removing that folder
@@ -32,6 +34,7 @@ __all__ = ["MAX_ENTRIES", "MAX_RECORD_BYTES", "RECORD_NAME", "BuildFigures", "Bu
 RECORD_NAME = "lightning_sink_builds.json"
 MAX_RECORD_BYTES = 1 << 20
 MAX_ENTRIES = 256
+_SECONDS = ("build_seconds", "eager_step_seconds", "compiled_step_seconds")  # an entry's figures in seconds
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,9 @@ class BuildFigures:
     build_seconds: float
     eager_step_seconds: float | None = None
     compiled_step_seconds: float | None = None
+    loop_kept: bool = False
+    """The build's loop over windows is kept on disk (saved, or loaded from an earlier save: ``saved_loop.py``), so
+    an identical later fit loads it instead of paying ``build_seconds`` again."""
 
     def repays_after(self) -> float | None:
         """Micro-batches after which the build has paid for itself (``inf``: compiled steps are no faster; ``None``:
@@ -56,6 +62,7 @@ class BuildFigures:
             "build_seconds": self.build_seconds,
             "eager_step_seconds": self.eager_step_seconds,
             "compiled_step_seconds": self.compiled_step_seconds,
+            "loop_kept": self.loop_kept,
             "saved_at": time.time(),
         }
 
@@ -64,10 +71,10 @@ class BuildFigures:
         """The figures of a well-formed entry (finite, non-negative numbers), else ``None``."""
         if not isinstance(entry, dict):
             return None
-        build, eager, compiled = (entry.get(name) for name in BuildFigures.__dataclass_fields__)
+        build, eager, compiled = (entry.get(name) for name in _SECONDS)
         if build is None or not all(value is None or _seconds(value) for value in (build, eager, compiled)):
             return None
-        return BuildFigures(float(build), _optional(eager), _optional(compiled))
+        return BuildFigures(float(build), _optional(eager), _optional(compiled), entry.get("loop_kept") is True)
 
 
 def _seconds(value: Any) -> bool:

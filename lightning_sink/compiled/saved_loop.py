@@ -80,6 +80,7 @@ class SavedLoop:
         self._identities: GuardIdentities | None = None
         self._started = False
         self.note = ""  # what became of the saved loop at the first call, for the build's line
+        self.kept = False  # whether the loop is on disk after the first call (saved, or loaded from there)
 
     def __call__(self, state: dict[str, Any], call: dict[str, Any]) -> Any:
         if not self._started:
@@ -117,6 +118,7 @@ class SavedLoop:
             return
         if self._load(key, state, call):
             self.note = "; the loop loaded from the program a fit of the same module and settings saved"
+            self.kept = True
             return
         self._build_and_save(key, state, call)
 
@@ -157,6 +159,7 @@ class SavedLoop:
         self.note = (
             "; the loop saved for a later fit" if written else "; the loop could not be saved (folder not writable)"
         )
+        self.kept = written
 
 
 def _unmarked(leaf: Any) -> None:

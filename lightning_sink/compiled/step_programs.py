@@ -17,14 +17,13 @@ current values between calls.
 
 The programs are compiled when built, on copies of that state with an example batch (random numbers restored), so
 a ``training_step`` that cannot be one graph is refused before anything changed; with calls of several micro-steps
-the loop alone, the one-micro-step pair when a micro-batch first needs it (``build_pair``). One object answers
-``accumulate`` / ``update`` per micro-batch and ``run_several`` per call, the window's state explicit in ``window``.
+the loop alone, the one-micro-step pair when a micro-batch first needs it (``build_pair``). One object answers the
+calls (``accumulate`` / ``update`` per micro-batch, ``run_several`` per call), the window's state in ``window``.
 
 The parts, one module each: the programs' bodies as traced (``traced_programs.py``), one micro-batch's forward and
-backward (``step_gradients.py``), the window's update (``window_update.py``), the window and the hyperparameter
-table (``program_state.py``), the sum across processes (``rank_sum.py``), what a call returns
-(``program_results.py``), how each is compiled (``program_compile.py``), ``build_step_programs``'s checks and
-assembly (``program_build.py``). This module holds the object that compiles them and answers the calls.
+backward (``step_gradients.py``), the window's update (``window_update.py``), the window and the hyperparameter table
+(``program_state.py``), the sum across processes (``rank_sum.py``), what a call returns (``program_results.py``), how
+each is compiled (``program_compile.py``), ``build_step_programs``'s checks and assembly (``program_build.py``).
 """
 
 from __future__ import annotations
@@ -49,6 +48,7 @@ from lightning_sink.compiled.program_compile import CompiledPrograms
 from lightning_sink.compiled.program_results import ProgramUnavailable, StackedRows, StepOutputs
 from lightning_sink.compiled.program_state import HyperTable, ProgramWindow, clone_tree, several_call
 from lightning_sink.compiled.rank_sum import RankSum
+from lightning_sink.compiled.saved_loop import SavedLoop
 from lightning_sink.compiled.scale_rule import scaler_tensors
 from lightning_sink.compiled.step_gradients import StepGradients, untrained_tensors
 from lightning_sink.compiled.traced_programs import TracedPrograms
@@ -112,9 +112,9 @@ class StepPrograms:
         self.captured: dict[str, CapturedProgram] = {}
 
     @property
-    def saved_note(self) -> str:
-        """What became of the loop kept on disk for later fits at the build (``saved_loop.py``), or ""."""
-        return self._compiled.saved.note if self._compiled.saved is not None else ""
+    def saved_loop(self) -> SavedLoop | None:
+        """The loop kept on disk for later fits (``saved_loop.py``: what became of it at the build), or None."""
+        return self._compiled.saved
 
     @property
     def several(self) -> tuple[int, int] | None:

@@ -96,7 +96,7 @@ def test_the_second_fit_says_how_long_the_first_build_took(cache: Path, caplog: 
     assert f"{entry['eager_step_seconds'] * 1e3:.3g} ms eager" in starts[0]
 
 
-def write_figures(cache: Path, **figures: float) -> None:
+def write_figures(cache: Path, **figures: Any) -> None:
     path = cache / RECORD_NAME
     entries = json.loads(path.read_text())
     (key,) = entries
@@ -122,6 +122,23 @@ def test_a_fit_too_short_to_repay_the_last_build_says_so_in_one_line(cache: Path
     _, warned = fit(caplog)
     said = too_short(warned)
     assert len(said) == 1 and "compiled micro-steps were no faster than eager ones at the last build" in said[0]
+
+
+def test_after_a_build_that_kept_its_loop_the_fit_is_judged_by_its_own_build(
+    cache: Path, caplog: pytest.LogCaptureFixture
+):
+    # the last build took long but kept its loop on disk: this fit most likely loads it, so the long build says
+    # nothing about this fit's cost; the start says what was kept, and only this fit's own build is judged
+    fit(caplog)
+    write_figures(cache, build_seconds=1000.0, eager_step_seconds=0.002, compiled_step_seconds=0.001, loop_kept=True)
+    lines, warned = fit(caplog)
+    starts = [line for line in lines if "the first sink compiles the step programs of Net" in line]
+    assert len(starts) == 1 and "took 1000.0 s" in starts[0], lines
+    assert (
+        "kept its loop on disk, which this fit loads unless the module, its code or its settings changed" in starts[0]
+    )
+    assert all("the last build" not in line and "its build" in line for line in too_short(warned)), warned
+    assert the_entry(cache)["loop_kept"] is False  # (this fit's build, aot_eager, kept no loop: recorded as such)
 
 
 def test_a_fit_long_enough_to_repay_the_build_is_not_warned(cache: Path, caplog: pytest.LogCaptureFixture):
@@ -157,6 +174,14 @@ def test_a_malformed_record_gives_no_figures_and_is_replaced_by_a_good_one(tmp_p
     assert record.load("k") is None
     assert record.save("k", BuildFigures(2.0, 0.003, 0.001))
     assert record.load("k") == BuildFigures(2.0, 0.003, 0.001)
+
+
+def test_only_a_true_loop_kept_counts(tmp_path: Path):
+    record = BuildRecord(tmp_path)
+    assert record.save("kept", BuildFigures(2.0, 0.003, 0.001, loop_kept=True))
+    assert record.load("kept") == BuildFigures(2.0, 0.003, 0.001, loop_kept=True)
+    (tmp_path / RECORD_NAME).write_text('{"a": {"build_seconds": 1, "loop_kept": "yes"}, "b": {"build_seconds": 1}}')
+    assert record.load("a") == record.load("b") == BuildFigures(1.0)
 
 
 def test_the_record_keeps_only_the_newest_builds(tmp_path: Path):

@@ -73,6 +73,7 @@ class Fits:
 
     def __init__(self, folder: Path) -> None:
         self.folder, self.cache, self.count = folder, folder / "inductor_cache", 0
+        self.output: list[str] = []  # the last fit's lines
         (folder / "fit.py").write_text(FIT)
         self.write_module(scale="1.0")
 
@@ -94,7 +95,8 @@ class Fits:
             check=False,
         )
         assert done.returncode == 0, done.stderr[-3000:]
-        lines = [line for line in (done.stdout + done.stderr).splitlines() if "programs are compiled whole" in line]
+        self.output = (done.stdout + done.stderr).splitlines()
+        lines = [line for line in self.output if "programs are compiled whole" in line]
         assert len(lines) == 1, done.stdout[-3000:] + done.stderr[-3000:]
         assert "one loop over its windows" in lines[0], lines[0]  # (the loop over windows is what is saved)
         return lines[0], torch.load(out)
@@ -128,6 +130,10 @@ def test_a_second_identical_fit_loads_the_saved_loop_and_trains_as_the_usual_bui
     second_line, second = fits.run()
     assert LOADED in second_line, second_line
     assert _equal(first, usual) and _equal(second, usual)
+    # the second fit's start knows the loop was kept: the first build's cost is not held against it
+    (start,) = [line for line in fits.output if "the first sink compiles the step programs of Net" in line]
+    assert "kept its loop on disk" in start, start
+    assert not [line for line in fits.output if "too short to repay" in line and "the last build" in line]
 
 
 @pytest.mark.slow

@@ -7,7 +7,9 @@
   measured (``step_times``); its figures recorded for the next fit (rank 0 writes).
 - Where the fit has fewer micro-batches left than the build needs to repay itself (its seconds over the gain per
   micro-step), one warning saying so and that ``graph_mode="eager"`` would finish sooner: at the start from the last
-  build's figures, or, where none is recorded, after this fit's build from its own (one judgment per fit).
+  build's figures, or, where none is recorded, after this fit's build from its own (one judgment per fit). Where
+  the last build kept its loop on disk, this fit's build is most likely that loop loaded, not the last build's
+  cost again, so the judgment waits for this fit's own figures.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class BuildNotice:
     def at_fit_start(self) -> None:
         figures = self.record.load(self.key)
         rank_zero_info(self._plan_line(figures))
-        if figures is not None:
+        if figures is not None and not figures.loop_kept:
             self._judged = True
             self._warn_if_too_short(figures, "the last build")
 
@@ -66,9 +68,14 @@ class BuildNotice:
                 f"{plan}; no earlier build of the same module, optimizer and settings is recorded (a first build"
                 " on a CPU can take minutes; an identical later one takes its graphs from Inductor's on-disk cache)"
             )
+        kept = (
+            " and kept its loop on disk, which this fit loads unless the module, its code or its settings changed"
+            if figures.loop_kept
+            else ""
+        )
         return (
             f"{plan}; the last build of the same module, optimizer and settings took {figures.build_seconds:.1f} s"
-            f"{step_times(figures)}"
+            f"{step_times(figures)}{kept}"
         )
 
     def _warn_if_too_short(self, figures: BuildFigures, whose: str) -> None:

@@ -256,9 +256,11 @@ class CompiledProgramChooser:
         if clip_val is not None:
             parts.append(f"{algorithm} clipping")
         seconds = time.perf_counter() - start
-        figures = BuildFigures(seconds, *(built.step_seconds(batch, engine.accumulation_steps) or (None, None)))
+        saved = built.saved_loop
+        eager, compiled = built.step_seconds(batch, engine.accumulation_steps) or (None, None)
+        figures = BuildFigures(seconds, eager, compiled, loop_kept=saved is not None and saved.kept)
         cached = cache_note(cache_before, inductor_cache_counts())
-        took = f"{seconds:.1f} s{built.saved_note}{cached}{step_times(figures)}"
+        took = f"{seconds:.1f} s{saved.note if saved is not None else ''}{cached}{step_times(figures)}"
         rank_zero_info(self._build_line(built, parts, self._length_note(built, several, not_scheduled), took))
         self.notice.after_build(figures)
         return built
