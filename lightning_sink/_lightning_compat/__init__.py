@@ -8,8 +8,8 @@ The package's modules import these names from here; the submodules hold them by 
 (Lightning loop methods a fit replaces), ``progress`` (batch and optimizer counters), ``logging`` (the step and
 hook name values are logged under), ``hooks`` (Lightning's own hook calls), ``metrics`` (torchmetrics as Lightning
 reads it), ``checkpoints`` (checkpoint contents and resume), ``data_loading`` (the training fetcher and loader
-states), ``strategy`` (strategy settings and devices), ``fit_length`` (stopping, timers, estimated updates) and
-``trainer_settings``. Every module outside this package calls these through the package, so a function patched
+states), ``strategy`` (strategy settings and devices), ``fit_length`` (stopping, timers, estimated updates),
+``trainer_reads`` (what ``training_step`` reads from its trainer) and ``trainer_settings``. Every module outside this package calls these through the package, so a function patched
 here is patched for all of them; the few calls between compat functions (``install_loop_overrides`` removing the
 previous overrides, ``run_before_optimizer_step`` calling the precision plugin, ``step_time_left`` typing the
 trainer) go to the callee's own submodule, since a submodule importing this package back would be an import cycle.
@@ -73,12 +73,15 @@ from lightning_sink._lightning_compat.strategy import (
     set_single_device,
     single_device,
 )
+from lightning_sink._lightning_compat.trainer_reads import trainer_read_hint, trainer_reads
 from lightning_sink._lightning_compat.trainer_settings import TrainerSettings, trainer_settings
 
 __all__ = [
     "recorded_step_counts",
     "check_before_resume",
     "TrainerSettings",
+    "trainer_read_hint",
+    "trainer_reads",
     "trainer_settings",
     "LoopOverrides",
     "install_loop_overrides",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType
@@ -24,6 +24,7 @@ __all__ = [
     "note_optimizer_step",
     "RecompiledFunction",
     "recompiled_functions",
+    "most_recompiled",
     "recompile_limit",
     "user_function_name",
     "compiled_graph_count",
@@ -91,6 +92,14 @@ def recompiled_functions() -> list[RecompiledFunction]:
             guard = f"{guard} (from: {source[0]})"
         found.append(RecompiledFunction(code, len(_debug_get_cache_entry_list(code)), guard))
     return found
+
+
+def most_recompiled(codes: Iterable[CodeType]) -> RecompiledFunction | None:
+    """Of the functions with these code objects, the one TorchDynamo holds the most compiled versions of, where it
+    recompiled any (``recompiled_functions``)."""
+    wanted = set(codes)
+    found = [function for function in recompiled_functions() if function.code in wanted]
+    return max(found, key=lambda function: function.versions, default=None)
 
 
 def recompile_limit() -> int:

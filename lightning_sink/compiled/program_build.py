@@ -1,12 +1,14 @@
 """``build_step_programs``: the module, optimizer and batch checked (a module or optimizer the programs cannot run is
 ``Unavailable``; a placement that cannot work raises ``ValueError``, as a wrong setting does when its
-``ProgramSettings`` is made), the ``StepPrograms`` assembled, the length of a call decided where the
+``ProgramSettings`` is made; a step that depends on Python state the host changes is ``Unavailable``:
+``host_dependence.py``), the ``StepPrograms`` assembled, the length of a call decided where the
 caller left it to the build, and the programs compiled (and on CUDA captured) before the first call (with calls of
 several their loop, the one-micro-step pair when first needed: ``StepPrograms.build_pair``); a failure to compile is
 ``Unavailable`` too, nothing of the run changed."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -14,6 +16,7 @@ from torch import Tensor, nn
 
 from lightning_sink.compiled.call_length import default_micro_steps, longest_call
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
+from lightning_sink.compiled.host_dependence import host_dependence
 from lightning_sink.compiled.optimizer_rules import OptimizerRule, optimizer_rule
 from lightning_sink.compiled.program_settings import ProgramSettings
 from lightning_sink.compiled.step_programs import StepPrograms
@@ -63,6 +66,10 @@ def build_step_programs(
     try:
         if data is not None:  # an example to compile with: the first row of the buffer (all zeros: sample 0)
             data[1].cursor.zero_()
+        reason = host_dependence(module, partial(programs.eager_run, example_batch), settings.trainer_reads)
+        if reason is not None:
+            rule.discard_created()
+            return Unavailable(reason)
         if settings.chooses_call_length:
             _choose_call_length(programs, example_batch, settings.accumulation_steps, data, settings.loader_call)
             _compile_or_one_per_call(programs, example_batch)

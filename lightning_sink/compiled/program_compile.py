@@ -10,6 +10,7 @@ import itertools
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import CodeType
 from typing import Any
 
 import torch
@@ -25,7 +26,7 @@ from lightning_sink._torch_compat import (
     tree_map,
 )
 from lightning_sink.compiled.forward_compile import RANDOM_AS_EAGER
-from lightning_sink.compiled.saved_loop import SavedLoop
+from lightning_sink.compiled.saved_loop import SavedLoop, saved_loops_on
 from lightning_sink.compiled.traced_programs import TracedPrograms
 
 __all__ = ["BuildWithoutRunning", "CompiledPrograms", "compile_options", "compiled", "inductor_options"]
@@ -72,10 +73,15 @@ def _own_code(method: Any) -> Callable[..., Any]:
     return types.MethodType(copy, method.__self__)
 
 
-def compiled(program: Any, backend: str | BuildWithoutRunning, options: dict[str, Any] | None) -> Callable[..., Any]:
+def compiled(
+    program: Any, backend: str | BuildWithoutRunning, options: dict[str, Any] | None, codes: list[CodeType]
+) -> Callable[..., Any]:
     """``program`` (a bound method) compiled as one whole graph, for the shapes of its first call (``options``:
-    Inductor's, for ``backend="inductor"``; a ``BuildWithoutRunning`` holds its own)."""
-    return torch.compile(_own_code(program), fullgraph=True, backend=backend, dynamic=False, options=options)
+    Inductor's, for ``backend="inductor"``; a ``BuildWithoutRunning`` holds its own); its own code object added to
+    ``codes``."""
+    own = _own_code(program)
+    codes.append(own.__code__)
+    return torch.compile(own, fullgraph=True, backend=backend, dynamic=False, options=options)
 
 
 class BuildWithoutRunning:
@@ -122,8 +128,8 @@ class CompiledPrograms:
     update programs, the update in two parts (the eager route of the sum across processes: the all-reduce between
     them) and the call of several. ``quiet``: built without running (``BuildWithoutRunning``), for programs with a
     sum across processes traced in. ``one_loop_graph``: every call of two windows or more, whatever their number,
-    runs one compiled graph of the loop, which on a CPU with Inductor is kept on disk for later fits (``saved``:
-    ``saved_loop.py``)."""
+    runs one compiled graph of the loop, which on a CPU with Inductor can be kept on disk for later fits (``saved``:
+    ``saved_loop.py``; off by default)."""
 
     def __init__(self, traced: TracedPrograms, backend: str, device: torch.device, quiet: bool) -> None:
         options = compile_options(backend, device)
@@ -132,17 +138,18 @@ class CompiledPrograms:
             let_loops_order_random_draws()
         self._quiet = BuildWithoutRunning(backend, options) if quiet else None
         compiler, options = (backend, options) if self._quiet is None else (self._quiet, None)
-        self.accumulate = compiled(traced.accumulate_program, compiler, options)
-        self.update = compiled(traced.update_program, compiler, options)
-        self.update_sum = compiled(traced.update_sum_program, compiler, options)
-        self.update_apply = compiled(traced.update_apply_program, compiler, options)
-        several = compiled(traced.several_program, compiler, options)
+        self.codes: list[CodeType] = []  # each program's own code object: TorchDynamo's versions are kept per code
+        self.accumulate = compiled(traced.accumulate_program, compiler, options, self.codes)
+        self.update = compiled(traced.update_program, compiler, options, self.codes)
+        self.update_sum = compiled(traced.update_sum_program, compiler, options, self.codes)
+        self.update_apply = compiled(traced.update_apply_program, compiler, options, self.codes)
+        several = compiled(traced.several_program, compiler, options, self.codes)
         # (built without running, a program returns placeholders of its outputs' shapes, which must be known; and a
         # loop with an open size has been measured on CPUs only: elsewhere each length is built as a graph of its own)
         self.one_loop_graph = self._quiet is None and device.type == "cpu"
         self.several = _windows_may_vary(several) if self.one_loop_graph else several
         self.saved: SavedLoop | None = None  # the loop kept on disk for later fits (saved_loop.py)
-        if self.one_loop_graph and backend == "inductor":
+        if self.one_loop_graph and backend == "inductor" and saved_loops_on():
             self.saved = SavedLoop(traced.several_program, options, self.several, _mark_windows)
             self.several = self.saved
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from lightning_sink.compiled.autocast_region import AutocastRegion
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
+from lightning_sink.compiled.host_dependence import TrainerReads
 from lightning_sink.compiled.rank_sum import RankSum
 from lightning_sink.loss_scale import DynamicLossScale, FixedLossScale, LossScaler
 
@@ -40,6 +41,8 @@ class ProgramSettings:
             window's sum in fp32); None: the module's own dtypes.
         rank_sum: under DDP, how the update program sums the window across the processes (``RankSum``); every
             rank builds its programs with the same one. None: one process.
+        trainer_reads: with a Lightning trainer, a context listing the trainer attributes the step reads that
+            change while the fit runs (``host_dependence.py``: any of them refuses the programs); None: none.
     """
 
     loss_scale: DynamicLossScale | FixedLossScale | LossScaler | None = None
@@ -53,6 +56,7 @@ class ProgramSettings:
     loader_call: int | None = None
     autocast: AutocastRegion | None = None
     rank_sum: RankSum | None = None
+    trainer_reads: TrainerReads | None = None
 
     def __post_init__(self) -> None:
         self._check_clipping_and_precision()

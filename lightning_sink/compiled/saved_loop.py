@@ -2,6 +2,12 @@
 loads the compiled loop instead of tracing it again, which is most of an identical build's time (TorchDynamo's
 trace and reading the graph back from Inductor's caches).
 
+**Off unless ``LIGHTNING_SINK_SAVED_LOOP=1`` is set** (``saved_loops_on``): fits that differed from the saving one
+loaded the saved loop and trained the wrong model without a word, where the checks below did not see what changed: a
+module-level constant or dict entry the step reads, an enum attribute, a function replaced in a module, a forward
+hook registered, an attribute a callback changed between sinks (``benchmarks/README.md``, "The saved loop off by
+default"). Until every such change refuses the load, the loop is compiled as usual, from Inductor's caches.
+
 The loops are kept in ``lightning_sink_loops/`` of Inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``), each a
 program in torch's format (``aot_compile``; a pickle, as Inductor's own cache entries are, so that folder must be as
 private as Inductor's) and an entry (``loop_store.py``: read bounded, the program's SHA-256 checked). A saved loop
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import os
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -54,9 +61,17 @@ from lightning_sink.compiled.guard_identities import GuardIdentities, PathNotFol
 from lightning_sink.compiled.loop_store import FORMAT, LoopStore
 from lightning_sink.error_text import reason_of
 
-__all__ = ["LOOPS_FOLDER", "SavedLoop"]
+__all__ = ["LOOPS_FOLDER", "SAVED_LOOP_VARIABLE", "SavedLoop", "saved_loops_on"]
 
 LOOPS_FOLDER = "lightning_sink_loops"
+SAVED_LOOP_VARIABLE = "LIGHTNING_SINK_SAVED_LOOP"
+
+
+def saved_loops_on() -> bool:
+    """Whether loops are saved and loaded: only where ``LIGHTNING_SINK_SAVED_LOOP=1`` (module docstring: why)."""
+    return os.environ.get(SAVED_LOOP_VARIABLE) == "1"
+
+
 _ARGUMENTS = ("self", "state", "call")
 
 

@@ -48,7 +48,6 @@ from lightning_sink.compiled.program_compile import CompiledPrograms
 from lightning_sink.compiled.program_results import ProgramUnavailable, StackedRows, StepOutputs
 from lightning_sink.compiled.program_state import HyperTable, ProgramWindow, clone_tree, several_call
 from lightning_sink.compiled.rank_sum import RankSum
-from lightning_sink.compiled.saved_loop import SavedLoop
 from lightning_sink.compiled.scale_rule import scaler_tensors
 from lightning_sink.compiled.step_gradients import StepGradients, untrained_tensors
 from lightning_sink.compiled.traced_programs import TracedPrograms
@@ -107,14 +106,9 @@ class StepPrograms:
         self._state = self._initial_state(data)
         # a sum across processes traced into the programs: built without running them (no collective in the build)
         quiet = self.rank_sum is not None and self.rank_sum.group is not None
-        self._compiled = CompiledPrograms(self._traced, backend, device, quiet)
+        self.compiled = CompiledPrograms(self._traced, backend, device, quiet)  # (its loop kept on disk: ``saved``)
         self.compile_seconds: dict[str, float] = {}
         self.captured: dict[str, CapturedProgram] = {}
-
-    @property
-    def saved_loop(self) -> SavedLoop | None:
-        """The loop kept on disk for later fits (``saved_loop.py``: what became of it at the build), or None."""
-        return self._compiled.saved
 
     @property
     def several(self) -> tuple[int, int] | None:
@@ -165,7 +159,7 @@ class StepPrograms:
         if captured is not None:
             return captured(batch)
         with self._running():
-            return (self._compiled.accumulate if name == "accumulate" else self._compiled.update)(self._state, batch)
+            return (self.compiled.accumulate if name == "accumulate" else self.compiled.update)(self._state, batch)
 
     def accumulate(self, batch: Any = None) -> StepOutputs:
         """Run a micro-batch that does not end its window (``None``: the staged dataset's next one)."""
@@ -183,9 +177,9 @@ class StepPrograms:
         if self._sums_eagerly():
             assert self.rank_sum is not None and self.rank_sum.all_reduce is not None  # (what _sums_eagerly says)
             with self._running():
-                loss, values, side, flat = self._compiled.update_sum(self._state, batch)
+                loss, values, side, flat = self.compiled.update_sum(self._state, batch)
                 self.rank_sum.all_reduce(flat)
-                found_inf = self._compiled.update_apply(self._state, flat)
+                found_inf = self.compiled.update_apply(self._state, flat)
         else:
             loss, values, side, found_inf = self._call("update", batch)
         note_optimizer_step(self.rule.optimizer)
@@ -215,14 +209,14 @@ class StepPrograms:
         self.rule.refresh()
         self._hyper.fill(hyperparameters, count // self.several[1])
         if self._side is None:
-            self._side = self._eager_run(batches[0] if batches is not None else None)[-1]
+            self._side = self.eager_run(batches[0] if batches is not None else None)[-1]
         call = self._several_call(count, batches)
         captured = self.captured.get(_several_name(count, self.call_lengths))
         if captured is not None:
             stacked = captured(call)
         else:
             with self._running():
-                stacked = self._compiled.several(self._state, call)
+                stacked = self.compiled.several(self._state, call)
         note_optimizer_step(self.rule.optimizer)
         positions = [StackedRows(output) for output in stacked]  # a window's positions, each stacked over the windows
         return [
@@ -260,7 +254,7 @@ class StepPrograms:
         self._traced.several, self._shorter, self._side = None, None, None
         self.call_note = note
 
-    def _eager_run(self, example_batch: Any) -> Any:
+    def eager_run(self, example_batch: Any) -> Any:
         """The accumulate program run once eagerly on copies of the state (nothing of the run changes)."""
         with torch.random.fork_rng(devices=self._rng_devices), self._running():
             return self._traced.accumulate_program(clone_tree(self._state), clone_tree(example_batch))
@@ -273,9 +267,9 @@ class StepPrograms:
 
     def micro_step_flops(self, example_batch: Any) -> float:
         """The FLOPs of one micro-step's matrix multiplies and convolutions (forward and backward), counted in one
-        eager run of the accumulate program (``_eager_run``)."""
+        eager run of the accumulate program (``eager_run``)."""
         with FlopCounterMode(display=False) as counter:
-            self._eager_run(example_batch)
+            self.eager_run(example_batch)
         return float(counter.get_total_flops())
 
     def step_seconds(self, example_batch: Any, accumulation_steps: int) -> tuple[float, float] | None:
@@ -309,10 +303,10 @@ class StepPrograms:
             ) / steps
             if self.several is not None:
                 shortest = self.call_lengths[-1]  # (a call's run is the step's time: the longest would run a sink)
-                compiled = timed(self._compiled.several, self._example_call(shortest, batch)) / shortest
+                compiled = timed(self.compiled.several, self._example_call(shortest, batch)) / shortest
             else:
                 compiled = (
-                    (steps - 1) * timed(self._compiled.accumulate, batch) + timed(self._compiled.update, batch)
+                    (steps - 1) * timed(self.compiled.accumulate, batch) + timed(self.compiled.update, batch)
                 ) / steps
         return eager, compiled
 
@@ -321,14 +315,14 @@ class StepPrograms:
         return self.rank_sum is not None and self.rank_sum.all_reduce is not None
 
     def _pair_programs(self) -> list[_Program]:
-        programs: list[_Program] = [("accumulate", self._compiled.accumulate, lambda example: example)]
+        programs: list[_Program] = [("accumulate", self.compiled.accumulate, lambda example: example)]
         if self._sums_eagerly():
             size = sum(param.numel() for param in self.params)
             flat = torch.zeros(size, dtype=torch.float32, device=self.params[0].device)
-            programs.append(("update_sum", self._compiled.update_sum, lambda example: example))
-            programs.append(("update_apply", self._compiled.update_apply, lambda example: flat))
+            programs.append(("update_sum", self.compiled.update_sum, lambda example: example))
+            programs.append(("update_apply", self.compiled.update_apply, lambda example: flat))
         else:
-            programs.append(("update", self._compiled.update, lambda example: example))
+            programs.append(("update", self.compiled.update, lambda example: example))
         return programs
 
     def _several_programs(self) -> list[_Program]:
@@ -337,10 +331,10 @@ class StepPrograms:
         of the state, would take as long as a whole sink only to find its graph built)."""
         lengths = self.call_lengths
         accumulation = self.several[1] if self.several is not None else 1
-        if self._compiled.one_loop_graph and len(lengths) == 2 and lengths[1] > accumulation:
+        if self.compiled.one_loop_graph and len(lengths) == 2 and lengths[1] > accumulation:
             lengths = lengths[1:]
         return [
-            (_several_name(count, self.call_lengths), self._compiled.several, partial(self._example_call, count))
+            (_several_name(count, self.call_lengths), self.compiled.several, partial(self._example_call, count))
             for count in lengths
         ]
 
@@ -361,7 +355,7 @@ class StepPrograms:
             self._compile(self._pair_programs(), example_batch)
             return
         if self._side is None:
-            self._side = self._eager_run(example_batch)[-1]
+            self._side = self.eager_run(example_batch)[-1]
         self._compile(self._several_programs(), example_batch)
         self._pair_pending, self._pair_example = True, clone_tree(example_batch)
 
@@ -382,7 +376,7 @@ class StepPrograms:
             state = clone_tree(self._state)
             if state["data"] is not None:
                 state["data"]["cursor"].zero_()  # (staged: the copy reads its batch from the first row, always filled)
-            with torch.random.fork_rng(devices=devices), self._running(), self._compiled.building():
+            with torch.random.fork_rng(devices=devices), self._running(), self.compiled.building():
                 program(state, clone_tree(batch_of(example)))
             if devices:
                 torch.cuda.synchronize(devices[0])

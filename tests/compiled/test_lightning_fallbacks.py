@@ -7,10 +7,12 @@ build, and the eager run's numbers)."""
 
 from __future__ import annotations
 
+import random
 import warnings
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -54,6 +56,72 @@ class HostReadNet(Net):
         return loss if loss.item() > 0 else -loss  # a host read: the step cannot be one graph
 
 
+class GlobalStepNet(Net):
+    """A warm-up weight from ``self.global_step``, as a KL or auxiliary-loss warm-up is written."""
+
+    def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * min(1.0, (self.global_step + 1) / 3)
+
+
+class EpochNet(Net):
+    def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) / (1 + self.current_epoch)
+
+
+class LearningRateNet(Net):
+    """Logs the scheduler's learning rate from ``training_step``."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__(optimizer, step_lr=0.9)
+
+    def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
+        self.log("lr", self.lr_schedulers().get_last_lr()[0])
+        return super().training_step(batch, batch_idx)
+
+
+class OptimizerLearningRateNet(Net):
+    def __init__(self, optimizer: str) -> None:
+        super().__init__(optimizer, step_lr=0.9)
+
+    def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * self.optimizers().param_groups[0]["lr"] * 100
+
+
+class CounterNet(Net):
+    def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
+        self.calls = getattr(self, "calls", 0) + 1
+        return super().training_step(batch, batch_idx)
+
+
+class KeptLossesNet(Net):
+    def __init__(self, optimizer: str) -> None:
+        super().__init__(optimizer)
+        self.losses: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(loss.detach())
+        return loss
+
+
+class PythonRandomNet(Net):
+    def __init__(self, optimizer: str) -> None:
+        super().__init__(optimizer)
+        random.seed(0)
+
+    def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * (0.5 + random.random())
+
+
+class NumpyRandomNet(Net):
+    def __init__(self, optimizer: str) -> None:
+        super().__init__(optimizer)
+        numpy.random.seed(0)
+
+    def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * float(0.5 + numpy.random.rand())
+
+
 class AfterBackward(Callback):
     def on_after_backward(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
         pass
@@ -68,13 +136,22 @@ CASES: dict[str, tuple[type[Net], dict[str, Any], str]] = {
     "graph break": (HostReadNet, {}, "training_step did not compile to one graph"),
     "half precision": (Net, {"precision": "bf16-true"}, "runs training_step in a context other than autocast"),
     "profiler": (Net, {"profiler": "simple"}, "Lightning's hooks are dispatched here (a profiler records them"),
+    # Python state the host changes as the fit runs: a compiled call of several micro-batches would keep one value
+    "global_step": (GlobalStepNet, {}, "reads self.global_step (the trainer's global_step), which changes"),
+    "current_epoch": (EpochNet, {}, "reads self.current_epoch (the trainer's current_epoch)"),
+    "scheduler read": (LearningRateNet, {}, "reads self.lr_schedulers() (the trainer's lr_scheduler_configs)"),
+    "optimizer read": (OptimizerLearningRateNet, {}, "reads self.optimizers() or self.trainer.strategy"),
+    "counter": (CounterNet, {}, "training_step changes self.calls (absent -> 1) at each call"),
+    "kept list": (KeptLossesNet, {}, "training_step changes self.losses (a list of 0 -> a list of 1)"),
+    "python random": (PythonRandomNet, {}, "training_step draws from Python's random module"),
+    "numpy random": (NumpyRandomNet, {}, "training_step draws from NumPy's global random generator"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_reason_is_one_line_and_the_fit_is_the_eager_one(case):
     module_class, trainer_kwargs, says = CASES[case]
-    params = {}
+    params, kept = {}, {}
     for graph_mode in ("eager", "compile"):
         model = module_class("adamw")
         trainer = trainer_for(graph_mode, 3, 7, 2, **dict(trainer_kwargs))
@@ -83,6 +160,8 @@ def test_each_reason_is_one_line_and_the_fit_is_the_eager_one(case):
             trainer.fit(model, loader(dataset()))
         lines = [str(w.message) for w in caught if "no whole-step programs" in str(w.message)]
         params[graph_mode] = flat(model.net)
+        kept[graph_mode] = (getattr(model, "calls", None), len(getattr(model, "losses", [])))
+    assert kept["compile"] == kept["eager"]  # (the side effects as often as the eager step makes them)
     assert len(lines) == 1 and "\n" not in lines[0], lines
     assert lines[0].startswith("SinkStrategy(graph_mode='compile'): no whole-step programs, the forward-compiled")
     assert says in lines[0]
@@ -90,6 +169,34 @@ def test_each_reason_is_one_line_and_the_fit_is_the_eager_one(case):
     assert trainer.global_step == 4
     tolerance = 1e-2 if trainer_kwargs.get("precision") == "bf16-true" else 1e-5  # bf16 rounding: the forward runs
     assert relative_error(params["compile"], params["eager"]) <= tolerance  # through dynamo's graphs under "compile"
+
+
+class CurriculumNet(Net):
+    """A loss weight a hook sets at each epoch's start (a curriculum): the same during a sink, new at the next."""
+
+    alpha = 0.0
+
+    def on_train_epoch_start(self) -> None:
+        self.alpha = 0.1 * self.current_epoch
+
+    def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
+        return super().training_step(batch, batch_idx) * (1 + self.alpha)
+
+
+def test_a_value_a_hook_changes_at_every_sink_hands_over_to_the_eager_pair_before_torchdynamos_limit():
+    # each new alpha is a new program version; at TorchDynamo's limit a program compiled whole would stop the fit
+    params, lines = {}, []
+    for graph_mode in ("eager", "compile"):
+        model = CurriculumNet("adamw")
+        trainer = trainer_for(graph_mode, 1, 4, 12)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model, loader(dataset()))
+        lines = [str(w.message) for w in caught if "no whole-step programs" in str(w.message)]
+        params[graph_mode] = flat(model.net)
+    assert trainer.global_step == 48
+    assert len(lines) == 1 and "TorchDynamo compiled the programs again" in lines[0] and "alpha" in lines[0], lines
+    assert relative_error(params["compile"], params["eager"]) <= 1e-5
 
 
 class UnfreezeAtEpoch(Callback):

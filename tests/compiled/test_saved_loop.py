@@ -1,7 +1,8 @@
-"""The loop over windows kept on disk (``compiled/saved_loop.py``): a second identical fit in a new process loads
-it instead of tracing it and trains exactly as a fit that compiled it as usual (saving off); a fit that differs in
-what the trace relied on (a dropout's ``p``, an edited ``training_step``) or finds a damaged file builds again and
-trains as its own code says. Each fit is a fresh Python process, as a user's next run is."""
+"""The loop over windows kept on disk (``compiled/saved_loop.py``, on with ``LIGHTNING_SINK_SAVED_LOOP=1`` only): a
+second identical fit in a new process loads it instead of tracing it and trains exactly as a fit that compiled it as
+usual (saving off); a fit that differs in what the trace relied on (a dropout's ``p``, an edited ``training_step``)
+or finds a damaged file builds again and trains as its own code says. Each fit is a fresh Python process, as a
+user's next run is."""
 
 from __future__ import annotations
 
@@ -85,7 +86,13 @@ class Fits:
         self.count += 1
         out = self.folder / f"fit{self.count}.pt"
         path = os.pathsep.join([str(self.folder), str(Path.cwd())])
-        environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(self.cache), "PYTHONPATH": path, **env}
+        environment = {
+            **os.environ,
+            "TORCHINDUCTOR_CACHE_DIR": str(self.cache),
+            "PYTHONPATH": path,
+            "LIGHTNING_SINK_SAVED_LOOP": "1",  # (off by default: saved_loop.py says why)
+            **env,
+        }
         done = subprocess.run(
             [sys.executable, str(self.folder / "fit.py"), str(out), str(p), change],
             env=environment,
@@ -134,6 +141,16 @@ def test_a_second_identical_fit_loads_the_saved_loop_and_trains_as_the_usual_bui
     (start,) = [line for line in fits.output if "the first sink compiles the step programs of Net" in line]
     assert "kept its loop on disk" in start, start
     assert not [line for line in fits.output if "too short to repay" in line and "the last build" in line]
+
+
+@pytest.mark.slow
+def test_by_default_no_loop_is_saved_or_loaded(tmp_path: Path):
+    # (off by default: fits that differed from the saving one loaded its loop where the checks did not see the change)
+    fits = Fits(tmp_path)
+    for _ in range(2):
+        line, _ = fits.run(LIGHTNING_SINK_SAVED_LOOP="")
+        assert "saved" not in line and "loaded" not in line, line
+    assert not (fits.cache / "lightning_sink_loops").exists()
 
 
 @pytest.mark.slow

@@ -8,16 +8,14 @@ compiled pair (``CompiledAccumulate`` / ``CompiledUpdate``) or, when the program
 once, at the fit's first segment, before anything of the run changed: the run's own reasons (the model-parallel
 strategy, "cuda_graph" under DDP, hooks that run between forward and update, a precision context other than
 autocast) first, then ``build_step_programs``'s (the optimizer, the module's hook overrides and registered hooks, a
-``training_step`` that is not one graph). The programs are built then, over the segment's first micro-batch, which
-the loop reads ahead for the build and trains first (a program never builds). The fit logs one line either way: the
-programs compiled, or why not and what to change.
+``training_step`` that is not one graph or depends on host state). The programs are built then, over the segment's
+first micro-batch, which the loop reads ahead and trains first (a program never builds). The fit logs one line either
+way: the programs compiled, or why not and what to change. Later segments check they still apply (the optimizer's
+flags and trainable parameters, and a step TorchDynamo compiled again and again for a changing Python value).
 
-With the training data staged on the device (``sink/staging.py``) the build needs no example batch (the programs
-gather their own from the staged dataset), and ``choose`` tells the
-staged data per sink whether the programs it returns gather (``StagedData.gathering``).
-
-The open window across sinks: the programs keep its fp32 sum in their own buffers during a sink, the window's store
-between sinks (``sink/programs/window_handover.py``).
+With staged training data (``sink/staging.py``) the build needs no example batch, and ``choose`` tells the staged
+data per sink whether its programs gather (``StagedData.gathering``). The open window across sinks: its fp32 sum is
+in the programs' buffers during a sink, in the window's store between sinks (``sink/programs/window_handover.py``).
 
 With ``micro_steps_per_call=M`` (> 1) the programs are built with one compiled program of M micro-steps as well
 (whole windows, ``StepPrograms.run_several``) where M is a multiple of the accumulation (and, staged, no more than a
@@ -42,7 +40,8 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
-from lightning_sink._torch_compat import inductor_cache_counts
+from lightning_sink._lightning_compat import trainer_reads
+from lightning_sink._torch_compat import inductor_cache_counts, most_recompiled, recompile_limit
 from lightning_sink.accumulation import unique_trainable
 from lightning_sink.compiled import (
     AutocastRegion,
@@ -73,9 +72,8 @@ __all__ = [
     "compiled_choice",
 ]
 
-# torch.compile's backend for the programs. "inductor" generates fused kernels (the point of compiling); the tests
-# set "aot_eager" (the same graphs run by eager kernels, much faster to build) where compile time is not what they
-# check.
+# torch.compile's backend for the programs: "inductor" generates fused kernels (the point of compiling); the tests
+# set "aot_eager" (eager kernels, much faster to build) where compile time is not what they check.
 COMPILE_BACKEND = "inductor"
 
 # Under DDP, how the update program of one micro-step per call sums the window across the processes: "eager" (the
@@ -104,20 +102,16 @@ class CompiledProgramChooser:
         """``loader_limit``: from a loader, the sink's micro-batches (None: unknown) and the device-data budget in
         bytes, which bound a call longer than the default's (``call_length.loader_call``); ``survivors``: what
         keeps the build's objects out of later full collections until the fit's end (the fit releases it)."""
-        self.engine = engine
+        self.engine, self.graph_mode = engine, graph_mode
         self._survivors = survivors if survivors is not None else BuildSurvivors()
-        self.graph_mode = graph_mode
         # the training data staged on the device (then the programs are built at the first sink's start and gather
         # their own batches), or why it is not (said in the fit's line on the programs)
         self.staging = staging if isinstance(staging, StagedData) else None
         self._not_staged = staging.reason if isinstance(staging, Unavailable) else None
-        self.micro_steps_per_call = micro_steps_per_call
-        self._loader_limit = loader_limit
+        self.micro_steps_per_call, self._loader_limit = micro_steps_per_call, loader_limit
         self.programs: StepPrograms | None = None
         self._handover: WindowHandover | None = None  # the open window's sum between the store and the programs
-        # whether the one-micro-step pair is known built (on every process): until then a segment that needs it
-        # builds it first (``_with_pair``)
-        self._pair_agreed = False
+        self._pair_agreed = False  # the one-micro-step pair known built on every process (until then: _with_pair)
         self.reason: str | None = None  # why there are no programs (then the eager pair runs)
         self._trainable: tuple[int, ...] = ()  # the parameters the programs were built over
         self.autocast: AutocastRegion | None = None  # the precision plugin's autocast, built into the forward
@@ -221,7 +215,15 @@ class CompiledProgramChooser:
             self.engine.refresh_store()  # as the direct pair does at a sink's first window start
         if self._trainable_key() != self._trainable:
             return "the optimizer's trainable parameters changed (a parameter unfrozen or a param group added)"
-        return None
+        # a Python value the step reads that a hook changes between segments makes TorchDynamo compile again (exact, a
+        # build each time; past its limit a whole-graph program stops with an error): with one version left, no more
+        again = most_recompiled(self.programs.compiled.codes)
+        if again is None or again.versions < recompile_limit() - 1:
+            return None
+        return (
+            f"TorchDynamo compiled the programs again {again.versions - 1} times for a Python value that changed"
+            f" ({again.last_guard_failure}); keep such a value in a tensor buffer of the module to keep them"
+        )
 
     def _trainable_key(self) -> tuple[int, ...]:
         params = [p for group in self.engine.optimizer().param_groups for p in group["params"]]
@@ -256,7 +258,7 @@ class CompiledProgramChooser:
         if clip_val is not None:
             parts.append(f"{algorithm} clipping")
         seconds = time.perf_counter() - start
-        saved = built.saved_loop
+        saved = built.compiled.saved
         eager, compiled = built.step_seconds(batch, engine.accumulation_steps) or (None, None)
         figures = BuildFigures(seconds, eager, compiled, loop_kept=saved is not None and saved.kept)
         cached = cache_note(cache_before, inductor_cache_counts())
@@ -287,6 +289,7 @@ class CompiledProgramChooser:
                 micro_steps_per_call=several,
                 accumulation_steps=engine.accumulation_steps if several != 1 else 1,
                 loader_call=None if data is not None else loader_call(batch, *self._loader_limit),
+                trainer_reads=partial(trainer_reads, trainer.lightning_module),
             ),
         )
         return agreed_build(trainer.strategy, built) if engine.host.world_size > 1 else built
