@@ -97,6 +97,19 @@ def pass_length(loader: Any) -> int | None:
         return None
 
 
+def whole_batches_in_pass(loader: Any, length: int | None) -> int | None:
+    """Of a data pass of ``length`` batches, how many come before a partial last one (a ``DataLoader`` that keeps
+    the remainder of its samples as a smaller batch: ``drop_last=False``), where that is known; else ``length``."""
+    batch_size = getattr(loader, "batch_size", None)
+    if length is None or not isinstance(loader, DataLoader) or batch_size is None or loader.drop_last:
+        return length
+    try:
+        partial = len(_index_sampler(loader)) % batch_size != 0 and length == len(loader)
+    except (TypeError, NotImplementedError):
+        return length
+    return length - 1 if partial else length
+
+
 def _index_sampler(loader: DataLoader) -> Any:
     """What decides the order of a ``DataLoader``'s indices: its sampler, or a custom batch sampler."""
     batch_sampler = loader.batch_sampler

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.compiled import Unavailable
-from lightning_sink.data import DataPosition
+from lightning_sink.data import DataPosition, whole_batches_in_pass
 from lightning_sink.device_prefetch import CudaBatchCopier
 from lightning_sink.sink.logging import SinkLogBuffer
 from lightning_sink.sink.loop import MaxTimeRule, SinkLoop, SinkLoopHooks
@@ -79,7 +79,8 @@ class SinkWiring:
         pass_length = sized_len(loader)
         position.sink_mode = True
         points = schedule_points(trainer, settings.val_check_interval, pass_length, sink_size)
-        schedule = SinkSchedule(points, sink_size, settings.accumulation_steps, pass_length)
+        whole = whole_batches_in_pass(loader, pass_length)
+        schedule = SinkSchedule(points, sink_size, settings.accumulation_steps, pass_length, whole)
         self._progress = SinkProgress.install(
             trainer, epoch_micro_batches(sink_size, pass_length), lambda: position.trained_in_sink
         )

@@ -327,15 +327,16 @@ class SinkLoop:
     ) -> bool:
         """Whether the next ``several.count`` micro-batches may run in one call: the segment (whose end is a point
         of the schedule: validation, a checkpoint, the sink's end), the data pass (whose end is read from the stream
-        only after its last batch was trained) and ``max_steps`` (``updates_left``; None: no limit) all leave room
-        for them, and the programs say the call is exact."""
+        only after its last batch was trained; a partial last batch, of another shape than the call's, is trained
+        apart) and ``max_steps`` (``updates_left``; None: no limit) all leave room for them, and the programs say
+        the call is exact."""
         count = several.count
         if left_in_segment < count:
             return False
         if updates_left is not None and updates_left < count // self._engine.accumulation_steps:
             return False
-        pass_length = self._schedule.pass_length
-        if pass_length is None or pass_length - trained_in_pass < count:
+        whole = self._schedule.whole_in_pass
+        if whole is None or whole - trained_in_pass < count:
             return False
         return several.ready()
 

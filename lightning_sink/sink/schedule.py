@@ -83,12 +83,19 @@ class SinkSchedule:
     """Plans each segment of a sink from where the data and the window stand (pure arithmetic on counts)."""
 
     def __init__(
-        self, points: SchedulePoints, sink_size: int, accumulation_steps: int, pass_length: int | None
+        self,
+        points: SchedulePoints,
+        sink_size: int,
+        accumulation_steps: int,
+        pass_length: int | None,
+        whole_in_pass: int | None = None,
     ) -> None:
+        """``whole_in_pass``: the pass's batches before a partial last one (None: ``pass_length``, none partial)."""
         self.points = points
         self.sink_size = sink_size
         self.accumulation_steps = accumulation_steps
         self.pass_length = pass_length
+        self.whole_in_pass = pass_length if whole_in_pass is None else whole_in_pass
 
     def next_segment(
         self, trained_in_sink: int, trained_in_pass: int, pass_index: int, trained_total: int, in_window: int, step: int

@@ -132,7 +132,8 @@ def plan_staging(
         return Unavailable(
             f"the dataset's tensors take {size} bytes, over device_data_budget={budget}: raise the budget to stage it"
         )
-    capacity = min(batches, sink_size) if sink_size > 0 else batches
+    whole = max(1, batches - partial)  # (a call of several gathers whole batches: the partial one is read apart)
+    capacity = min(whole, sink_size) if sink_size > 0 else whole
     return StagedData(loader, position, device, budget, capacity, batches)
 
 
