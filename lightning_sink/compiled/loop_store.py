@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_sink.regular_file import read_regular
+
 __all__ = ["FORMAT", "MAX_ENTRY_BYTES", "MAX_PROGRAM_BYTES", "MAX_SAVED_LOOPS", "LoopStore", "StoredLoop"]
 
 FORMAT = 1
@@ -58,9 +60,8 @@ class LoopStore:
         if not isinstance(identities, list) or not _rows(identities, (str, str)):
             return None
         try:
-            with open(self.folder / f"{key}.program", "rb") as file:
-                program = file.read(size + 1)
-        except OSError:
+            program = read_regular(self.folder / f"{key}.program", size, "a saved loop")
+        except (OSError, ValueError):  # (unreadable, a link, a FIFO or device, or longer than its entry says)
             return None
         if len(program) != size or hashlib.sha256(program).hexdigest() != digest:
             return None
@@ -132,10 +133,8 @@ class LoopStore:
 
 def _read_json(path: Path, key: str) -> dict[str, Any] | None:
     """The JSON object at ``path`` where it is well formed, of this format and for ``key``; None otherwise."""
-    try:
-        with open(path, "rb") as file:
-            data = file.read(MAX_ENTRY_BYTES + 1)
-        entry = json.loads(data) if len(data) <= MAX_ENTRY_BYTES else None
+    try:  # (a link, a FIFO or device, or an entry over MAX_ENTRY_BYTES: ValueError, no entry)
+        entry = json.loads(read_regular(path, MAX_ENTRY_BYTES, "a saved loop's entry"))
     except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(entry, dict) or entry.get("format") != FORMAT or entry.get("key") != key:

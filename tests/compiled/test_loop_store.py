@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -56,15 +57,31 @@ DAMAGE = {
     "sources malformed": lambda folder: _set(folder / "k1.json", sources=[["net_module", "3", 9, "ab"]]),
     "identities malformed": lambda folder: _set(folder / "k1.json", identities=[["path"]]),
     "entry oversized": lambda folder: (folder / "k1.json").write_text(" " * (loop_store.MAX_ENTRY_BYTES + 1)),
+    "entry a FIFO": lambda folder: _replaced(folder / "k1.json", os.mkfifo),
+    "entry a link to a copy outside": lambda folder: _linked(folder / "k1.json"),
+    "program a link to a copy outside": lambda folder: _linked(folder / "k1.program"),
+    "program a FIFO": lambda folder: _replaced(folder / "k1.program", os.mkfifo),
 }
+
+
+def _replaced(path: Path, make: Callable[[Path], None]) -> None:
+    path.unlink()
+    make(path)
+
+
+def _linked(path: Path) -> None:
+    """``path`` a symbolic link to an identical copy outside the folder (nothing outside it is read)."""
+    outside = path.parent.parent / f"outside-{path.name}"
+    outside.write_bytes(path.read_bytes())
+    _replaced(path, lambda at: at.symlink_to(outside))
 
 
 @pytest.mark.parametrize("damage", sorted(DAMAGE))
 def test_a_damaged_or_foreign_file_reads_as_nothing(tmp_path: Path, damage: str):
-    store = LoopStore(tmp_path)
+    store = LoopStore(tmp_path / "loops")
     assert _save(store, "k1")
-    DAMAGE[damage](tmp_path)
-    assert store.load("k1") is None
+    DAMAGE[damage](tmp_path / "loops")
+    assert store.load("k1") is None  # (a FIFO answers at once: nothing blocks)
 
 
 def test_a_refusal_is_kept_until_the_loop_is_saved(tmp_path: Path):
