@@ -60,6 +60,12 @@ def settle_accumulation_steps(
             f"{from_trainer}): set one of them, or both to the same value."
         )
     steps = requested or from_trainer
+    if not automatic_optimization and sink_size is not None:
+        raise ValueError(
+            f"{strategy}(sink_size={sink_size}) runs automatic optimization's steps inside a sink, but this"
+            " LightningModule sets `automatic_optimization = False`, whose training_step steps the optimizer itself:"
+            " remove sink_size (manual optimization then runs as with Lightning's own strategy)."
+        )
     if not automatic_optimization and steps > 1:
         raise ValueError(
             f"{strategy}(accumulation_steps={steps}) accumulates for automatic optimization only, but this"

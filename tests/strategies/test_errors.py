@@ -50,6 +50,15 @@ def test_manual_optimization_with_accumulation_says_what_to_do():
         trainer.fit(ManualModule(), loader(make_dataset(), 4))
 
 
+def test_manual_optimization_with_sinks_says_what_to_do():
+    # (a sink would otherwise be ignored without a word: the epochs whole passes, not sinks)
+    trainer = quiet_trainer(strategy=SinkStrategy(sink_size=8), max_epochs=1)
+    with pytest.raises(
+        ValueError, match=r"SinkStrategy\(sink_size=8\).*automatic_optimization = False.*remove sink_size"
+    ):
+        trainer.fit(ManualModule(), loader(make_dataset(), 4))
+
+
 def test_manual_optimization_without_accumulation_runs_as_stock_lightning():
     model = ManualModule()
     before = [p.detach().clone() for p in model.parameters()]
