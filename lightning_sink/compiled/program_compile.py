@@ -74,13 +74,17 @@ def _own_code(method: Any) -> Callable[..., Any]:
 
 
 def compiled(
-    program: Any, backend: str | BuildWithoutRunning, options: dict[str, Any] | None, codes: list[CodeType]
+    program: Any,
+    backend: str | BuildWithoutRunning,
+    options: dict[str, Any] | None,
+    codes: list[CodeType] | None = None,
 ) -> Callable[..., Any]:
     """``program`` (a bound method) compiled as one whole graph, for the shapes of its first call (``options``:
     Inductor's, for ``backend="inductor"``; a ``BuildWithoutRunning`` holds its own); its own code object added to
     ``codes``."""
     own = _own_code(program)
-    codes.append(own.__code__)
+    if codes is not None:
+        codes.append(own.__code__)
     return torch.compile(own, fullgraph=True, backend=backend, dynamic=False, options=options)
 
 
