@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_sink import _torch_compat as compat
 from lightning_sink.compiled import Unavailable
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
-from lightning_sink.data import DataPosition, pass_length
+from lightning_sink.data import DataPosition, pass_length, whole_batches_in_pass
 from lightning_sink.indexed_batches import batch_reader, reads_by_indexing
 from lightning_sink.sink_data import PASS_END, MicroBatchStream
 
@@ -122,8 +122,9 @@ def plan_staging(
     batch_size = loader.batch_size
     if batches is None or batch_size is None:
         return Unavailable("the training loader has no length or no fixed batch size")
-    partial = not loader.drop_last and len(loader.batch_sampler.sampler) % batch_size != 0
-    if partial and graph_mode == "cuda_graph":
+    whole = whole_batches_in_pass(loader, batches)
+    assert whole is not None  # (batches is known)
+    if whole < batches and graph_mode == "cuda_graph":
         return Unavailable(
             "a data pass ends with a partial batch, which the captured programs cannot read: use drop_last=True"
         )
@@ -132,7 +133,7 @@ def plan_staging(
         return Unavailable(
             f"the dataset's tensors take {size} bytes, over device_data_budget={budget}: raise the budget to stage it"
         )
-    whole = max(1, batches - partial)  # (a call of several gathers whole batches: the partial one is read apart)
+    whole = max(1, whole)  # (a call of several gathers whole batches: a partial one is read apart)
     capacity = min(whole, sink_size) if sink_size > 0 else whole
     return StagedData(loader, position, device, budget, capacity, batches)
 

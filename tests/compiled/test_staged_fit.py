@@ -10,6 +10,7 @@ to build than Inductor's code). On the CPU "staged" copies nothing: the tensors 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -21,8 +22,11 @@ from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 import lightning_sink.sink.programs.compiled_choice as compiled_choice
 from lightning_sink import SinkStrategy
+from lightning_sink.compiled import Unavailable
 from lightning_sink.compiled.cuda_graphs import CapturedProgram
 from lightning_sink.compiled.device_dataset import SinkIndices
+from lightning_sink.data import DataPosition
+from lightning_sink.sink.staging import StagingConditions, plan_staging
 from tests.compiled.test_lightning_fit import quick_backend  # noqa: F401  (the fixture: aot_eager, a fresh TorchDynamo per test)
 from tests.helpers import RecordingLogger, quiet_trainer
 
@@ -276,3 +280,14 @@ def test_on_cuda_a_whole_staged_sink_replays_as_one_cuda_graph(monkeypatch):
     assert replays == [16, 2]  # (sink mode: an epoch is a sink) one replay per micro-batch, then one per sink
     for whole_sink, one_per_call in zip(models[8], models[1]):
         torch.testing.assert_close(whole_sink, one_per_call, rtol=1e-5, atol=1e-6)
+
+
+def test_captured_programs_refuse_a_pass_that_ends_with_a_partial_batch():
+    # (CUDA graphs read one batch shape; the check itself needs no CUDA device)
+    conditions = StagingConditions("cuda_graph", 0, direct_transfer=True, converts_input=False)
+    plan = partial(
+        plan_staging, conditions=conditions, budget=2**40, position=DataPosition(), device=torch.device("cpu")
+    )
+    refused = plan(DataLoader(dataset(42), batch_size=MICRO), sink_size=7)
+    assert isinstance(refused, Unavailable) and "ends with a partial batch" in refused.reason
+    assert not isinstance(plan(DataLoader(dataset(42), batch_size=MICRO, drop_last=True), sink_size=7), Unavailable)
