@@ -69,7 +69,7 @@ def build_step_programs(
         reason = host_dependence(module, partial(programs.eager_run, example_batch), settings.trainer_reads)
         if reason is not None:
             rule.discard_created()
-            return Unavailable(reason)
+            return Unavailable(reason, host_state=True)
         if settings.chooses_call_length:
             _choose_call_length(programs, example_batch, settings.accumulation_steps, data, settings.loader_call)
             _compile_or_one_per_call(programs, example_batch)

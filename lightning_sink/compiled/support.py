@@ -26,8 +26,10 @@ _STEP_HOOKS = (
 class Unavailable:
     """No program: ``reason`` says why, in one line, and what to change; the caller runs the eager step."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, host_state: bool = False) -> None:
         self.reason = reason
+        # the step reads Python state the host changes: a compiled forward would compile again for each value too
+        self.host_state = host_state
 
     def __repr__(self) -> str:
         return f"Unavailable({self.reason!r})"

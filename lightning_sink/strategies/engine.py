@@ -221,6 +221,13 @@ class StepEngine:
     # Note: ``accumulate_step`` and ``update_step`` are reached through the strategy object, which exposes them so
     # that a wrapper placed on the strategy (counting host syncs, sync debug mode) sees every micro-batch.
 
+    def run_step_uncompiled(self) -> None:
+        """The module's own ``training_step`` from here on, not the graph mode's compiled one: for a step that reads
+        Python state the host changes, which a compiled forward would compile again for at each new value."""
+        module = self.host.lightning_module
+        assert module is not None
+        self._step_function = module.training_step
+
     def forward(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """The module's ``training_step``; without autograd when the window already overflowed."""
         skip_backward = self.window_already_overflowed()

@@ -148,6 +148,10 @@ CASES: dict[str, tuple[type[Net], dict[str, Any], str]] = {
 }
 
 
+HOST_STATE = ("global_step", "current_epoch", "scheduler read", "optimizer read", "counter", "kept list")
+HOST_STATE += ("python random", "numpy random")
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_each_reason_is_one_line_and_the_fit_is_the_eager_one(case):
     module_class, trainer_kwargs, says = CASES[case]
@@ -163,12 +167,32 @@ def test_each_reason_is_one_line_and_the_fit_is_the_eager_one(case):
         kept[graph_mode] = (getattr(model, "calls", None), len(getattr(model, "losses", [])))
     assert kept["compile"] == kept["eager"]  # (the side effects as often as the eager step makes them)
     assert len(lines) == 1 and "\n" not in lines[0], lines
-    assert lines[0].startswith("SinkStrategy(graph_mode='compile'): no whole-step programs, the forward-compiled")
+    # a step reading host state runs uncompiled: a compiled forward would compile again for each new value
+    path = "the module's own training_step, uncompiled" if case in HOST_STATE else "the forward-compiled"
+    assert lines[0].startswith(f"SinkStrategy(graph_mode='compile'): no whole-step programs, {path}")
     assert says in lines[0]
     assert "graph_mode='eager'" in lines[0] or "run without" in lines[0]  # what to change
     assert trainer.global_step == 4
     tolerance = 1e-2 if trainer_kwargs.get("precision") == "bf16-true" else 1e-5  # bf16 rounding: the forward runs
     assert relative_error(params["compile"], params["eager"]) <= tolerance  # through dynamo's graphs under "compile"
+
+
+def test_a_step_reading_host_state_falls_back_to_its_own_uncompiled_step_with_no_recompile():
+    # a compiled forward would compile again for each new global_step, up to TorchDynamo's limit and past it
+    params, messages = {}, []
+    for graph_mode in ("eager", "compile"):
+        model = GlobalStepNet("adamw")
+        trainer = trainer_for(graph_mode, 1, 8, 6)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(model, loader(dataset()))
+        messages = [str(w.message) for w in caught]
+        params[graph_mode] = flat(model.net)
+    assert trainer.global_step == 48  # (six times TorchDynamo's limit of versions of one frame)
+    lines = [message for message in messages if "no whole-step programs" in message]
+    assert len(lines) == 1 and "the module's own training_step, uncompiled, runs instead" in lines[0], lines
+    assert not [message for message in messages if "recompile" in message], messages
+    assert torch.equal(params["compile"], params["eager"])  # the same step, run the same way
 
 
 class CurriculumNet(Net):
@@ -196,6 +220,8 @@ def test_a_value_a_hook_changes_at_every_sink_hands_over_to_the_eager_pair_befor
         params[graph_mode] = flat(model.net)
     assert trainer.global_step == 48
     assert len(lines) == 1 and "TorchDynamo compiled the programs again" in lines[0] and "alpha" in lines[0], lines
+    assert "the module's own training_step, uncompiled" in lines[0]  # (a compiled forward would compile again)
+    assert not [w for w in caught if "recompiled training_step" in str(w.message)]
     assert relative_error(params["compile"], params["eager"]) <= 1e-5
 
 

@@ -21,9 +21,11 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_sink._torch_compat import inductor_cache_folder
 from lightning_sink.compiled.build_record import BuildFigures, BuildRecord, build_key
+from lightning_sink.compiled.step_programs import StepPrograms
+from lightning_sink.sink.staging import StagedData
 from lightning_sink.strategies.engine import StepEngine
 
-__all__ = ["BuildNotice", "cache_note", "step_times"]
+__all__ = ["BuildNotice", "cache_note", "data_note", "length_note", "step_times"]
 
 
 class BuildNotice:
@@ -124,3 +126,25 @@ def cache_note(before: tuple[int, int], after: tuple[int, int]) -> str:
     if misses:
         return f" ({misses} graphs compiled and kept in Inductor's on-disk cache: an identical fit builds faster)"
     return ""
+
+
+def length_note(built: StepPrograms, several: int | None, not_scheduled: str | None, asked: int | None) -> str:
+    """The build line's micro-steps per call: ``several`` built (None: the build's choice, with its reason), why a
+    step scheduler keeps one per call (``not_scheduled``), and the user's ``micro_steps_per_call`` (``asked``)."""
+    if not_scheduled is not None and asked is None:
+        return f", one micro-step per call ({not_scheduled})"
+    if several is None:
+        return f", and {built.call_note}"
+    return f", and {several} micro-steps per call (one loop over its windows)" if several > 1 else ""
+
+
+def data_note(staging: StagedData | None, not_staged: str | None) -> str:
+    """The build line's account of how the batches reach the programs."""
+    if staging is not None:
+        return (
+            f"each batch gathered on the device from the training set staged there"
+            f" ({staging.staged_bytes / 2**20:.1f} MiB)"
+        )
+    if not_staged is not None:
+        return f"batches read by the loader path (not staged on the device: {not_staged})"
+    return "batches read by the loader path"

@@ -54,7 +54,7 @@ from lightning_sink.compiled import (
 from lightning_sink.compiled.build_record import BuildFigures
 from lightning_sink.compiled.call_length import loader_call
 from lightning_sink.sink.programs.build_agreement import agreed_build
-from lightning_sink.sink.programs.build_notice import BuildNotice, cache_note, step_times
+from lightning_sink.sink.programs.build_notice import BuildNotice, cache_note, data_note, length_note, step_times
 from lightning_sink.sink.programs.build_survivors import BuildSurvivors
 from lightning_sink.sink.programs.compiled import CompiledAccumulate, CompiledSeveral, CompiledUpdate
 from lightning_sink.sink.programs.eager import SinkPrograms, SinkUpdates, choose_eager, choose_programs
@@ -149,9 +149,9 @@ class CompiledProgramChooser:
             if self.build(None if self.staging is not None else example()) is None:
                 return choose_programs(engine, updates)
         else:
-            reason = self._changed_since_build()
-            if reason is not None:
-                self._fall_back(reason)
+            changed = self._changed_since_build()
+            if changed is not None:
+                self._fall_back(changed.reason, changed.host_state)
                 return choose_programs(engine, updates)
             assert self._handover is not None
             self._handover.into_programs()
@@ -204,25 +204,28 @@ class CompiledProgramChooser:
             )
         return compiled
 
-    def _changed_since_build(self) -> str | None:
+    def _changed_since_build(self) -> Unavailable | None:
         """A reason the built programs no longer apply, found at a sink's start (a window may be open: its sum is in
         the store, which the eager pair continues from)."""
         assert self.programs is not None
         changed = self.programs.rule.changed_flags()
         if changed is not None:
-            return f"{changed} after the programs were built"
+            return Unavailable(f"{changed} after the programs were built")
         if self.engine.window.micro_batches == 0:
             self.engine.refresh_store()  # as the direct pair does at a sink's first window start
         if self._trainable_key() != self._trainable:
-            return "the optimizer's trainable parameters changed (a parameter unfrozen or a param group added)"
+            return Unavailable(
+                "the optimizer's trainable parameters changed (a parameter unfrozen or a param group added)"
+            )
         # a Python value the step reads that a hook changes between segments makes TorchDynamo compile again (exact, a
         # build each time; past its limit a whole-graph program stops with an error): with one version left, no more
         again = most_recompiled(self.programs.compiled.codes)
         if again is None or again.versions < recompile_limit() - 1:
             return None
-        return (
+        return Unavailable(
             f"TorchDynamo compiled the programs again {again.versions - 1} times for a Python value that changed"
-            f" ({again.last_guard_failure}); keep such a value in a tensor buffer of the module to keep them"
+            f" ({again.last_guard_failure}); keep such a value in a tensor buffer of the module to keep them",
+            host_state=True,
         )
 
     def _trainable_key(self) -> tuple[int, ...]:
@@ -244,7 +247,7 @@ class CompiledProgramChooser:
         with self._survivors.around_build():  # (the build's objects kept out of full collections for the fit)
             built = self._built(batch, data, several, clip_val, algorithm)
         if isinstance(built, Unavailable):
-            self._fall_back(built.reason)
+            self._fall_back(built.reason, built.host_state)
             return None
         self.programs = built
         # (under DDP agreed at the first segment that needs the pair, whatever this process built)
@@ -263,7 +266,9 @@ class CompiledProgramChooser:
         figures = BuildFigures(seconds, eager, compiled, loop_kept=saved is not None and saved.kept)
         cached = cache_note(cache_before, inductor_cache_counts())
         took = f"{seconds:.1f} s{saved.note if saved is not None else ''}{cached}{step_times(figures)}"
-        rank_zero_info(self._build_line(built, parts, self._length_note(built, several, not_scheduled), took))
+        rank_zero_info(
+            self._build_line(built, parts, length_note(built, several, not_scheduled, self.micro_steps_per_call), took)
+        )
         self.notice.after_build(figures)
         return built
 
@@ -322,13 +327,6 @@ class CompiledProgramChooser:
             several = 1
         return several, not_scheduled
 
-    def _length_note(self, built: StepPrograms, several: int | None, not_scheduled: str | None) -> str:
-        if not_scheduled is not None and self.micro_steps_per_call is None:
-            return f", one micro-step per call ({not_scheduled})"
-        if several is None:  # the build's choice, with its reason
-            return f", and {built.call_note}"
-        return f", and {several} micro-steps per call (one loop over its windows)" if several > 1 else ""
-
     def _build_line(self, built: StepPrograms, parts: list[str], length: str, took: str) -> str:
         region = self.autocast
         where = "" if region is None else f"; the forward under autocast({region.device_type!r}, {region.dtype})"
@@ -346,7 +344,7 @@ class CompiledProgramChooser:
         return (
             f"{type(self.engine.host).__name__}(graph_mode={self.graph_mode!r}): the {programs} {kind} whole"
             f" (forward, backward, accumulation, {', '.join(parts)} update{across}){length} in {took}{where}{later};"
-            f" {self._data_note()}"
+            f" {data_note(self.staging, self._not_staged)}"
         )
 
     def _rank_sum(self, several: int | None) -> RankSum | None:
@@ -360,19 +358,18 @@ class CompiledProgramChooser:
             return RankSum(ranks, group=dist.group.WORLD)
         return RankSum(ranks, all_reduce=reducer.sum_flat)
 
-    def _data_note(self) -> str:
-        if self.staging is not None:
-            return (
-                f"each batch gathered on the device from the training set staged there"
-                f" ({self.staging.staged_bytes / 2**20:.1f} MiB)"
-            )
-        if self._not_staged is not None:
-            return f"batches read by the loader path (not staged on the device: {self._not_staged})"
-        return "batches read by the loader path"
-
-    def _fall_back(self, reason: str) -> None:
+    def _fall_back(self, reason: str, host_state: bool = False) -> None:
+        """No programs from here on: the eager pair runs the graph mode's compiled forward, or, for a step that
+        reads Python state the host changes (``host_state``), the module's own ``training_step``, which a compiled
+        forward would compile again for at each new value, up to TorchDynamo's limit."""
         self.reason = reason
-        path = "the forward-compiled training_step" if self.graph_mode == "compile" else "the CUDA-graph forward"
+        if host_state:
+            self.engine.run_step_uncompiled()
+            path = "the module's own training_step, uncompiled,"
+        elif self.graph_mode == "compile":
+            path = "the forward-compiled training_step"
+        else:
+            path = "the CUDA-graph forward"
         rank_zero_warn(
             f"{type(self.engine.host).__name__}(graph_mode={self.graph_mode!r}): no whole-step programs, {path}"
             f" runs instead (the eager step programs): {reason}."
