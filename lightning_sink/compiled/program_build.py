@@ -24,7 +24,7 @@ from lightning_sink.compiled.support import Unavailable, unsupported_reason
 from lightning_sink.compiled.window_update import WindowUpdate
 from lightning_sink.loss_scale import DynamicLossScale, FixedLossScale, LossScaler
 
-__all__ = ["ProgramSettings", "build_step_programs"]
+__all__ = ["ProgramSettings", "build_step_programs", "error_line"]
 
 
 def build_step_programs(
@@ -124,15 +124,40 @@ def _compile_or_one_per_call(programs: StepPrograms, example_batch: Any) -> None
     except Exception as error:
         if programs.several is None:
             raise  # (the step itself did not build: no program at all)
-        programs.drop_several(
-            f"one micro-step per call (the loop over windows did not build: {type(error).__name__}:"
-            f" {_first_line(error)[:160]})"
-        )
+        programs.drop_several(f"one micro-step per call (the loop over windows did not build: {error_line(error)})")
         programs.compile(example_batch)
 
 
-def _first_line(error: Exception) -> str:
-    return (str(error).strip().splitlines() or [""])[0]
+def error_line(error: Exception, limit: int = 240) -> str:
+    """A compiler's error in one line: its first line, continued while that only introduces what follows (a loop's
+    "... Got graph break/error:" before the graph break itself), and the line of the user's code it names."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    following = iter(lines[1:])
+    while text.endswith(":"):
+        more = next(following, None)
+        if more is None:
+            break
+        text = f"{text} {more}"
+    explained = next((line for line in lines if line.startswith("Explanation: ")), None)
+    if explained is not None:  # (TorchDynamo's graph breaks say what they are on a line of their own)
+        text = f"{text}: {explained.removeprefix('Explanation: ')}"
+    text = text if len(text) <= limit else text[: limit - 3] + "..."
+    if "from user code:" in lines:  # the innermost frame it lists: a loop's body, not the loop's call
+        start = lines.index("from user code:")
+        frames = [i for i in range(start + 1, len(lines) - 1) if lines[i].startswith("File ")]
+        if frames:
+            text += f" (at {_short_frame(lines[frames[-1]])}: {lines[frames[-1] + 1][:120]})"
+    return text
+
+
+def _short_frame(frame: str) -> str:
+    """``File "/a/b/c.py", line 3, in f`` as ``c.py:3 in f``."""
+    parts = [part.strip() for part in frame.split(",")]
+    if len(parts) != 3:
+        return frame
+    name = parts[0].removeprefix("File ").strip('"').rsplit("/", 1)[-1]
+    return f"{name}:{parts[1].removeprefix('line ')} {parts[2]}"
 
 
 def _refusal(error: Exception, rule: OptimizerRule, programs: StepPrograms) -> Unavailable:
@@ -141,8 +166,6 @@ def _refusal(error: Exception, rule: OptimizerRule, programs: StepPrograms) -> U
     refused = programs.metric_calls.refusal_in(error)
     if refused is not None:
         return Unavailable(refused)
-    first_line = _first_line(error)
     return Unavailable(
-        f"training_step did not compile to one graph ({type(error).__name__}: {first_line[:200]}); make it"
-        " traceable or use graph_mode='eager'"
+        f"training_step did not compile to one graph ({error_line(error)}); make it traceable or use graph_mode='eager'"
     )

@@ -53,6 +53,7 @@ from lightning_sink.compiled import (
 )
 from lightning_sink.compiled.build_record import BuildFigures
 from lightning_sink.compiled.call_length import loader_call
+from lightning_sink.compiled.program_build import error_line
 from lightning_sink.sink.programs.build_agreement import agreed_build
 from lightning_sink.sink.programs.build_notice import BuildNotice, cache_note, data_note, length_note, step_times
 from lightning_sink.sink.programs.build_survivors import BuildSurvivors
@@ -186,7 +187,7 @@ class CompiledProgramChooser:
         try:
             seconds = self.programs.build_pair()
         except Exception as error:  # (the loop over the same step built: not expected, but never a crash)
-            seconds, failure = 0.0, f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:200]}"
+            seconds, failure = 0.0, error_line(error)
         if engine.host.world_size > 1:  # (every process reaches this segment: the same calls everywhere)
             everywhere = engine.trainer.strategy.reduce_boolean_decision(failure is None, all=True)
             failure = failure or (None if everywhere else "another process could not build them (its warning says why)")
