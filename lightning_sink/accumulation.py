@@ -188,8 +188,13 @@ class GradientAccumulator:
                 )
             self.flat.copy_(buffer)
         self.micro_steps = int(state["micro_steps"])
+        self.attach()
+
+    def attach(self) -> None:
+        """The sum, written from elsewhere (a checkpoint, the compiled programs' buffers), as the open window's:
+        attached to ``.grad``, so that the next backward adds to it (``begin_micro_step`` would take a ``.grad`` of
+        ``None`` for a ``zero_grad`` and start the sum again)."""
         for param, view, aliased in zip(self.params, self.views, self._aliased):
-            # the restored sum is the open window's: attached, so that the next backward adds to it
             param.grad = view if aliased else torch.zeros_like(param)
 
 
