@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -86,11 +87,14 @@ def _optional(value: Any) -> float | None:
 
 
 def build_key(module: torch.nn.Module, optimizer: torch.optim.Optimizer, settings: dict[str, Any]) -> str:
-    """What makes two builds the same: the module's class and its parameters (names, shapes, dtypes, devices), the
+    """What makes two builds the same: the module's class (with the file that defines it: two scripts each run as
+    ``__main__`` may name different classes alike) and its parameters (names, shapes, dtypes, devices), the
     optimizer's class, the build's settings and torch's version (a digest: the record names no user code)."""
     params = [(name, tuple(p.shape), str(p.dtype), p.device.type) for name, p in module.named_parameters()]
+    cls = type(module)
     described = [
-        f"{type(module).__module__}.{type(module).__qualname__}",
+        f"{cls.__module__}.{cls.__qualname__}",
+        getattr(sys.modules.get(cls.__module__), "__file__", None),
         params,
         type(optimizer).__qualname__,
         sorted(settings.items()),

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -214,3 +216,14 @@ def test_builds_are_the_same_for_the_same_module_class_shapes_optimizer_and_sett
 
     assert key() == key()
     assert len({key(), key(width=32), key(optimizer=torch.optim.SGD), key(accumulation_steps=4)}) == 4
+
+
+def test_two_scripts_run_as_main_with_a_class_of_the_same_name_are_not_the_same_build(tmp_path, monkeypatch):
+    keys = []
+    for script in ("first.py", "second.py"):
+        main = types.ModuleType("__main__")
+        main.__file__ = str(tmp_path / script)
+        monkeypatch.setitem(sys.modules, "__main__", main)
+        module = type("Net", (Net,), {"__module__": "__main__"})(16)
+        keys.append(build_key(module, torch.optim.AdamW(module.parameters()), {"graph_mode": "compile"}))
+    assert keys[0] != keys[1]
