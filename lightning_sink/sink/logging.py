@@ -54,6 +54,7 @@ from lightning_sink.sink.learning_rate_replay import LearningRateReplay, Setting
 __all__ = ["SinkLogBuffer"]
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
+_MAX_BOUND = 256  # distinct (name, arguments) of ``self.log`` calls whose bound options a buffer keeps
 # reduce_fx values whose K-step result the buffer can rebuild from a reduced prefix and the last value; the names
 # are also the reduce_op names of ``Strategy.reduce`` (Lightning syncs ``sync_dist`` values with the same op).
 _REDUCTIONS: dict[Any, str] = {
@@ -119,6 +120,9 @@ class SinkLogBuffer:
         self._stands_in = self.usable(module)
         self._learning_rates = LearningRateReplay(module)
         self._keys: dict[str, _Key] = {}
+        self._bound: dict[
+            tuple[Any, ...], dict[str, Any]
+        ] = {}  # ``self.log``'s options by its arguments (``_options``)
         # each Metric logged in this sink: how it was last logged (Lightning gets it at the first and the last call)
         self._metric_logs: dict[str, _MetricLog] = {}
         self._updates: list[_Update] = []
@@ -202,10 +206,7 @@ class SinkLogBuffer:
 
     # ------------------------------------------------------------------ the stand-in for self.log
     def log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        call = _LOG_SIGNATURE.bind(self._module, name, value, *args, **kwargs)
-        call.apply_defaults()
-        options = dict(call.arguments)
-        del options["self"], options["name"], options["value"]
+        options = self._options(name, value, args, kwargs)
         batch_size = options.pop("batch_size")  # may differ per call (a last, smaller micro-batch), as in Lightning
         if isinstance(value, Metric):
             # Lightning holds the Metric itself (its epoch value is the Metric's compute over all its updates), so
@@ -237,6 +238,25 @@ class SinkLogBuffer:
             )
         key.values.append(tensor)
         key.batch_sizes.append(self._batch_size(batch_size, options))
+
+    def _options(self, name: str, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call's options as ``LightningModule.log``'s signature binds them (defaults applied). Binding is most
+        of a call's cost, so the result is kept per name and arguments (the same on every step, as a rule)."""
+        cache_key = (name, args, tuple(kwargs.items()))
+        try:
+            bound, keeps = self._bound.get(cache_key), True
+        except TypeError:  # an argument that cannot be a key (unhashable): bound each time
+            bound, keeps = None, False
+        if bound is None:
+            call = _LOG_SIGNATURE.bind(self._module, name, value, *args, **kwargs)  # (raises as Lightning's would)
+            call.apply_defaults()
+            bound = dict(call.arguments)
+            del bound["self"], bound["name"], bound["value"]
+            if keeps:
+                if len(self._bound) >= _MAX_BOUND:
+                    self._bound.clear()  # (arguments that change every call, such as a tensor: nothing to keep)
+                self._bound[cache_key] = bound
+        return dict(bound)
 
     def _record_metric_step_value(self, name: str, metric: Metric, options: dict[str, Any]) -> None:
         """The Metric's step value as of this call (what Lightning would write at this micro-step's update)."""
