@@ -5,9 +5,8 @@ Windows run on across sinks and data passes (the data is one endless stream), so
 here. A sink may run as several Lightning batches ("segments"), each ending at a point of the fit's schedule
 (``sink/schedule.py``) or at the sink's planned end; a ``max_steps`` reached inside the sink ends it, and so does a
 ``max_time`` deadline passed (the host clock is read after each call, one micro-batch or several, only when a time
-limit is set). The data
-position records what was trained, including the micro-batches of the sink, so a resume continues the interrupted
-sink to its planned end. ``self.log`` calls are recorded during a segment and handed to Lightning at its end
+limit is set). The data position records what was trained, including the micro-batches of the sink, so a resume
+continues the interrupted sink to its planned end. ``self.log`` calls are recorded during a segment and handed to Lightning at its end
 (``sink/logging.py``). Nothing is read back to the host: the losses stay on the device.
 """
 
@@ -43,6 +42,7 @@ class _SegmentCalls:
 
     one: SeveralSteps
     several: tuple[SeveralSteps, ...]  # longest first
+    partial_batch: SeveralSteps | None  # a data pass's partial last batch (None: ``one`` trains it)
 
 
 @dataclass(frozen=True)
@@ -203,7 +203,7 @@ class SinkLoop:
         # the updates this segment may make before max_steps (global_step moves only through its updates)
         updates_allowed = trainer.max_steps - trainer.global_step if trainer.max_steps != -1 else -1
         segment, deadline, programs = self._begin_segment(updates_allowed)
-        calls = _SegmentCalls(PairCall(programs, self._engine), programs.several)
+        calls = _SegmentCalls(PairCall(programs, self._engine), programs.several, programs.partial_batch)
         length = segment.length
         next_batch = self.stream.next if self._batches is None else self._batches(self.stream, length)
         if self._read_ahead:
@@ -283,6 +283,8 @@ class SinkLoop:
         in_pass = self._data_position.trained_in_pass
         fitting = (several for several in calls.several if self._fits_in_call(several, left, updates_left, in_pass))
         call = next(fitting, calls.one)
+        if calls.partial_batch is not None and self._at_partial_batch(in_pass):
+            call = calls.partial_batch
         batches = []
         for _ in range(call.count):
             batch = next_batch()
@@ -353,10 +355,19 @@ class SinkLoop:
                 in_pass = 0  # (the stream reads the pass's end, and the next pass starts)
             updates_left = None if updates_allowed == -1 else updates_allowed - updates
             call = next((c for c in programs.several if self._fits_in_call(c, left, updates_left, in_pass)), None)
+            if call is None and programs.partial_batch is not None and self._at_partial_batch(in_pass):
+                if steps > 1 and left > 1:
+                    return True  # (it leaves a window open: the micro-batches after it go one per call)
+                call = programs.partial_batch
             if call is None:
                 return True
             left, updates, in_pass = left - call.count, updates + call.count // steps, in_pass + call.count
         return False
+
+    def _at_partial_batch(self, trained_in_pass: int) -> bool:
+        """Whether the next micro-batch is its data pass's partial last batch."""
+        whole, length = self._schedule.whole_in_pass, self._schedule.pass_length
+        return whole is not None and length is not None and trained_in_pass == whole < length
 
     def _prepared(self, batch: Any) -> Any:
         """The batch as the step gets it: converted by the precision plugin and on the device (a staged batch is

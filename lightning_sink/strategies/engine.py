@@ -221,12 +221,14 @@ class StepEngine:
     # Note: ``accumulate_step`` and ``update_step`` are reached through the strategy object, which exposes them so
     # that a wrapper placed on the strategy (counting host syncs, sync debug mode) sees every micro-batch.
 
-    def run_step_uncompiled(self) -> None:
-        """The module's own ``training_step`` from here on, not the graph mode's compiled one: for a step that reads
-        Python state the host changes, which a compiled forward would compile again for at each new value."""
+    def swap_step_function(self, step: Callable[..., STEP_OUTPUT] | None = None) -> Callable[..., STEP_OUTPUT]:
+        """``step`` as the training step from here on (None: the module's own ``training_step``, not the graph mode's
+        compiled one), and the one it replaces: for a step that reads Python state the host changes, which a compiled
+        forward would compile again for at each new value, and for a micro-batch of a shape nothing was built for."""
         module = self.host.lightning_module
         assert module is not None
-        self._step_function = module.training_step
+        previous, self._step_function = self._step_function, module.training_step if step is None else step
+        return previous
 
     def forward(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         """The module's ``training_step``; without autograd when the window already overflowed."""

@@ -59,6 +59,7 @@ from lightning_sink.sink.programs.build_notice import BuildNotice, cache_note, d
 from lightning_sink.sink.programs.build_survivors import BuildSurvivors
 from lightning_sink.sink.programs.compiled import CompiledAccumulate, CompiledSeveral, CompiledUpdate
 from lightning_sink.sink.programs.eager import SinkPrograms, SinkUpdates, choose_eager, choose_programs
+from lightning_sink.sink.programs.partial_batch import PartialBatchCall
 from lightning_sink.sink.programs.run_reason import run_reason
 from lightning_sink.sink.programs.scheduler_steps import SchedulerSteps
 from lightning_sink.sink.programs.window_handover import WindowHandover
@@ -171,6 +172,8 @@ class CompiledProgramChooser:
             CompiledUpdate(programs, engine, updates, copy_outputs),
             end_sink=handover.into_store,
             several=several,
+            # (a loss scale's state is the programs' own during a sink: its partial batches stay compiled)
+            partial_batch=PartialBatchCall(engine, updates, handover) if engine.scaling is None else None,
         )
         if self._pair_agreed:
             return compiled
@@ -365,7 +368,7 @@ class CompiledProgramChooser:
         forward would compile again for at each new value, up to TorchDynamo's limit."""
         self.reason = reason
         if host_state:
-            self.engine.run_step_uncompiled()
+            self.engine.swap_step_function()
             path = "the module's own training_step, uncompiled,"
         elif self.graph_mode == "compile":
             path = "the forward-compiled training_step"

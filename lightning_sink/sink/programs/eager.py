@@ -308,6 +308,9 @@ class SinkPrograms:
     # compiled programs built with their calls of several alone: before a segment that trains any micro-batch one
     # per call, the loop calls it for the programs to run instead (the pair built, or the eager pair where it did not)
     build_pair: Callable[[], SinkPrograms] | None = None
+    # compiled programs: the call of a data pass's partial last batch, a shape they were not built for (the eager
+    # pair trains it: ``sink/programs/partial_batch.py``); None: the pair trains it
+    partial_batch: SeveralSteps | None = None
 
 
 def choose_programs(engine: StepEngine, updates: SinkUpdates) -> SinkPrograms:

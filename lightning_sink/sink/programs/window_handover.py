@@ -1,7 +1,8 @@
 """An open window between sinks, under the compiled programs: during a sink the programs hold its fp32 sum in their
 own device buffers (``ProgramWindow``); between sinks the window's store holds it, which the checkpoint saves and
 the eager pair continues from. The sum moves only here: into the programs at a sink's start, back into the store at
-its end (so a resume mid-window, or a window that runs on across sinks, continues exactly)."""
+its end (so a resume mid-window, or a window that runs on across sinks, continues exactly), and around a micro-batch
+the eager pair trains (``sink/programs/partial_batch.py``)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ class WindowHandover:
         self.window = window
 
     def into_programs(self) -> None:
-        """At a sink's start: the open window's sum, from the store (where a resume or the last sink left it)."""
+        """At a sink's start: the open window's sum, from the store (where a resume or the last sink left it); an
+        empty window's copy emptied (the eager pair may have closed the window the programs had begun)."""
         store = self.window.store
         if not store.micro_steps:
+            self.programs.window.reset()
             return
         for view, buffer in self._pairs():
             buffer.copy_(view)
@@ -32,10 +35,13 @@ class WindowHandover:
 
     def into_store(self) -> None:
         """At a sink's end: an open window's sum into the store, which the checkpoint saves."""
-        if not self.window.store.micro_steps:
+        store = self.window.store
+        if not store.micro_steps:
             return
         for view, buffer in self._pairs():
             view.copy_(buffer)
+        if isinstance(store, GradientAccumulator):
+            store.attach()  # (the eager pair's next backward adds to it, as after a resume)
 
     def _pairs(self) -> list[tuple[Tensor, Tensor]]:
         """Pairs (the store's view of a parameter's sum, the programs' buffer of it)."""
