@@ -262,6 +262,30 @@ def against_stock(out_dir: Path) -> None:
         torch.save(result, out_dir / "against_stock.pt")
 
 
+def partial_against_stock(out_dir: Path) -> None:
+    """``against_stock`` over a data pass that ends with a partial batch on each process (22 samples a process:
+    5 batches of 4 and one of 2), windows of one, sinks of two passes: the eager pair trains each partial batch in the compiled
+    sinks."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    samples = WORLD * (5 * MICRO + 2)
+    data = TensorDataset(*(tensor[:samples] for tensor in dataset().tensors))
+    result = {}
+    for name in ("stock", "sink"):
+        model = LoggingNet("adamw", one_cycle=True)
+        if name == "stock":
+            strategy: Any = DDPStrategy(process_group_backend="gloo")
+            options: dict[str, Any] = {}
+        else:
+            strategy = SinkDDPStrategy(sink_size=12, graph_mode="compile", process_group_backend="gloo")
+            options = {}
+        trainer = quiet_trainer(strategy=strategy, devices=WORLD, max_steps=18, **options)
+        result[name] = fit_and_say(trainer, model, DataLoader(data, batch_size=MICRO, shuffle=True))
+        result[name]["train_loss"] = float(trainer.callback_metrics["train_loss"])
+    if dist.get_rank() == 0:
+        torch.save(result, out_dir / "partial_against_stock.pt")
+
+
 def fail_loop_on_rank_1(out_dir: Path) -> None:
     from lightning_sink.compiled import traced_programs
 
@@ -304,6 +328,7 @@ if __name__ == "__main__":
         "default_per_call": default_per_call,
         "fail_loop_on_rank_1": fail_loop_on_rank_1,
         "against_stock": against_stock,
+        "partial_against_stock": partial_against_stock,
         "pair_when_needed": pair_when_needed,
     }
     workers[sys.argv[2]](Path(sys.argv[1]))

@@ -166,6 +166,22 @@ def test_the_default_compiled_sink_under_ddp_trains_as_stock_lightning_without_s
     assert relative_error(sink["ranks"][0], stock["ranks"][0]) <= 1e-5
 
 
+@pytest.mark.slow
+def test_partial_batches_in_a_compiled_sink_under_ddp_train_as_stock_lightning_without_sinking(tmp_path):
+    """As above, with windows of one, over data passes that end with a partial batch on each process: the eager
+    pair trains those (the same collectives on both processes), and nothing is compiled for their shape."""
+    result = launch(tmp_path, "partial_against_stock", timeout=900)
+    stock, sink = result["stock"], result["sink"]
+    assert_compiled(sink["said"])
+    assert not [line for line in sink["said"] if "programs of one micro-step compiled in" in line], sink["said"]
+    assert sink["global_step"] == stock["global_step"] == 18
+    assert sink["lr"] == pytest.approx(stock["lr"], rel=1e-12)
+    assert sink["train_loss"] == pytest.approx(stock["train_loss"], rel=1e-5)
+    for fit in (stock, sink):
+        assert torch.equal(fit["ranks"][0], fit["ranks"][1])
+    assert relative_error(sink["ranks"][0], stock["ranks"][0]) <= 1e-5
+
+
 def test_rank_sum_takes_one_route_and_several_ranks():
     with pytest.raises(ValueError, match="exactly one of group"):
         RankSum(2)
