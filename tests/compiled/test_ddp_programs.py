@@ -148,6 +148,17 @@ def test_the_one_micro_step_programs_are_built_under_ddp_when_a_sink_first_needs
     assert relative_error(refused["ranks"][0], one["ranks"][0]) < 1e-6
 
 
+def assert_trains_as_stock(stock: dict, sink: dict) -> None:
+    """The same updates, learning rate, logged loss and parameters (within the compiled programs' rounding), the
+    processes' parameters equal in each fit."""
+    assert sink["global_step"] == stock["global_step"] == 18
+    assert sink["lr"] == pytest.approx(stock["lr"], rel=1e-12)
+    assert sink["train_loss"] == pytest.approx(stock["train_loss"], rel=1e-5)
+    for fit in (stock, sink):
+        assert torch.equal(fit["ranks"][0], fit["ranks"][1])
+    assert relative_error(sink["ranks"][0], stock["ranks"][0]) <= 1e-5
+
+
 @pytest.mark.slow
 def test_the_default_compiled_sink_under_ddp_trains_as_stock_lightning_without_sinking(tmp_path):
     """Stock Lightning's ``DDPStrategy`` with ``accumulate_grad_batches=2`` and ``SinkDDPStrategy(sink_size=12,
@@ -158,12 +169,7 @@ def test_the_default_compiled_sink_under_ddp_trains_as_stock_lightning_without_s
     stock, sink = result["stock"], result["sink"]
     assert_compiled(sink["said"])
     assert [line for line in sink["said"] if "per call for a whole staged sink" in line], sink["said"]
-    assert sink["global_step"] == stock["global_step"] == 18
-    assert sink["lr"] == pytest.approx(stock["lr"], rel=1e-12)
-    assert sink["train_loss"] == pytest.approx(stock["train_loss"], rel=1e-5)
-    for fit in (stock, sink):
-        assert torch.equal(fit["ranks"][0], fit["ranks"][1])
-    assert relative_error(sink["ranks"][0], stock["ranks"][0]) <= 1e-5
+    assert_trains_as_stock(stock, sink)
 
 
 @pytest.mark.slow
@@ -174,12 +180,7 @@ def test_partial_batches_in_a_compiled_sink_under_ddp_train_as_stock_lightning_w
     stock, sink = result["stock"], result["sink"]
     assert_compiled(sink["said"])
     assert not [line for line in sink["said"] if "programs of one micro-step compiled in" in line], sink["said"]
-    assert sink["global_step"] == stock["global_step"] == 18
-    assert sink["lr"] == pytest.approx(stock["lr"], rel=1e-12)
-    assert sink["train_loss"] == pytest.approx(stock["train_loss"], rel=1e-5)
-    for fit in (stock, sink):
-        assert torch.equal(fit["ranks"][0], fit["ranks"][1])
-    assert relative_error(sink["ranks"][0], stock["ranks"][0]) <= 1e-5
+    assert_trains_as_stock(stock, sink)
 
 
 def test_rank_sum_takes_one_route_and_several_ranks():
