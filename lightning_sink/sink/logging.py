@@ -50,6 +50,7 @@ from torchmetrics import Metric
 
 from lightning_sink import _lightning_compat as compat
 from lightning_sink.sink.learning_rate_replay import LearningRateReplay, Settings
+from lightning_sink.sink.staging import StagedBatch
 
 __all__ = ["SinkLogBuffer"]
 
@@ -279,7 +280,10 @@ class SinkLogBuffer:
         if not (options["on_epoch"] and _REDUCTIONS[options["reduce_fx"]] == "mean"):
             return 1  # unused by Lightning: only an epoch mean is weighted
         if self._micro_batch_size is None:
-            self._micro_batch_size = extract_batch_size(self._micro_batch)
+            batch = self._micro_batch
+            # (a staged batch is its indices, one per sample: what Lightning's search through the object finds)
+            staged = isinstance(batch, StagedBatch)
+            self._micro_batch_size = len(batch.indices) if staged else extract_batch_size(batch)
         return self._micro_batch_size
 
     # ------------------------------------------------------------------ at the sink's end
