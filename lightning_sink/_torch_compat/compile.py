@@ -21,6 +21,7 @@ __all__ = [
     "graph_output_examples",
     "called_as",
     "hooks_a_functional_step_would_skip",
+    "module_hook_counts",
     "note_optimizer_step",
     "RecompiledFunction",
     "recompiled_functions",
@@ -34,6 +35,19 @@ __all__ = [
     "cached_loops_option",
     "may_vary_in_size",
 ]
+
+
+def module_hook_counts(module: torch.nn.Module) -> tuple[int, ...]:
+    """How many hooks of each kind ``module``, its submodules and parameters hold, and the global module hooks: a
+    compiled program traced the hooks there were when it was built (a pruning callback adds a forward pre-hook).
+    torch has no public reader of registered hooks."""
+    from torch.nn.modules import module as module_file
+
+    kinds = ("_forward_pre_hooks", "_forward_hooks", "_backward_hooks", "_backward_pre_hooks")
+    counts = [len(getattr(submodule, kind, ())) for _, submodule in module.named_modules() for kind in kinds]
+    counts += [len(param._backward_hooks or ()) for param in module.parameters()]
+    globals_ = ("_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks")
+    return (*counts, *(len(getattr(module_file, name, ())) for name in globals_))
 
 
 def hooks_a_functional_step_would_skip(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:

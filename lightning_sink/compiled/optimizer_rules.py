@@ -47,7 +47,7 @@ class OptimizerRule:
         self.groups: list[_Group] = []
         for index, group in enumerate(optimizer.param_groups):
             members = [position[id(param)] for param in group["params"] if id(param) in position]
-            flags = {name: group.get(name, False) for name in ("nesterov", "maximize", "amsgrad")}
+            flags = {name: group.get(name, False) for name in ("nesterov", "maximize", "amsgrad", "dampening")}
             if kind == "adamw" or group.get("decoupled_weight_decay", False):
                 flags["decoupled"] = True
             self.groups.append(_Group(index, members, {}, flags, {}))
@@ -95,10 +95,20 @@ class OptimizerRule:
         """The first build-time flag a ``param_groups`` entry no longer has (the program no longer applies)."""
         for group in self.groups:
             settings = self.optimizer.param_groups[group.index]
-            for name in ("nesterov", "maximize", "amsgrad"):
+            for name in ("nesterov", "maximize", "amsgrad", "dampening"):
                 value, now = group.flags[name], settings.get(name, False)
                 if now != value:
                     return f"param_groups[{group.index}][{name!r}] changed from {value!r} to {now!r}"
+        return None
+
+    def lost_state(self) -> str | None:
+        """Which parameter's optimizer state no longer holds what the programs update (``optimizer.state`` cleared or
+        an entry dropped, as a warm restart does), or None."""
+        for i, state in enumerate(self.state):
+            own = self.optimizer.state.get(self.params[i], {})
+            missing = [name for name in state if name not in own]
+            if missing:
+                return f"the optimizer's state of parameter {i} lost {', '.join(missing)} (optimizer.state cleared)"
         return None
 
     def _state_for(self, i: int) -> dict[str, Tensor]:
