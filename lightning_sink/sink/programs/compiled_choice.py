@@ -38,11 +38,9 @@ from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 
 from lightning_sink._lightning_compat import trainer_reads
 from lightning_sink._torch_compat import inductor_cache_counts, most_recompiled, recompile_limit
-from lightning_sink.accumulation import unique_trainable
 from lightning_sink.compiled import (
     AutocastRegion,
     ProgramSettings,
@@ -55,6 +53,7 @@ from lightning_sink.compiled.build_record import BuildFigures
 from lightning_sink.compiled.call_length import loader_call
 from lightning_sink.compiled.program_build import error_line
 from lightning_sink.sink.programs.build_agreement import agreed_build
+from lightning_sink.sink.programs.build_assumptions import BuildAssumptions, clip_settings
 from lightning_sink.sink.programs.build_notice import BuildNotice, cache_note, data_note, length_note, step_times
 from lightning_sink.sink.programs.build_survivors import BuildSurvivors
 from lightning_sink.sink.programs.compiled import CompiledAccumulate, CompiledSeveral, CompiledUpdate
@@ -88,6 +87,11 @@ COMPILE_BACKEND = "inductor"
 DDP_SUM_ROUTE = "eager"
 
 
+# Programs compiled again this often for changed Python values hand over: a value that changes at every sink (a
+# loss weight annealed per epoch) would cost a build per sink up to TorchDynamo's limit.
+REBUILDS_BEFORE_HANDOVER = 2
+
+
 class CompiledProgramChooser:
     """One fit's compiled step programs, built at its first segment's start over the segment's first micro-batch
     (read ahead by the loop), or the reason there are none."""
@@ -115,7 +119,7 @@ class CompiledProgramChooser:
         self._handover: WindowHandover | None = None  # the open window's sum between the store and the programs
         self._pair_agreed = False  # the one-micro-step pair known built on every process (until then: _with_pair)
         self.reason: str | None = None  # why there are no programs (then the eager pair runs)
-        self._trainable: tuple[int, ...] = ()  # the parameters the programs were built over
+        self._assumed: BuildAssumptions | None = None  # what the programs took as fixed
         self.autocast: AutocastRegion | None = None  # the precision plugin's autocast, built into the forward
         self.notice = BuildNotice(engine, graph_mode, self._build_settings())
 
@@ -212,29 +216,27 @@ class CompiledProgramChooser:
         """A reason the built programs no longer apply, found at a sink's start (a window may be open: its sum is in
         the store, which the eager pair continues from)."""
         assert self.programs is not None
-        changed = self.programs.rule.changed_flags()
+        rule, engine = self.programs.rule, self.engine
+        changed = rule.changed_flags() or rule.lost_state()
         if changed is not None:
             return Unavailable(f"{changed} after the programs were built")
-        if self.engine.window.micro_batches == 0:
-            self.engine.refresh_store()  # as the direct pair does at a sink's first window start
-        if self._trainable_key() != self._trainable:
-            return Unavailable(
-                "the optimizer's trainable parameters changed (a parameter unfrozen or a param group added)"
-            )
-        # a Python value the step reads that a hook changes between segments makes TorchDynamo compile again (exact, a
-        # build each time; past its limit a whole-graph program stops with an error): with one version left, no more
+        if engine.window.micro_batches == 0:
+            engine.refresh_store()  # as the direct pair does at a sink's first window start
+        assert self._assumed is not None
+        changed = self._assumed.changed(
+            engine.trainer.lightning_module, engine.optimizer(), clip_settings(engine.trainer)
+        )
+        if changed is not None:
+            return Unavailable(changed)
+        # a Python value the step reads that a hook changes makes TorchDynamo compile again (exact, a build each time)
         again = most_recompiled(self.programs.compiled.codes)
-        if again is None or again.versions < recompile_limit() - 1:
+        if again is None or again.versions < min(recompile_limit() - 1, REBUILDS_BEFORE_HANDOVER + 1):
             return None
         return Unavailable(
             f"TorchDynamo compiled the programs again {again.versions - 1} times for a Python value that changed"
             f" ({again.last_guard_failure}); keep such a value in a tensor buffer of the module to keep them",
             host_state=True,
         )
-
-    def _trainable_key(self) -> tuple[int, ...]:
-        params = [p for group in self.engine.optimizer().param_groups for p in group["params"]]
-        return tuple(sorted(id(p) for p in unique_trainable(params)))
 
     # ------------------------------------------------------------------ the decision
     def build(self, batch: Any) -> StepPrograms | None:
@@ -243,8 +245,7 @@ class CompiledProgramChooser:
         engine = self.engine
         trainer = engine.trainer
         scaling = engine.scaling
-        clip_val = trainer.gradient_clip_val or None
-        algorithm = GradClipAlgorithmType(trainer.gradient_clip_algorithm or GradClipAlgorithmType.NORM).value
+        clip_val, algorithm = clip_settings(trainer)
         start, cache_before = time.perf_counter(), inductor_cache_counts()
         data = self.staging.data() if self.staging is not None else None
         several, not_scheduled = self._call_length(data)
@@ -256,7 +257,7 @@ class CompiledProgramChooser:
         self.programs = built
         # (under DDP agreed at the first segment that needs the pair, whatever this process built)
         self._pair_agreed = built.pair_built and engine.host.world_size == 1
-        self._trainable = self._trainable_key()
+        self._assumed = BuildAssumptions(trainer.lightning_module, engine.optimizer(), (clip_val, algorithm))
         self._handover = WindowHandover(built, engine.window)
         self._handover.into_programs()
         parts = [type(engine.optimizer()).__name__]
