@@ -166,6 +166,12 @@ def _refusal(error: Exception, rule: OptimizerRule, programs: StepPrograms) -> U
     refused = programs.metric_calls.refusal_in(error)
     if refused is not None:
         return Unavailable(refused)
+    line = error_line(error)
+    if "data-dependent" in line:  # (TorchDynamo's words for a tensor's value read on the host)
+        line += (
+            "; a tensor's value was used as a Python number (float(), int(), .item(), a branch on it; batch_idx is a"
+            " 0-dim tensor inside the programs)"
+        )
     return Unavailable(
-        f"training_step did not compile to one graph ({error_line(error)}); make it traceable or use graph_mode='eager'"
+        f"training_step did not compile to one graph ({line}); make it traceable or use graph_mode='eager'"
     )

@@ -172,6 +172,9 @@ def test_each_reason_is_one_line_and_the_fit_is_the_eager_one(case):
     assert lines[0].startswith(f"SinkStrategy(graph_mode='compile'): no whole-step programs, {path}")
     assert says in lines[0]
     assert "graph_mode='eager'" in lines[0] or "run without" in lines[0]  # what to change
+    if case == "graph break":  # the user's line that broke the graph, and what it did
+        assert "in training_step: return loss if loss.item() > 0" in lines[0], lines[0]
+        assert "a tensor's value was used as a Python number" in lines[0], lines[0]
     assert trainer.global_step == 4
     tolerance = 1e-2 if trainer_kwargs.get("precision") == "bf16-true" else 1e-5  # bf16 rounding: the forward runs
     assert relative_error(params["compile"], params["eager"]) <= tolerance  # through dynamo's graphs under "compile"
