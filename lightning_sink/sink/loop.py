@@ -6,8 +6,8 @@ here. A sink may run as several Lightning batches ("segments"), each ending at a
 (``sink/schedule.py``) or at the sink's planned end; a ``max_steps`` reached inside the sink ends it, and so does a
 ``max_time`` deadline passed (the host clock is read after each call, one micro-batch or several, only when a time
 limit is set). The data position records what was trained, including the micro-batches of the sink, so a resume
-continues the interrupted sink to its planned end. ``self.log`` calls are recorded during a segment and handed to Lightning at its end
-(``sink/logging.py``). Nothing is read back to the host: the losses stay on the device.
+continues the interrupted sink to its planned end. ``self.log`` calls are recorded during a segment and handed to
+Lightning at its end (``sink/logging.py``). Nothing is read back to the host: the losses stay on the device.
 """
 
 from __future__ import annotations
