@@ -87,8 +87,7 @@ COMPILE_BACKEND = "inductor"
 DDP_SUM_ROUTE = "eager"
 
 
-# Programs compiled again this often for changed Python values hand over: a value that changes at every sink (a
-# loss weight annealed per epoch) would cost a build per sink up to TorchDynamo's limit.
+# Rebuilds for changed Python values before the hand-over (a value annealed per sink: else a build per sink)
 REBUILDS_BEFORE_HANDOVER = 2
 
 
