@@ -7,10 +7,12 @@ from dataclasses import dataclass
 
 import lightning.pytorch as pl
 
-from lightning_sink._lightning_compat.loop_access import epoch_loop
+from lightning_sink._lightning_compat.loop_access import automatic_optimization, epoch_loop
 
 # Names of the instance attributes we shadow on the epoch loop; deleting them restores Lightning's methods.
 _SHADOWED = ("_should_accumulate", "update_lr_schedulers", "_num_ready_batches_reached", "_should_check_val_fx")
+# The same on the automatic optimization: the closure's zero-grad and backward functions, where sinks skip them.
+_SHADOWED_CLOSURE = ("_make_zero_grad_fn", "_make_backward_fn")
 
 
 @dataclass(frozen=True)
@@ -26,7 +28,10 @@ class LoopOverrides:
       skipped on overflow, or in sink mode, where the strategy steps them once per update itself). Plateau
       schedulers are left alone.
     - ``skip_backward``: in sink mode the strategy runs zero-grad and backward per micro-step; Lightning's closure
-      around a whole sink must do neither.
+      around a whole sink must do neither. Lightning's own switch for that (``fit_loop._skip_backward``) is set, and
+      the closure's two functions are shadowed too: callbacks set the switch for their own reasons
+      (``StochasticWeightAveraging`` clears it at every epoch's end), and a sink's closure must skip them whatever
+      it says.
     """
 
     batch_has_no_update: Callable[[], bool] | None = None
@@ -80,6 +85,15 @@ def install_loop_overrides(trainer: pl.Trainer, overrides: LoopOverrides) -> Non
         lightning_decides = type(loop)._should_check_val_fx
         loop._should_check_val_fx = lambda data_fetcher: validates(lambda: lightning_decides(loop, data_fetcher))
     trainer.fit_loop._skip_backward = overrides.skip_backward
+    if overrides.skip_backward:
+        closure_parts = automatic_optimization(trainer)
+        closure_parts._make_zero_grad_fn = _nothing
+        closure_parts._make_backward_fn = _nothing
+
+
+def _nothing(*args: object) -> None:
+    """A closure part that is skipped (Lightning's closure takes ``None`` as "not this part")."""
+    return None
 
 
 def remove_loop_overrides(trainer: pl.Trainer) -> None:
@@ -87,4 +101,7 @@ def remove_loop_overrides(trainer: pl.Trainer) -> None:
     loop = epoch_loop(trainer)
     for name in _SHADOWED:
         loop.__dict__.pop(name, None)
+    closure_parts = automatic_optimization(trainer)
+    for name in _SHADOWED_CLOSURE:
+        closure_parts.__dict__.pop(name, None)
     trainer.fit_loop._skip_backward = False

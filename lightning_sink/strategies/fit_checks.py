@@ -7,8 +7,12 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
+from collections.abc import Sequence
+
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 
 __all__ = [
@@ -17,6 +21,7 @@ __all__ = [
     "settle_accumulation_steps",
     "UpdateMakeup",
     "check_module_and_optimizer",
+    "check_sink_callbacks",
 ]
 
 
@@ -127,3 +132,15 @@ def _no_closure_reason(update: UpdateMakeup) -> str:
             " closure's re-evaluation would skip"
         )
     return "unscales the gradients and checks them for overflow before each step (a loss scale), which a closure's re-evaluation would skip"
+
+
+def check_sink_callbacks(strategy: str, sink_size: int, callbacks: Sequence[Callback], module: pl.LightningModule) -> None:
+    """Callbacks that need an epoch of known length, which a sink is not (an epoch is a sink, its batches the
+    sink's segments)."""
+    averaging = any(isinstance(callback, StochasticWeightAveraging) for callback in callbacks)
+    if averaging and any(isinstance(layer, _BatchNorm) for layer in module.modules()):
+        raise ValueError(
+            f"StochasticWeightAveraging recomputes BatchNorm statistics in an extra epoch of known length after the"
+            f" last one, but {strategy}(sink_size={sink_size}) makes each epoch a sink of unknown batch count: train"
+            " without sink_size, or recompute the statistics after the fit with torch.optim.swa_utils.update_bn."
+        )

@@ -37,7 +37,7 @@ from lightning_sink.strategies.engine_assembly import (
     install_window_rules,
     unbind_backward,
 )
-from lightning_sink.strategies.fit_checks import draws_own_batches, settle_accumulation_steps
+from lightning_sink.strategies.fit_checks import check_sink_callbacks, draws_own_batches, settle_accumulation_steps
 from lightning_sink.strategies.graph_modes import step_function
 from lightning_sink.strategies.hooks import HookPlan
 from lightning_sink.strategies.progress_ranges import check_progress_against_fit, whole_count
@@ -161,6 +161,7 @@ class SinkFit:
             # the accumulating loss scaler instead (an explicit LossScalePrecision plugin is kept as given).
             host.precision_plugin = LossScalePrecision("16-mixed", DynamicLossScale(), device=plugin.device)
         if self.sink_size is not None:
+            check_sink_callbacks(type(host).__name__, self.sink_size, callbacks, trainer.lightning_module)
             # A step-based val_check_interval is the sink schedule's (sink/schedule.py); Lightning's own reading of
             # it, against a loader of sink placeholders, would be wrong. Given back when the fit ends.
             interval = trainer.val_check_interval
