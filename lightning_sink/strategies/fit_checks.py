@@ -5,14 +5,12 @@ that the strategy's windows cannot serve. Each raises ``ValueError`` with the va
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
-
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 
 __all__ = [
@@ -138,7 +136,7 @@ def check_sink_callbacks(strategy: str, sink_size: int, callbacks: Sequence[Call
     """Callbacks that need an epoch of known length, which a sink is not (an epoch is a sink, its batches the
     sink's segments)."""
     averaging = any(isinstance(callback, StochasticWeightAveraging) for callback in callbacks)
-    if averaging and any(isinstance(layer, _BatchNorm) for layer in module.modules()):
+    if averaging and StochasticWeightAveraging.pl_module_contains_batch_norm(module):  # (the callback's own rule)
         raise ValueError(
             f"StochasticWeightAveraging recomputes BatchNorm statistics in an extra epoch of known length after the"
             f" last one, but {strategy}(sink_size={sink_size}) makes each epoch a sink of unknown batch count: train"
