@@ -132,7 +132,9 @@ def _no_closure_reason(update: UpdateMakeup) -> str:
     return "unscales the gradients and checks them for overflow before each step (a loss scale), which a closure's re-evaluation would skip"
 
 
-def check_sink_callbacks(strategy: str, sink_size: int, callbacks: Sequence[Callback], module: pl.LightningModule) -> None:
+def check_sink_callbacks(
+    strategy: str, sink_size: int, callbacks: Sequence[Callback], module: pl.LightningModule
+) -> None:
     """Callbacks that need an epoch of known length, which a sink is not (an epoch is a sink, its batches the
     sink's segments)."""
     averaging = any(isinstance(callback, StochasticWeightAveraging) for callback in callbacks)

@@ -104,7 +104,9 @@ def test_the_batch_norm_epoch_makes_no_update_with_accumulation():
 def test_weight_averaging_with_batch_norm_in_sink_mode_is_refused_before_training():
     module = BatchNormClassifier()
     before = state(module)
-    with pytest.raises(ValueError, match=r"StochasticWeightAveraging .* SinkStrategy\(sink_size=8\) .*swa_utils\.update_bn"):
+    with pytest.raises(
+        ValueError, match=r"StochasticWeightAveraging .* SinkStrategy\(sink_size=8\) .*swa_utils\.update_bn"
+    ):
         fit(module, SinkStrategy(sink_size=8))
     for name, tensor in before.items():
         assert torch.equal(state(module)[name], tensor), name
