@@ -252,7 +252,7 @@ class SinkLoop:
         if programs.build_pair is not None and self._trains_one_per_call(programs, segment.length, updates_allowed):
             programs = programs.build_pair()
         self.programs = programs
-        self._engine.window.loss_divisor = programs.update.loss_divisor
+        self._engine.window.divide_losses_by(programs.update.loss_divisor)
         return segment, deadline, programs
 
     def _read_example(self) -> Any:

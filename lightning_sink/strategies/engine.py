@@ -155,7 +155,7 @@ class StepEngine:
         self._needs_step_context = parts.needs_step_context
         self._store_params: tuple[int, ...] = ()
         self.window = Window(NoGradients(), parts.ranks_in_sum)
-        self.window.loss_divisor = parts.accumulation_steps
+        self.window.divide_losses_by(parts.accumulation_steps)
         self.window.divides_as_stock = parts.partial_window == "lightning" and parts.sink_size is None
         self.refresh_store(initial=True)
         self.in_update = False  # the window's last micro-batch runs inside update_step

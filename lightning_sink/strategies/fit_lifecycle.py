@@ -310,7 +310,8 @@ class SinkFit:
         if engine is not None and self.sink_size is None:
             steps = self.trainer.accumulate_grad_batches
             if steps != self.accumulation_steps:  # a GradientAccumulationScheduler
-                self.accumulation_steps = engine.accumulation_steps = engine.window.loss_divisor = steps
+                self.accumulation_steps = engine.accumulation_steps = steps
+                engine.window.divide_losses_by(steps)
 
     def end(self) -> None:
         """At train end."""

@@ -62,6 +62,11 @@ class Window:
             return self.ranks_in_sum
         return window_mean_divisor(self.backward_passes, self.ranks_in_sum, self.loss_divisor)
 
+    def divide_losses_by(self, divisor: int) -> None:
+        """The programs that train the next micro-batches divide each loss by ``divisor`` before its backward (the
+        update divides the sum by the rest, ``mean_divisor``)."""
+        self.loss_divisor = divisor
+
     def count_micro_batch(self) -> None:
         """A micro-batch of this window ran (its ``training_step`` returned a loss or ``None``)."""
         self.micro_batches += 1

@@ -49,11 +49,12 @@ class PartialBatchCall:
         engine, handover = self._engine, self._handover
         window = engine.window
         handover.into_store()
-        compiled_divisor, window.loss_divisor = window.loss_divisor, divisor
+        compiled_divisor = window.loss_divisor
+        window.divide_losses_by(divisor)
         compiled_step = engine.swap_step_function()
         try:
             return train()
         finally:
             engine.swap_step_function(compiled_step)
-            window.loss_divisor = compiled_divisor
+            window.divide_losses_by(compiled_divisor)
             handover.into_programs()
