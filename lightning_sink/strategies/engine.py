@@ -181,6 +181,7 @@ class StepEngine:
             for param in params:
                 param.grad = None  # the old store's views; the new window starts from zero
         self._store_params = key
+        self.window.store.release()
         self.window.store = self.parts.make_store(params) if key else NoGradients()
 
     # ------------------------------------------------------------------ windows that Lightning does not delimit

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback, StochasticWeightAveraging
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+from torch import nn
 from torch.optim import Optimizer
 
 __all__ = [
@@ -105,6 +106,15 @@ def check_module_and_optimizer(
             " to close its windows: take `batch` (and `batch_idx`) instead, or train with accumulation_steps=1 and"
             " no sink_size."
         )
+    sparse = _sparse_gradient_layer(module)
+    sums = steps > 1 or update.scheduled or update.world_size > 1 or update.loss_scaling
+    if sums and sparse is not None:
+        raise ValueError(
+            f"{sparse} gives its weight sparse gradients, but {strategy} sums each window's gradients in one dense"
+            f" fp32 buffer here ({_summing_cause(update)}), which makes them dense (and SparseAdam refuses dense"
+            " gradients): construct it with sparse=False, or train with accumulation_steps=1 on one process without"
+            " a loss scale."
+        )
     one_batch_per_update = sink_size is None and steps == 1 and update.world_size == 1 and not update.loss_scaling
     if needs_closure(optimizer) and not one_batch_per_update:
         raise ValueError(
@@ -112,6 +122,24 @@ def check_module_and_optimizer(
             f" {_no_closure_reason(update)}: use it with accumulation_steps=1, no sink_size, one process and no loss"
             " scale, or choose an optimizer that steps without a closure."
         )
+
+
+def _sparse_gradient_layer(module: nn.Module) -> str | None:
+    """The first layer whose weight gets sparse gradients (``Embedding`` / ``EmbeddingBag`` with ``sparse=True``),
+    named as ``named_modules`` names it, or None."""
+    for name, layer in module.named_modules():
+        if isinstance(layer, (nn.Embedding, nn.EmbeddingBag)) and layer.sparse and layer.weight.requires_grad:
+            return f"{name or 'the module'} ({type(layer).__name__}(sparse=True))"
+    return None
+
+
+def _summing_cause(update: UpdateMakeup) -> str:
+    """The setting that makes the window store sum gradients rather than hand them on as they are."""
+    if update.accumulation_steps > 1 or update.scheduled:
+        return f"accumulation_steps={update.accumulation_steps}{', scheduled' if update.scheduled else ''}"
+    if update.world_size > 1:
+        return f"{update.world_size} processes"
+    return "a loss scale"
 
 
 def _no_closure_reason(update: UpdateMakeup) -> str:

@@ -205,7 +205,11 @@ class SinkFit:
             return SingleStepGradients(params)
         # Windows that run across Lightning's zero-grad points ("carry") reset only when they end.
         follows_zero_grad = self.sink_size is not None or self.partial_window != "carry"
-        return GradientAccumulator(params, follows_zero_grad=follows_zero_grad)
+        # Which parameters a window's backward passes reached is tracked on one process (another rank may have
+        # reached one this one did not, see accumulation.py), and not beside the whole-step compiled programs of a
+        # sink, whose gradients of a parameter nothing reached are zeros (and which refuse parameter hooks).
+        tracks = self.host.world_size == 1 and (self.sink_size is None or self.graph_mode == "eager")
+        return GradientAccumulator(params, follows_zero_grad=follows_zero_grad, tracks_reached=tracks)
 
     # ------------------------------------------------------------------ the fit
     def start(self, parts: WindowParts) -> None:
@@ -327,6 +331,8 @@ class SinkFit:
             compat.set_estimated_stepping_batches(self._trainer, None)
         self._sink.unwire()  # also when training raised and on_train_end never ran
         unbind_backward(self.host, self.engine)
+        if self.engine is not None:
+            self.engine.window.store.release()  # (its hooks off the user's parameters)
         self.direct_transfer = False
         self.passes.release()
         self._indexed_reads.release()

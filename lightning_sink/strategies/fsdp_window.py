@@ -149,6 +149,9 @@ class FSDPWindow:
             param.grad = None
         self.micro_steps = 0
 
+    def release(self) -> None:
+        """Nothing attached: FSDP2 keeps the gradients in ``param.grad``."""
+
     # ------------------------------------------------------------------ checkpoint state inside a window
     def state_dict(self) -> dict[str, Any]:
         """The window position and, inside a window, this rank's partial sums (its local, unreduced gradients)."""

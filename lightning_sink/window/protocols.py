@@ -56,6 +56,10 @@ class GradientStore(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def release(self) -> None:
+        """Take off what the store attached to the parameters (hooks): another store replaces it, or the fit ended."""
+        ...
+
 
 @runtime_checkable
 class Reducer(Protocol):

@@ -51,3 +51,6 @@ class NoGradients:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.micro_steps = 0
+
+    def release(self) -> None:
+        """Nothing attached."""
