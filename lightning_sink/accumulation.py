@@ -116,6 +116,9 @@ class GradientAccumulator:
 
         return mark
 
+    def scale_sum(self, factor: float) -> None:
+        self.flat.mul_(factor)
+
     def release(self) -> None:
         """Take the store's hooks off the parameters (a new store replaces it, or the fit ended)."""
         for hook in self._hooks:
@@ -325,6 +328,9 @@ class SingleStepGradients:
 
     def write_gradients(self) -> None:
         """The gradients are already in ``param.grad``."""
+
+    def scale_sum(self, factor: float) -> None:
+        """A window of one micro-step is never open between programs: nothing to scale."""
 
     def release(self) -> None:
         """Nothing attached: ``.grad`` is the parameters' own."""

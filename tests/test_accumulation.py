@@ -91,3 +91,25 @@ def test_single_step_gradients_refuse_a_checkpoint_taken_inside_a_window():
         ValueError, match=r"inside an accumulation window \(3 micro-steps accumulated\).*accumulation_steps=1"
     ):
         store.load_state_dict({"micro_steps": 3, "buffer": torch.zeros(2)})
+
+
+def test_a_window_whose_loss_divisor_changes_goes_on_with_its_sum_rescaled():
+    """A checkpoint of programs that added whole losses' gradients (compiled programs, or an earlier version),
+    resumed by programs that divide each loss by N: the sum so far is rescaled, so the window's mean is the mean of
+    its micro-batches' gradients, as with one division throughout."""
+    from lightning_sink.window.state import Window
+
+    torch.manual_seed(0)
+    param = torch.nn.Parameter(torch.randn(5))
+    targets = [torch.randn(5) for _ in range(3)]
+    window = Window(GradientAccumulator([param]), ranks_in_sum=1)
+    for index, target in enumerate(targets):
+        if index == 1:
+            window.divide_losses_by(3)  # the programs of the resumed fit
+        window.store.begin_micro_step()
+        ((param - target) ** 2).sum().div(window.loss_divisor).backward()
+        window.store.end_micro_step()
+    window.store.unscale(None, window.mean_divisor())
+    window.store.write_gradients()
+    expected = sum(2 * (param.detach() - target) for target in targets) / 3
+    torch.testing.assert_close(param.grad, expected)

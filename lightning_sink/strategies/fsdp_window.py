@@ -149,6 +149,14 @@ class FSDPWindow:
             param.grad = None
         self.micro_steps = 0
 
+    def scale_sum(self, factor: float) -> None:
+        """The partial sums a resume put aside, or those FSDP2 (or autograd) holds."""
+        sums = self._pending if self._pending is not None else self._partial_sums()
+        with torch.no_grad():
+            for tensor in sums:
+                if tensor is not None:
+                    tensor.mul_(factor)
+
     def release(self) -> None:
         """Nothing attached: FSDP2 keeps the gradients in ``param.grad``."""
 

@@ -56,6 +56,10 @@ class GradientStore(Protocol):
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
+    def scale_sum(self, factor: float) -> None:
+        """Multiply the open window's sum by ``factor`` (its losses' divisor changed: ``Window.divide_losses_by``)."""
+        ...
+
     def release(self) -> None:
         """Take off what the store attached to the parameters (hooks): another store replaces it, or the fit ended."""
         ...

@@ -64,7 +64,10 @@ class Window:
 
     def divide_losses_by(self, divisor: int) -> None:
         """The programs that train the next micro-batches divide each loss by ``divisor`` before its backward (the
-        update divides the sum by the rest, ``mean_divisor``)."""
+        update divides the sum by the rest, ``mean_divisor``). An open window's sum so far, of losses divided
+        otherwise (a checkpoint of other programs), is rescaled to the new division."""
+        if divisor != self.loss_divisor and self.backward_passes:
+            self.store.scale_sum(self.loss_divisor / divisor)
         self.loss_divisor = divisor
 
     def count_micro_batch(self) -> None:

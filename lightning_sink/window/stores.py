@@ -52,5 +52,8 @@ class NoGradients:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.micro_steps = 0
 
+    def scale_sum(self, factor: float) -> None:
+        """No sum."""
+
     def release(self) -> None:
         """Nothing attached."""

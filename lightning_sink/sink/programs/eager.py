@@ -17,8 +17,8 @@ The implementations (``choose_programs`` picks them from the ``HookPlan``):
 - ``HookedAccumulate`` / ``HookedUpdate``: every Lightning hook in Lightning's order (the zero-grad hooks at a
   window's first micro-batch, ``Strategy.backward`` with its hooks, the module's ``optimizer_step`` hook whose
   ``optimizer.step(closure)`` runs the last micro-batch); each loss divided by N, as Lightning's closure does.
-- ``DirectAccumulate`` / ``DirectUpdate``: nobody overrides those hooks, so no dispatch and no closure; the loss is
-  not divided (``loss_divisor`` 1), the update divides by the window's backward passes.
+- ``DirectAccumulate`` / ``DirectUpdate``: nobody overrides those hooks, so no dispatch and no closure; each loss
+  divided by N all the same (so that the window's sum rounds as stock's), the update divides by the rest.
 - ``SingleStepUpdate``: windows of one micro-step on one process without a loss scale: nothing to sum, reduce,
   unscale or divide; a plain loop's zero-grad, forward, backward and step.
 """
@@ -210,13 +210,15 @@ class HookedUpdate(_Hooked):
 
 
 class _Direct:
-    """What both direct programs share: forward and backward into the window's sum, no hook dispatch."""
-
-    loss_divisor = 1
+    """What both direct programs share: forward and backward into the window's sum, no hook dispatch. Each loss
+    is divided by N before its backward, as Lightning's closure divides it, so that the sum rounds as stock's (a
+    window the compiled programs began, of whole losses, is rescaled when this pair takes it on:
+    ``Window.divide_losses_by``)."""
 
     def __init__(self, engine: StepEngine, window: Window, updates: SinkUpdates) -> None:
         self._engine, self._window, self._updates = engine, window, updates
         self._store_checked = False  # whether this sink has checked the trainable set
+        self.loss_divisor = engine.accumulation_steps
 
     def _micro_step(self, batch: Any, batch_idx: int, ends: bool) -> Tensor | None:
         engine, window = self._engine, self._window
@@ -233,7 +235,8 @@ class _Direct:
         if loss is not None:
             store = window.store
             store.begin_micro_step(ends)
-            engine.backward(loss, skip=window.overflowed)  # (not divided: loss_divisor is 1)
+            divisor = self.loss_divisor
+            engine.backward(loss / divisor if divisor != 1 else loss, skip=window.overflowed)
             store.end_micro_step()
             loss = loss.detach()
         return loss

@@ -29,6 +29,9 @@ class WindowHandover:
         if not store.micro_steps:
             self.programs.window.reset()
             return
+        # the programs add whole losses' gradients: a sum of divided ones (the eager pair's, a checkpoint's) is
+        # rescaled first
+        self.window.divide_losses_by(1)
         for view, buffer in self._pairs():
             buffer.copy_(view)
         self.programs.window.micro_steps.fill_(float(store.micro_steps))
