@@ -24,6 +24,7 @@ from lightning_sink._lightning_compat.checkpoints import (
     checkpoint_every_n_train_steps,
     recorded_step_counts,
     reopen_interrupted_epoch,
+    save_points_read,
 )
 from lightning_sink._lightning_compat.data_loading import (
     forget_saved_loader_states,
@@ -122,4 +123,5 @@ __all__ = [
     "set_estimated_stepping_batches",
     "stock_estimated_stepping_batches",
     "reopen_interrupted_epoch",
+    "save_points_read",
 ]

@@ -16,6 +16,34 @@ def checkpoint_every_n_train_steps(callback: Any) -> int:
     return int(callback._every_n_train_steps or 0)
 
 
+def save_points_read(trainer: Any, val_check_interval: float) -> Callable[[], None]:
+    """Each ``ModelCheckpoint`` that decides by itself whether to save at a training epoch's end or after each
+    validation (``save_on_train_epoch_end=None``) reads ``trainer.val_check_interval`` for it at every epoch's end;
+    while a sink fit holds that setting at 1.0 (its own schedule places the validations), they read
+    ``val_check_interval``, the user's, instead. Returns what gives them Lightning's own reading back."""
+    shadowed = []
+    for callback in trainer.checkpoint_callbacks:
+        if getattr(callback, "_save_on_train_epoch_end", False) is not None:
+            continue  # (decided by its own argument, or not a ModelCheckpoint)
+        lightning_decides = type(callback)._should_save_on_train_epoch_end.__get__(callback)
+
+        def decides(trainer: Any, lightning_decides: Callable[[Any], bool] = lightning_decides) -> bool:
+            held, trainer.val_check_interval = trainer.val_check_interval, val_check_interval
+            try:
+                return lightning_decides(trainer)
+            finally:
+                trainer.val_check_interval = held
+
+        callback._should_save_on_train_epoch_end = decides
+        shadowed.append(callback)
+
+    def give_back() -> None:
+        for callback in shadowed:
+            callback.__dict__.pop("_should_save_on_train_epoch_end", None)
+
+    return give_back
+
+
 def callback_state_key(callback: Any, **settings: Any) -> str:
     """Lightning's state key format for a callback: its class name and the settings that tell instances apart."""
     return callback._generate_state_key(**settings)

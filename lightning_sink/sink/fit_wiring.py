@@ -131,10 +131,18 @@ def _install_loop_rules(trainer: pl.Trainer, loop: SinkLoop, position: DataPosit
         scheduled = _validates_after_segment(trainer, loop, position, points.validate_every_n_passes)
 
     def validates(lightning_decides: Callable[[], bool]) -> bool:
-        return loop.decide_validation(scheduled() if scheduled is not None else lightning_decides())
+        if scheduled is not None:
+            return loop.decide_validation(scheduled())
+        # Lightning validates at its epoch's end, or at an early stop: a sink that max_steps cut short read as the
+        # epoch's last batch (Lightning read its end ahead), but the epoch did not end there
+        cut = not loop.segment_complete and not loop.sink_finished and not trainer.should_stop
+        return loop.decide_validation(lightning_decides() and not cut)
 
     overrides = compat.LoopOverrides.for_sinks(loop.made_no_update, lambda: loop.sink_finished, validates)
     compat.install_loop_overrides(trainer, overrides)
+    # The loggers' step as Lightning's restart leaves it (the updates made): a checkpoint saved at a segment's end
+    # holds it one behind after an update, which Lightning's restart adds back only for a batch it saw update.
+    compat.set_logging_step(trainer, updated=False)
 
 
 def _validates_after_segment(

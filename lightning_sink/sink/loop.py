@@ -3,12 +3,11 @@ with the logging and the LR schedulers that Lightning would have run per update 
 
 Windows run on across sinks and data passes (the data is one endless stream), so ``partial_window`` does not apply
 here. A sink may run as several Lightning batches ("segments"), each ending at a point of the fit's schedule
-(``sink/schedule.py``) or at the sink's planned end; a ``max_steps`` reached inside the sink ends it, and so does a
-``max_time`` deadline passed (the host clock is read after each call, one micro-batch or several, only when a time
-limit is set). The data position records what was trained, including the micro-batches of the sink, so a resume
-continues the interrupted sink to its planned end. ``self.log`` calls are recorded during a segment and handed to
-Lightning at its end (``sink/logging.py``). Nothing is read back to the host: the losses stay on the device.
-"""
+(``sink/schedule.py``) or at the sink's planned end; a ``max_steps`` reached inside the sink cuts it short, and so
+does a ``max_time`` deadline passed (the host clock read after each call, only when a time limit is set). The data
+position records what was trained, so a resume continues the interrupted sink to its planned end. ``self.log``
+calls are recorded during a segment and handed to Lightning at its end (``sink/logging.py``); the losses stay on
+the device."""
 
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ class _ReadAhead:
 
 
 def _no_time_limit() -> float | None:
-    """The default ``time_left``: no ``max_time`` to check."""
-    return None
+    return None  # the default ``time_left``: no ``max_time`` to check
 
 
 @dataclass(frozen=True)
@@ -120,6 +118,7 @@ class SinkLoop:
         self.validation_pending = False  # Lightning decided to validate after the batch and has not zero-grad yet
         self.programs: SinkPrograms | None = None  # the last segment's
         self.validation_due = False  # the last segment ended where Lightning validates
+        self.segment_complete = True  # the last segment trained all its micro-batches (max_steps, max_time cut one)
         self._pass_ended = False  # sink_size=-1: the last segment ended with its data pass
         self._read_ahead: deque[Any] = deque()  # read for a build's example, trained first (PASS_END kept in order)
         host = engine.host
@@ -314,6 +313,7 @@ class SinkLoop:
         return loss
 
     def _end_segment(self, segment: Segment, programs: SinkPrograms, complete: bool) -> None:
+        self.segment_complete = complete
         if complete:
             self.validation_due = segment.validates
             if self._sink_size == -1 and segment.ends_sink:

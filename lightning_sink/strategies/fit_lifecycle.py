@@ -56,6 +56,10 @@ def fit_setting(name: str) -> Any:
     return property(lambda strategy: getattr(strategy.sink_fit, name), doc=f"The fit's ``{name}``.")
 
 
+def _nothing_to_give_back() -> None:
+    """No ModelCheckpoint reads a held setting."""
+
+
 class SinkFit:
     """Held by a sink strategy from its construction (``host``: that strategy)."""
 
@@ -84,6 +88,7 @@ class SinkFit:
         self.direct_transfer = False  # batch_to_device may skip the transfer-hook dispatch (during a fit)
         self._trainer: pl.Trainer | None = None
         self._val_check_interval: int | float | None = None  # the Trainer's, held during a sink-mode fit
+        self._give_back_save_points: Callable[[], None] = _nothing_to_give_back  # (ModelCheckpoint's reading of it)
 
     # ------------------------------------------------------------------ what the strategy and its users read
     @property
@@ -168,6 +173,7 @@ class SinkFit:
             if isinstance(interval, (int, float)) and not isinstance(interval, bool) and interval != 1.0:
                 self._val_check_interval = interval
                 trainer.val_check_interval = 1.0
+                self._give_back_save_points = compat.save_points_read(trainer, interval)
             compat.set_estimated_stepping_batches(trainer, self.estimated_updates)
         else:
             # Lightning's loop opens and closes windows with this (and divides each loss by it).
@@ -327,6 +333,8 @@ class SinkFit:
         if self._val_check_interval is not None and self._trainer is not None:
             self._trainer.val_check_interval = self._val_check_interval  # the Trainer's own setting, given back
         self._val_check_interval = None
+        self._give_back_save_points()
+        self._give_back_save_points = _nothing_to_give_back
         if self._trainer is not None:
             compat.set_estimated_stepping_batches(self._trainer, None)
         self._sink.unwire()  # also when training raised and on_train_end never ran
