@@ -27,6 +27,7 @@ from lightning_sink.sink.fit_wiring import SinkSettings, SinkWiring
 from lightning_sink.sink.loop import SinkLoop
 from lightning_sink.sink_data import SinkLoader
 from lightning_sink.strategies import checkpoint_state
+from lightning_sink.strategies.carried_windows import carried_updates
 from lightning_sink.strategies.config import SinkConfig
 from lightning_sink.strategies.engine import EngineHost, StepEngine
 from lightning_sink.strategies.engine_assembly import (
@@ -178,6 +179,10 @@ class SinkFit:
         else:
             # Lightning's loop opens and closes windows with this (and divides each loss by it).
             trainer.accumulate_grad_batches = self.accumulation_steps
+            if self.partial_window == "carry":  # (windows run across epochs: no update per epoch's last window)
+                compat.set_estimated_stepping_batches(
+                    trainer, lambda: carried_updates(trainer, self.accumulation_steps)
+                )
 
     def process_dataloader(self, dataloader: object) -> object:
         trainer = self.trainer
