@@ -18,7 +18,8 @@ The implementations (``choose_programs`` picks them from the ``HookPlan``):
   window's first micro-batch, ``Strategy.backward`` with its hooks, the module's ``optimizer_step`` hook whose
   ``optimizer.step(closure)`` runs the last micro-batch); each loss divided by N, as Lightning's closure does.
 - ``DirectAccumulate`` / ``DirectUpdate``: nobody overrides those hooks, so no dispatch and no closure; each loss
-  divided by N all the same (so that the window's sum rounds as stock's), the update divides by the rest.
+  divided by N all the same (so that the window's sum rounds as stock's; under a loss scale, whole, as the
+  compiled programs take it), the update divides by the rest.
 - ``SingleStepUpdate``: windows of one micro-step on one process without a loss scale: nothing to sum, reduce,
   unscale or divide; a plain loop's zero-grad, forward, backward and step.
 """
@@ -213,12 +214,13 @@ class _Direct:
     """What both direct programs share: forward and backward into the window's sum, no hook dispatch. Each loss
     is divided by N before its backward, as Lightning's closure divides it, so that the sum rounds as stock's (a
     window the compiled programs began, of whole losses, is rescaled when this pair takes it on:
-    ``Window.divide_losses_by``)."""
+    ``Window.divide_losses_by``). Under a loss scale each loss stays whole, as the compiled programs scale it: the
+    package's scale rule is its own, and a division before the scaling would move where fp16 overflows."""
 
     def __init__(self, engine: StepEngine, window: Window, updates: SinkUpdates) -> None:
         self._engine, self._window, self._updates = engine, window, updates
         self._store_checked = False  # whether this sink has checked the trainable set
-        self.loss_divisor = engine.accumulation_steps
+        self.loss_divisor = engine.accumulation_steps if engine.scaling is None else 1
 
     def _micro_step(self, batch: Any, batch_idx: int, ends: bool) -> Tensor | None:
         engine, window = self._engine, self._window
