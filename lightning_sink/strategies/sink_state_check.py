@@ -97,6 +97,7 @@ WINDOW_FIELDS = (
     Field("drop", False, lambda v: isinstance(v, bool), "a bool"),
     Field("overflowed", False, lambda v: isinstance(v, bool), "a bool"),
     Field("loss_divisor", False, _int_at_least(1), "an int >= 1"),
+    Field("reached", False, lambda v: isinstance(v, list) and all(isinstance(x, bool) for x in v), "a list of bools"),
 )
 DATA_FIELDS = (
     Field("trained_in_pass", True, _int_at_least(0), "an int >= 0"),

@@ -106,7 +106,10 @@ class Window:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a saved window. A checkpoint written before the window's own fields were saved holds only the
         backward passes: those stand in for the micro-batches, as they did when it was written."""
-        self.store.load_state_dict({"micro_steps": state["micro_steps"], "buffer": state.get("buffer")})
+        saved_store = {"micro_steps": state["micro_steps"], "buffer": state.get("buffer")}
+        if state.get("reached") is not None:
+            saved_store["reached"] = state["reached"]  # (the parameters the open window's backward passes reached)
+        self.store.load_state_dict(saved_store)
         self.micro_batches = int(state.get("micro_batches", state["micro_steps"]))
         self.drop = bool(state.get("drop", False))
         self.overflowed = bool(state.get("overflowed", False))

@@ -106,6 +106,7 @@ MID_WINDOW_EDITS = [
     ),
     (setter("window", "buffers", "x"), "window.buffers", r"is 'x', expected None or a list"),
     (setter("window", "drop", 1), "window.drop", r"is 1, expected a bool"),
+    (setter("window", "reached", [True, "yes"]), "window.reached", r"is a list, expected a list of bools"),
     (setter(None, "window", 5), "window", r"is 5, expected None or a dict"),
     (setter(None, "accumulation_steps", 0), "accumulation_steps", r"is 0, expected an int >= 1"),
     (setter("data", "trained_in_sink", -1), "data.trained_in_sink", r"is -1, expected an int >= 0"),

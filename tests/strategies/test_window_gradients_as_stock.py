@@ -154,3 +154,30 @@ def test_a_window_of_three_in_sinks_sums_its_gradients_as_stock_lightning_rounds
         trainer.fit(module, loader(make_dataset(num_samples=48), 8))  # 6 micro-batches a pass: two windows
     for name, tensor in stock_module.state_dict().items():
         assert torch.equal(sink_module.state_dict()[name], tensor), name
+
+
+class SavesInsideAWindow(pl.Callback):
+    """A checkpoint after micro-batch 2 of the first epoch, inside the window (2, 3), which reaches the trunk only."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.fit_loop.total_batch_idx == 2:
+            trainer.save_checkpoint(self.path)
+
+
+def test_a_resume_inside_a_window_keeps_which_parameters_it_reached(tmp_path):
+    """The flags ride in the checkpoint: assumed all reached after a resume, the sometimes-used branch took a zero
+    gradient at the window's update (and AdamW moved it on its momentum), unlike the uninterrupted fit."""
+    path = str(tmp_path / "inside.ckpt")
+    uninterrupted = Branches()
+    fit(uninterrupted, SinkStrategy(), callbacks=[SavesInsideAWindow(path)])
+    resumed = Branches()
+    trainer = quiet_trainer(strategy=SinkStrategy(), max_epochs=2, accumulate_grad_batches=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(resumed, loader(make_dataset(num_samples=SAMPLES), BATCH), ckpt_path=path)
+    assert resumed.grads_at_step == uninterrupted.grads_at_step[1:]  # (the resumed fit's first update is the second)
+    for name, tensor in uninterrupted.state_dict().items():
+        assert torch.equal(resumed.state_dict()[name], tensor), name
