@@ -92,6 +92,13 @@ class UpdateMakeup:
     world_size: int
     loss_scaling: bool
 
+    @property
+    def sums_windows(self) -> bool:
+        """Whether the window store sums each window's gradients in its own buffer (``_summing_cause`` says why),
+        rather than leaving one micro-step's ``.grad`` as it is: several micro-batches, several processes, or a
+        loss scale that checks the sum first."""
+        return self.accumulation_steps > 1 or self.scheduled or self.world_size > 1 or self.loss_scaling
+
 
 def check_module_and_optimizer(
     strategy: str, module: pl.LightningModule, optimizer: Optimizer, update: UpdateMakeup
@@ -107,8 +114,7 @@ def check_module_and_optimizer(
             " no sink_size."
         )
     sparse = _sparse_gradient_layer(module)
-    sums = steps > 1 or update.scheduled or update.world_size > 1 or update.loss_scaling
-    if sums and sparse is not None:
+    if update.sums_windows and sparse is not None:
         raise ValueError(
             f"{sparse} gives its weight sparse gradients, but {strategy} sums each window's gradients in one dense"
             f" fp32 buffer here ({_summing_cause(update)}), which makes them dense (and SparseAdam refuses dense"

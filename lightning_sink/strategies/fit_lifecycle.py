@@ -38,7 +38,12 @@ from lightning_sink.strategies.engine_assembly import (
     install_window_rules,
     unbind_backward,
 )
-from lightning_sink.strategies.fit_checks import check_sink_callbacks, draws_own_batches, settle_accumulation_steps
+from lightning_sink.strategies.fit_checks import (
+    UpdateMakeup,
+    check_sink_callbacks,
+    draws_own_batches,
+    settle_accumulation_steps,
+)
 from lightning_sink.strategies.graph_modes import step_function
 from lightning_sink.strategies.hooks import HookPlan
 from lightning_sink.strategies.progress_ranges import check_progress_against_fit, whole_count
@@ -67,11 +72,8 @@ class SinkFit:
     def __init__(self, host: EngineHost, config: SinkConfig) -> None:
         self.host = host
         self.sink_config = config
-        self.sink_size, self.prefetch_depth, self.graph_mode = (
-            config.sink_size,
-            config.prefetch_depth,
-            config.graph_mode,
-        )
+        self.sink_size, self.graph_mode = config.sink_size, config.graph_mode
+        self.prefetch_depth = config.prefetch_depth
         self.micro_steps_per_call = config.micro_steps_per_call
         self._requested_accumulation_steps = config.accumulation_steps
         self.accumulation_steps = config.accumulation_steps or 1
@@ -207,12 +209,14 @@ class SinkFit:
     def flat_store(self, params: list[Parameter]) -> GradientStore:
         """The store of the single-device and DDP strategies: the flat fp32 window sum, or plain ``.grad`` where a
         window is one micro-step on one process without a loss scale (nothing to sum, reduce or unscale)."""
-        if (
-            self.accumulation_steps == 1
-            and self.host.world_size == 1
-            and self.loss_scaling is None
-            and not self.scheduled
-        ):
+        update = UpdateMakeup(
+            accumulation_steps=self.accumulation_steps,
+            sink_size=self.sink_size,
+            scheduled=self.scheduled,
+            world_size=self.host.world_size,
+            loss_scaling=self.loss_scaling is not None,
+        )
+        if not update.sums_windows:
             return SingleStepGradients(params)
         # Windows that run across Lightning's zero-grad points ("carry") reset only when they end.
         follows_zero_grad = self.sink_size is not None or self.partial_window != "carry"

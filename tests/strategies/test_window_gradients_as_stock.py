@@ -142,6 +142,24 @@ def test_sparse_gradients_train_as_stock_without_a_window_sum_and_are_refused_wi
         fit(SparseEmbedding(), SinkStrategy())
 
 
+def test_the_store_and_the_sparse_check_read_one_rule_of_when_windows_are_summed(monkeypatch):
+    """Whether a window's gradients are summed is decided in one place (``UpdateMakeup.sums_windows``): changed
+    there, both the store the fit builds and the refusal of sparse gradients follow."""
+    from lightning_sink.accumulation import GradientAccumulator, SingleStepGradients
+    from lightning_sink.strategies.fit_checks import UpdateMakeup
+
+    def store_of(module: pl.LightningModule) -> type:
+        trainer = quiet_trainer(strategy=SinkStrategy(), max_epochs=1, limit_train_batches=1)
+        trainer.fit(module, loader(make_dataset(num_samples=SAMPLES), BATCH))
+        return type(trainer.strategy.sink_fit.engine.window.store)
+
+    assert store_of(Branches()) is SingleStepGradients
+    monkeypatch.setattr(UpdateMakeup, "sums_windows", property(lambda update: True))
+    assert store_of(Branches()) is GradientAccumulator
+    with pytest.raises(ValueError, match=r"embedding \(Embedding\(sparse=True\)\)"):
+        store_of(SparseEmbedding())
+
+
 def test_a_window_of_three_in_sinks_sums_its_gradients_as_stock_lightning_rounds_them():
     """Lightning's closure divides each loss by N before its backward; the sink's direct programs summed the whole
     losses' gradients and divided once, which rounds otherwise for an N that is not a power of two (about 3e-8)."""
