@@ -11,6 +11,11 @@ workers down at the end of fit). This class adds, at the points where Lightning 
   that were already trained are fetched and discarded.
 - ``batch_trained``: counts the batch; after the last batch of a pass the generators' states are those the next
   pass starts from (nothing else draws from the loader's generators in between), so they are noted then.
+- An epoch that ends before its last batch (``max_steps``, ``should_stop``, ``on_train_batch_start`` returning -1)
+  ends its pass too, as Lightning starts the next epoch from a new iterator: the generators' states after the
+  epoch's first batch are those the next pass starts from (the sampler and the loader drew then), noted at each
+  epoch's first batch; the next epoch's first batch, or a checkpoint saved once the epoch is over
+  (``before_save``), ends the pass.
 
 Only a loader whose order a second pass reproduces (``has_reproducible_order``: a ``DataLoader`` that is sequential,
 uses a ``DistributedSampler``, or shuffles with a generator of its own) is resumed this way. Any other is left to
@@ -84,6 +89,8 @@ class TrainingPasses:
         self._user_limit: int | float | None = None  # trainer.limit_train_batches as given, while "drop" sets it
         self._not_resumable_warning = _NotResumableWarningIgnored()
         self._reproducible = True  # every loader taken in this fit so far
+        self._epoch: int | None = None  # Lightning's epoch of the last batch counted
+        self._next_pass_states: Any = None  # the generators' states after that epoch's first batch
 
     def take_loader(
         self, trainer: pl.Trainer, loader: Any, whole_windows_of: int | None, counts_batches: bool = True
@@ -138,12 +145,35 @@ class TrainingPasses:
         self._not_resumable_warning.stop()
 
     def batch_trained(self, last_of_pass: bool) -> None:
+        if self._trainer is not None and self._trainer.current_epoch != self._epoch:
+            self._epoch_started(self._trainer.current_epoch)
         self.position.advance()
         if not last_of_pass:
             return
         self.position.end_pass()  # a resume after this point starts a fresh pass
         if self.loader is not None:
             self.position.record_pass_start(self.position.pass_index, capture_generator_states(self.loader))
+
+    def _epoch_started(self, epoch: int) -> None:
+        """The first batch of an epoch: the pass of an epoch before it that ended early ends; the states after this
+        first batch are noted, for a pass that this epoch may end early."""
+        if self._epoch is not None:
+            self._end_early_pass(self._next_pass_states)
+        self._epoch = epoch
+        self._next_pass_states = capture_generator_states(self.loader) if self.loader is not None else None
+
+    def before_save(self) -> None:
+        """A checkpoint is about to be saved: where Lightning's epoch is over but its pass is not (the epoch ended
+        early), the pass ends now, so that a resume starts at the next epoch's first batch, as Lightning does."""
+        if self._trainer is not None and compat.epoch_batches_over(self._trainer):
+            self._end_early_pass(self._next_pass_states)
+
+    def _end_early_pass(self, next_pass_states: Any) -> None:
+        if self.position.trained_in_pass == 0:
+            return  # (ended at its last batch: ``batch_trained`` noted the next pass's states then)
+        self.position.end_pass()
+        if next_pass_states is not None:
+            self.position.record_pass_start(self.position.pass_index, next_pass_states)
 
     def release(self) -> None:
         """At the end of fit: give ``trainer.limit_train_batches`` back its own value."""
@@ -152,3 +182,4 @@ class TrainingPasses:
             self._trainer.limit_train_batches = self._user_limit
         self._user_limit, self._trainer, self.loader = None, None, None
         self._reproducible = True
+        self._epoch, self._next_pass_states = None, None

@@ -30,6 +30,7 @@ from lightning_sink._lightning_compat.data_loading import (
     forget_saved_loader_states,
     shut_down_loader_workers,
     skip_training_batches,
+    training_loader_count,
 )
 from lightning_sink._lightning_compat.fit_length import (
     can_stop_early,
@@ -64,7 +65,12 @@ from lightning_sink._lightning_compat.metrics import (
     metric_step_value,
     metric_step_value_set_to,
 )
-from lightning_sink._lightning_compat.progress import UpdateCounters, batch_index_in_epoch, is_last_batch_of_epoch
+from lightning_sink._lightning_compat.progress import (
+    UpdateCounters,
+    batch_index_in_epoch,
+    epoch_batches_over,
+    is_last_batch_of_epoch,
+)
 from lightning_sink._lightning_compat.strategy import (
     StrategyRegistry,
     model_parallel_sizes,
@@ -87,6 +93,7 @@ __all__ = [
     "LoopOverrides",
     "install_loop_overrides",
     "remove_loop_overrides",
+    "epoch_batches_over",
     "is_last_batch_of_epoch",
     "batch_index_in_epoch",
     "UpdateCounters",
@@ -110,6 +117,7 @@ __all__ = [
     "set_module_device_mesh",
     "saves_distributed_checkpoint",
     "skip_training_batches",
+    "training_loader_count",
     "shut_down_loader_workers",
     "forget_saved_loader_states",
     "StrategyRegistry",

@@ -38,3 +38,10 @@ def forget_saved_loader_states(trainer: pl.Trainer) -> None:
     """Keep Lightning from loading the checkpoint's state into a stateful training loader (the strategy resumes the
     loader itself); Lightning reads these states right after ``Strategy.process_dataloader``."""
     trainer.fit_loop._combined_loader_states_to_load = []
+
+
+def training_loader_count(trainer: pl.Trainer) -> int:
+    """How many loaders the fit trains from (a dict or list of them Lightning combines into one ``CombinedLoader``;
+    0 before the training data is set up)."""
+    combined = trainer.fit_loop._combined_loader
+    return 0 if combined is None else len(combined.flattened)

@@ -23,6 +23,14 @@ def batch_index_in_epoch(trainer: pl.Trainer) -> int:
     return int(epoch_loop(trainer).batch_progress.current.ready) - 1
 
 
+def epoch_batches_over(trainer: pl.Trainer) -> bool:
+    """Whether Lightning's epoch in flight has finished its batches (its ``processed`` count), at their end or early
+    (``max_steps``, ``should_stop``, ``on_train_batch_start`` returning -1): a fit resumed from a checkpoint saved now
+    starts the next epoch at its first batch."""
+    progress = trainer.fit_loop.epoch_progress.current  # (a ``_ProcessedTracker``, typed as its base class)
+    return progress.ready > 0 and getattr(progress, "processed", progress.completed) == progress.ready
+
+
 class UpdateCounters:
     """Lightning's optimizer progress counters (saved in the loop state; ``trainer.global_step`` reads the
     completed step count), moved as Lightning moves its own. Looked up once per sink: a sink counts hundreds of

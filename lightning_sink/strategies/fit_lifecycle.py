@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning.pytorch.utilities.data import has_len_all_ranks
 from torch.nn import Parameter
 
@@ -353,19 +353,19 @@ class SinkFit:
         self.direct_transfer = False
         self.passes.release()
         self._indexed_reads.release()
+        self.pending_state = self._pending_random_states = None  # (a checkpoint's state is for the fit that loaded it)
 
     # ------------------------------------------------------------------ checkpoints
     def window_settings(self) -> dict[str, Any]:
         """The arguments an open window was accumulated under (checked on resume: ``resume_check.py``)."""
-        return {
-            "accumulation_steps": self.accumulation_steps,
-            "sink_size": self.sink_size,
-            "partial_window": self.partial_window,
-        }
+        return dict(
+            accumulation_steps=self.accumulation_steps, sink_size=self.sink_size, partial_window=self.partial_window
+        )
 
     def state_dict(self, gather: Callable[[Any], list[Any]]) -> dict[str, Any]:
         """Everything the strategy needs to resume exactly (``gather``: every rank's partial sums)."""
         window = self.engine.window if self.engine is not None else None
+        self.passes.before_save()  # (outside sink mode: sinks keep their own position)
         random_states = gather_random_states(self.host.world_size) if self.sink_config.checkpoint_random_state else None
         return checkpoint_state.sink_state(
             self.window_settings(), window, self.data_position, gather, self.host, random_states
@@ -383,9 +383,9 @@ class SinkFit:
             check_tensor_digests(checkpoint, checkpoint_state.CHECKPOINT_KEY, checkpoint_path)
 
     def restore(self, checkpoint: dict[str, Any], checkpoint_path: Any) -> None:
-        """Take this package's state from a loaded checkpoint (also called for resharded checkpoints)."""
+        """Take this package's state from a checkpoint (resharded ones too) that a fit loads, not validate or test."""
         state = checkpoint_state.read_sink_state(checkpoint, checkpoint_path)
-        if state is not None:
+        if state is not None and self.trainer.state.fn == TrainerFn.FITTING:
             # The data position must be known before Lightning first iterates the loader; the window is applied
             # at train start, once the engine exists.
             self.data_position.load_state_dict(state["data"])
