@@ -71,6 +71,17 @@ def clone_tree(tree: Any) -> Any:
     return tree
 
 
+def stackable(batches: list[Any]) -> bool:
+    """Whether ``several_call`` can stack ``batches``: the same structure, with tensors of one shape and dtype at
+    each place (a loader that pads each batch to its longest sequence gives batches it cannot)."""
+
+    def shapes(batch: Any) -> Any:
+        return tree_map(lambda leaf: (leaf.shape, leaf.dtype) if isinstance(leaf, Tensor) else None, batch)
+
+    first = shapes(batches[0])
+    return all(shapes(batch) == first for batch in batches[1:])
+
+
 def several_call(tables: list[Tensor], windows: int, accumulation: int, batches: list[Any] | None) -> dict[str, Any]:
     """``several_program``'s input for a call of ``windows`` windows of ``accumulation`` micro-steps: its batches
     stacked per leaf of the batch as [windows, accumulation, ...] (None: gathered from the staged data) and the first

@@ -65,6 +65,7 @@ class SinkWiring:
     ) -> SinkLoop:
         """Build the sink loop over ``sink_loader``'s loader and install Lightning's loop rules for sinks."""
         loader, sink_size = sink_loader.loader, settings.sink_size
+        _check_one_stream(type(host).__name__, sink_size, trainer)
         depth = _prefetch_depth(host, loader, settings)
         staging = _staging(host, engine, loader, position, settings, depth)
         staged = staging if isinstance(staging, StagedData) else None
@@ -217,3 +218,21 @@ def _budget(host: EngineHost, settings: SinkSettings) -> int:
     default)."""
     budget = settings.device_data_budget
     return default_device_data_budget(host.root_device) if budget is None else budget
+
+
+def _check_one_stream(strategy: str, sink_size: int, trainer: pl.Trainer) -> None:
+    """A sink reads one endless stream of micro-batches, on through the passes of one loader."""
+    loaders = compat.training_loader_count(trainer)
+    if loaders > 1:
+        raise ValueError(
+            f"{strategy}(sink_size={sink_size}) trains from one training loader, but the fit has {loaders} (a dict or"
+            " list of loaders, which Lightning combines): combine them into one DataLoader (a Dataset that returns"
+            " both batches), or train without sink_size."
+        )
+    overfit = getattr(trainer, "overfit_batches", 0)  # (set by Lightning's debugging flags, untyped)
+    if overfit:
+        raise ValueError(
+            f"Trainer(overfit_batches={overfit}) trains the same batches in every epoch, but"
+            f" {strategy}(sink_size={sink_size}) reads on through the data from sink to sink: train without"
+            " sink_size, or overfit a loader over a Subset of those batches."
+        )

@@ -23,6 +23,7 @@ from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 
 from lightning_sink import _lightning_compat as compat
+from lightning_sink.compiled.program_state import stackable
 from lightning_sink.data import DataPosition
 from lightning_sink.sink.logging import SinkLogBuffer
 from lightning_sink.sink.programs.eager import PairCall, SeveralSteps, SinkPrograms, SinkUpdates, choose_eager
@@ -51,15 +52,11 @@ class _ReadAhead:
     batch: Any
 
 
-def _no_time_limit() -> float | None:
-    return None  # the default ``time_left``: no ``max_time`` to check
-
-
 @dataclass(frozen=True)
 class MaxTimeRule:
     """How the loop applies the fit's ``max_time`` between calls (by default: no limit checked per step)."""
 
-    time_left: Callable[[], float | None] = _no_time_limit
+    time_left: Callable[[], float | None] = lambda: None
     """Seconds until ``max_time`` (``None``: no limit checked per step)."""
     agree: Callable[[bool], bool] | None = None
     """Under several processes, rank 0's decision that the time is up, given to every rank (the strategy's
@@ -105,12 +102,9 @@ class SinkLoop:
         self._choose = hooks.choose  # the pair each sink runs (compiled programs: ``sink/programs/compiled_choice.py``)
         self._batches = hooks.batches
         self.stream = stream
-        self._data_position = data_position
-        self._log_buffer = log_buffer
-        self._schedule = schedule
+        self._data_position, self._log_buffer, self._schedule = data_position, log_buffer, schedule
         self._sink_size = schedule.sink_size
-        self._time_left = hooks.max_time.time_left
-        self._agree = hooks.max_time.agree
+        self._time_left, self._agree = hooks.max_time.time_left, hooks.max_time.agree
         self._recompile_watch = hooks.recompile_watch  # (graph modes: TorchDynamo compiles the step)
         self._progress = hooks.progress
         self.updates = self._sink_updates()
@@ -296,7 +290,11 @@ class SinkLoop:
                     )
                 return None if self._sink_size == -1 and micro_index else ()
             batches.append(self._prepared(batch))
-        return list(zip(batches, call.run(batches, self._data_position.trained_in_sink)))
+        first = self._data_position.trained_in_sink
+        if call.count > 1 and not isinstance(batches[0], StagedBatch) and not stackable(batches):
+            # a loader's batches of differing shapes (each padded to its longest sequence): a call for each
+            return [(batch, run) for i, batch in enumerate(batches) for run in calls.one.run([batch], first + i)]
+        return list(zip(batches, call.run(batches, first)))
 
     def _micro_step(self, batch: Any, train: Callable[[], Tensor | None]) -> Any:
         """One micro-batch's effects, in order: trained (or its call's host effects done), the data position

@@ -168,3 +168,48 @@ def test_resume_inside_a_sink_and_a_window_is_bit_for_bit(tmp_path, caplog, seve
 def test_micro_steps_per_call_is_checked_at_construction(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SinkStrategy(**kwargs)
+
+
+class PaddedSequences(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding, self.head = torch.nn.Embedding(30, 8, padding_idx=0), torch.nn.Linear(8, 3)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, labels = batch
+        mask = (tokens != 0).float().unsqueeze(-1)
+        pooled = (self.embedding(tokens) * mask).sum(1) / mask.sum(1)
+        return torch.nn.functional.cross_entropy(self.head(pooled), labels)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+def _padded_loader() -> torch.utils.data.DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 12, (48,), generator=generator).tolist()
+    items = [(torch.randint(1, 30, (length,), generator=generator), index % 3) for index, length in enumerate(lengths)]
+
+    def pad(batch: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.zeros(len(batch), max(len(sequence) for sequence, _ in batch), dtype=torch.long)
+        for row, (sequence, _) in enumerate(batch):
+            tokens[row, : len(sequence)] = sequence
+        return tokens, torch.tensor([label for _, label in batch])
+
+    return torch.utils.data.DataLoader(items, batch_size=4, collate_fn=pad)
+
+
+def test_batches_of_differing_shapes_run_a_call_each(several_calls):
+    """A loader that pads each batch to its longest sequence: a call's batches cannot be stacked, so each runs in a
+    call of its own (a call of several had stopped the fit stacking them)."""
+    modules = []
+    for graph_mode in ("eager", "compile"):
+        module = PaddedSequences()
+        calls = 6 if graph_mode == "compile" else None
+        strategy = SinkStrategy(accumulation_steps=2, sink_size=6, graph_mode=graph_mode, micro_steps_per_call=calls)
+        quiet_trainer(strategy=strategy, max_epochs=2).fit(module, _padded_loader())
+        modules.append(module)
+    assert several_calls == []  # (every call of this fit had batches of differing shapes)
+    for (name, eager), (_, compiled) in zip(modules[0].state_dict().items(), modules[1].state_dict().items()):
+        assert relative_error(compiled, eager) < 1e-5, name

@@ -255,3 +255,21 @@ def test_a_window_of_one_micro_step_needs_no_buffer_unless_its_loss_is_scaled(st
     assert type(trainer.strategy._accumulator).__name__ == store
     reference_train(reference, dataset, reference_windows(48, MICRO_BATCH, steps, 2, "scale"))
     assert relative_error(flat_params(model), flat_params(reference)) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("two loaders", r"SinkStrategy\(sink_size=4\) trains from one training loader, but the fit has 2"),
+        ("overfit_batches", r"Trainer\(overfit_batches=2\) trains the same batches in every epoch"),
+    ],
+)
+def test_a_fit_sinks_cannot_read_as_one_stream_is_refused(setting: str, message: str):
+    """Stock trains a dict of loaders as one combined batch, and ``overfit_batches`` on the same batches each epoch;
+    a sink had trained on the last loader only, and read on through the data."""
+    data = loader(make_dataset(num_samples=32), 4)
+    trainer = quiet_trainer(
+        strategy=SinkStrategy(sink_size=4), max_epochs=1, overfit_batches=2 if setting == "overfit_batches" else 0.0
+    )
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(TinyClassifier(), {"a": data, "b": data} if setting == "two loaders" else data)

@@ -99,11 +99,12 @@ class PairCall:
 
     def run(self, batches: list[Any], batch_idx: int) -> list[Callable[[], Tensor | None]]:
         (batch,) = batches
-        engine = self._engine
-        # (the window is the same when the function runs: only the log buffer's micro-step starts in between)
+        return [partial(self._train, batch, batch_idx)]
+
+    def _train(self, batch: Any, batch_idx: int) -> Tensor | None:
+        engine = self._engine  # (read when it trains: several such functions may be made before the first runs)
         ends = engine.window.micro_batches + 1 >= engine.accumulation_steps
-        program = self._programs.update if ends else self._programs.accumulate
-        return [partial(program.run, batch, batch_idx)]
+        return (self._programs.update if ends else self._programs.accumulate).run(batch, batch_idx)
 
 
 class SinkUpdates:
