@@ -9,7 +9,11 @@ where a program compiled whole stops with an error. So the step is run once, on 
 
 - the Python attributes of every submodule (numbers, strings, ``None``, a container's length, which object an
   attribute holds): one that changed, appeared or went is a side effect;
-- the state of Python's and NumPy's global random generators: a step that draws from them draws on the host;
+- the buffers every submodule assigns a new tensor (``self.count = self.count + 1``): a program runs the step on
+  its own tensors for the buffers and keeps what they hold after a call, so only a buffer changed in place
+  (``self.count.add_(1)``) is kept, and a new tensor would be dropped;
+- the state of Python's and NumPy's global random generators, and of any ``torch.Generator`` a submodule holds: a
+  step that draws from them draws on the host (a program cannot draw from a generator of the module's own);
 - with a Lightning trainer, the trainer attributes the step reads that change while the fit runs (the caller's
   ``trainer_reads``: ``lightning_sink._lightning_compat.trainer_reads``).
 
@@ -22,11 +26,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import random
+from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, cast
 
 import numpy
+import torch
 from torch import nn
 
 __all__ = ["TrainerReads", "host_dependence"]
@@ -43,18 +49,35 @@ def host_dependence(module: nn.Module, run: Callable[[], Any], trainer_reads: Tr
     ``trainer_reads``: a context listing the trainer attributes read that change during the fit (None: no trainer)."""
     attributes = _Attributes(module)
     generators = (random.getstate(), numpy.random.get_state())
-    with trainer_reads() if trainer_reads is not None else contextlib.nullcontext([]) as reads:
-        run()
+    own = [(path, value, value.get_state()) for path, value in attributes.generators()]
+    try:
+        with trainer_reads() if trainer_reads is not None else contextlib.nullcontext([]) as reads:
+            run()
+    finally:
+        reassigned = attributes.reassigned_buffers()  # (the module's own buffer dicts back, whatever happened)
     changed = attributes.changed()
     attributes.restore()
     drew = [name for name, same in _same_generators(generators) if not same]
+    drew += [
+        f"{path} (a torch.Generator of the module's)"
+        for path, value, state in own
+        if not torch.equal(value.get_state(), state)
+    ]
     random.setstate(generators[0])
     numpy.random.set_state(generators[1])
+    for _, value, state in own:
+        value.set_state(state)
     if reads:
         return (
             f"training_step reads {reads[0]}, which changes while the fit runs: a compiled call"
             " would keep the value read when it was built for all its micro-batches (and compile again for each new"
             " value); use graph_mode='eager', or keep the value in a tensor buffer of the module set from a hook"
+        )
+    if reassigned:
+        return (
+            f"training_step assigns {reassigned[0]} a new tensor at each call: the programs keep a buffer's value"
+            " only where the step changes it in place; update it in place (self.count.add_(1), .copy_(...)) or use"
+            " graph_mode='eager'"
         )
     if changed:
         return (
@@ -79,6 +102,19 @@ def _same_generators(before: tuple[Any, Any]) -> list[tuple[str, bool]]:
     ]
 
 
+class _BufferWrites(dict):
+    """A submodule's ``_buffers`` during the run, counting the assignments to each name: the program's run puts its
+    own tensor in and the module's back (``functional_call``: two), a third is the step's own."""
+
+    def __init__(self, buffers: dict[str, Any]) -> None:
+        super().__init__(buffers)
+        self.writes: Counter[str] = Counter()
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        self.writes[name] += 1
+        super().__setitem__(name, value)
+
+
 class _Attributes:
     """The plain Python attributes of a module's submodules as they were: what changed, and putting them back."""
 
@@ -90,6 +126,28 @@ class _Attributes:
             for values in self._values
         ]
         self._marks = [{name: _mark(value) for name, value in values.items()} for values in self._values]
+        self._buffer_writes = [_BufferWrites(vars(sub)["_buffers"]) for _, sub in self._modules]
+        for (_, sub), writes in zip(self._modules, self._buffer_writes):
+            vars(sub)["_buffers"] = writes  # (until ``reassigned_buffers``)
+
+    def generators(self) -> list[tuple[str, torch.Generator]]:
+        """``self.<path>`` and each ``torch.Generator`` a submodule holds as an attribute."""
+        return [
+            (f"self.{prefix + '.' if prefix else ''}{name}", value)
+            for (prefix, _), values in zip(self._modules, self._values)
+            for name, value in values.items()
+            if isinstance(value, torch.Generator)
+        ]
+
+    def reassigned_buffers(self) -> list[str]:
+        """``self.<path>`` of each buffer the run assigned a new tensor; the submodules' own buffer dicts back."""
+        found = []
+        for (prefix, sub), values, writes in zip(self._modules, self._values, self._buffer_writes):
+            vars(sub)["_buffers"] = values["_buffers"]
+            found += [
+                f"self.{prefix + '.' if prefix else ''}{name}" for name, count in writes.writes.items() if count > 2
+            ]
+        return found
 
     def changed(self) -> list[str]:
         """``self.<path>`` of each attribute that changed, appeared or went, with its value before and after."""

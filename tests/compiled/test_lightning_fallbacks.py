@@ -104,6 +104,26 @@ class KeptLossesNet(Net):
         return loss
 
 
+class ReassignedBufferNet(Net):
+    def __init__(self, optimizer: str) -> None:
+        super().__init__(optimizer)
+        self.register_buffer("count", torch.zeros(()))
+
+    def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
+        self.count = self.count + 1  # (a new tensor: the programs had dropped it, the count stayed 0)
+        return super().training_step(batch, batch_idx) * (1 + 0.01 * self.count)
+
+
+class OwnGeneratorNet(Net):
+    def __init__(self, optimizer: str) -> None:
+        super().__init__(optimizer)
+        self.noise = torch.Generator().manual_seed(0)
+
+    def training_step(self, batch: Any, batch_idx: Any) -> torch.Tensor:
+        # (the build's runs had drawn from it too: the fit's draws came after three extra ones)
+        return super().training_step(batch, batch_idx) * (1 + 0.1 * torch.rand((), generator=self.noise))
+
+
 class PythonRandomNet(Net):
     def __init__(self, optimizer: str) -> None:
         super().__init__(optimizer)
@@ -143,13 +163,15 @@ CASES: dict[str, tuple[type[Net], dict[str, Any], str]] = {
     "optimizer read": (OptimizerLearningRateNet, {}, "reads self.optimizers() or self.trainer.strategy"),
     "counter": (CounterNet, {}, "training_step changes self.calls (absent -> 1) at each call"),
     "kept list": (KeptLossesNet, {}, "training_step changes self.losses (a list of 0 -> a list of 1)"),
+    "reassigned buffer": (ReassignedBufferNet, {}, "training_step assigns self.count a new tensor at each call"),
     "python random": (PythonRandomNet, {}, "training_step draws from Python's random module"),
     "numpy random": (NumpyRandomNet, {}, "training_step draws from NumPy's global random generator"),
+    "own generator": (OwnGeneratorNet, {}, "training_step draws from self.noise (a torch.Generator of the module's)"),
 }
 
 
 HOST_STATE = ("global_step", "current_epoch", "scheduler read", "optimizer read", "counter", "kept list")
-HOST_STATE += ("python random", "numpy random")
+HOST_STATE += ("python random", "numpy random", "reassigned buffer", "own generator")
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -164,7 +186,11 @@ def test_each_reason_is_one_line_and_the_fit_is_the_eager_one(case):
             trainer.fit(model, loader(dataset()))
         lines = [str(w.message) for w in caught if "no whole-step programs" in str(w.message)]
         params[graph_mode] = flat(model.net)
-        kept[graph_mode] = (getattr(model, "calls", None), len(getattr(model, "losses", [])))
+        kept[graph_mode] = (
+            getattr(model, "calls", None),
+            len(getattr(model, "losses", [])),
+            float(getattr(model, "count", 0)),
+        )
     assert kept["compile"] == kept["eager"]  # (the side effects as often as the eager step makes them)
     assert len(lines) == 1 and "\n" not in lines[0], lines
     # a step reading host state runs uncompiled: a compiled forward would compile again for each new value
