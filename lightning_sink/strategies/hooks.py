@@ -72,7 +72,8 @@ class HookPlan:
         )
         return cls(
             direct_backward=direct_backward,
-            direct_before_step=not _used(trainer, "on_before_optimizer_step")
+            direct_before_step=unprofiled
+            and not _used(trainer, "on_before_optimizer_step")
             and not _used(trainer, "configure_gradient_clipping", module_only=True),
             direct_transfer=unprofiled and not any(_transfer_hook_used(trainer, name) for name in _TRANSFER_HOOKS),
             direct_sink_step=direct_backward

@@ -150,7 +150,8 @@ def check_tensor_digests(checkpoint: dict[str, Any], section: str, checkpoint_pa
             if recorded[where] != digest:
                 raise ValueError(
                     f"{checkpoint_path}: tensor {where} is damaged: its bytes differ from the SHA-256 saved with it"
-                    " (the file changed after it was written). Resume from another checkpoint."
+                    " (the file changed after it was written). Resume from another checkpoint, or, for a file edited"
+                    " on purpose (weights averaged, pruned), load it with checkpoint_digests=False."
                 )
             seen.add(where)
     except NestedTooDeep as error:

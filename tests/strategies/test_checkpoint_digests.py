@@ -263,3 +263,12 @@ def test_a_rank_that_cannot_read_its_share_fails_every_rank(two_rank_resumes):
     assert "rank 1 could not check its share of the files: [Errno 13] Permission denied" in error
     assert ".distcp" in error
     assert all(record["seconds"] < 60 for record in records)
+
+
+def test_a_checkpoint_edited_on_purpose_names_the_opt_out_and_loads_with_it(sink_checkpoint):
+    """Weights averaged into a copy of a checkpoint (a user's edit, not damage): refused, in a line naming
+    ``checkpoint_digests=False``, with which it loads as stock loads it."""
+    edit(sink_checkpoint, lambda c: c["state_dict"]["net.2.bias"].mul_(0.5))
+    with pytest.raises(ValueError, match=r"is damaged: .* edited on purpose .* checkpoint_digests=False"):
+        fit(SinkStrategy(accumulation_steps=2), ckpt_path=sink_checkpoint)
+    fit(SinkStrategy(accumulation_steps=2, checkpoint_digests=False), ckpt_path=sink_checkpoint)
