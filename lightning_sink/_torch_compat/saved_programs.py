@@ -22,6 +22,7 @@ __all__ = [
     "compile_to_save",
     "forget_size_marks",
     "guards_pass",
+    "hook_paths",
     "inlined_sources",
     "load_saved",
     "save_program",
@@ -38,16 +39,37 @@ _SIZE_MARKS = (
     "_has_dynamo_dim_marking",
 )
 _BUILTINS_GLOBAL = re.compile(rb"__builtins_dict___\d+")
+# the hooks a module runs around its forward and backward: its own, and those ``torch.nn.modules.module`` runs for
+# every module (``register_module_forward_hook`` and the like)
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOKS = tuple(f"_global{name}" for name in _MODULE_HOOKS)
 
 
 @dataclass(frozen=True)
 class DroppedGuard:
-    """A guard TorchDynamo cannot save with a program: its kind, the path it reads (a Python expression over the
-    program's arguments by name and ``G``, its globals) and the value it found there when the program was built."""
+    """A guard a saved program cannot check by itself: its kind, the path it reads (a Python expression over the
+    program's arguments by name and ``G``, its globals) and the value it found there when the program was built.
+    Either TorchDynamo cannot save it (object identities), or it reads a global: a loaded program's guards on
+    globals are built again from the values the loading process has, so they hold there whatever changed; they are
+    saved too (``saved``), and catch what changes after the load."""
 
     kind: str
     path: str
     value: Any
+    saved: bool = False
+
+
+def hook_paths(module_path: str, module: torch.nn.Module) -> list[str]:
+    """The paths, as guards write them, of the hook dicts of ``module`` (found at ``module_path``), of each of its
+    submodules and of torch's hooks on every module. TorchDynamo does not guard on hooks (its
+    ``skip_nnmodule_hook_guards``: it assumes they do not change after a build), so a program saved in one process
+    and loaded in another checks them itself: a hook registered in the second would otherwise not run."""
+    paths = []
+    for name, _ in module.named_modules():
+        found_at = module_path + "".join(f"._modules[{part!r}]" for part in name.split(".") if part)
+        paths += [f"{found_at}.{hooks}" for hooks in _MODULE_HOOKS]
+    every_module = "G['__import_torch_dot_nn_dot_modules_dot_module']"
+    return paths + [f"{every_module}.{hooks}" for hooks in _GLOBAL_HOOKS]
 
 
 def caches_disabled() -> bool:
@@ -65,7 +87,7 @@ def compile_to_save(
     would, into a program ``save_program`` can write, which runs without checking TorchDynamo's guards: the caller
     checks them first (``guards_pass``). The guards of kinds TorchDynamo cannot save (object identities: of modules,
     classes, functions and their closures) are left out and listed in ``dropped``, for the caller to check in its
-    own way."""
+    own way; so are, saved as well, the guards on a global's value (``DroppedGuard``: why)."""
     from torch._dynamo.guards import CheckFunctionManager
 
     unsaved = set(CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES)
@@ -74,8 +96,11 @@ def compile_to_save(
         kept = []
         for entry in entries:
             saved = not ({entry.guard_type, *(entry.derived_guard_types or ())} & unsaved)
+            value = entry.value if entry.has_value else None
             if not saved:
-                dropped.append(DroppedGuard(entry.guard_type, entry.name, entry.value if entry.has_value else None))
+                dropped.append(DroppedGuard(entry.guard_type, entry.name, value))
+            elif entry.is_global and entry.has_value:
+                dropped.append(DroppedGuard(entry.guard_type, entry.name, value, saved=True))
             kept.append(saved)
         return kept
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import enum
 import functools
 import hashlib
 import sys
@@ -28,6 +29,8 @@ __all__ = ["GuardIdentities", "PathNotFollowed", "identity"]
 _Getter = Callable[[dict[str, Any], dict[str, Any]], Any]
 _CALLS: dict[str, Callable[[Any], Any]] = {"dict": dict, "type": type}
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+_DEPTH, _ITEMS = 3, 64  # how deep and how long a container is named item by item
 _EMPTY_CELL = object()
 
 
@@ -35,8 +38,14 @@ class PathNotFollowed(Exception):
     """A guard's path that ``GuardIdentities`` does not follow (or that no longer leads anywhere)."""
 
 
-def identity(value: Any) -> str:
-    """A name for ``value`` that is the same in another process exactly when the object is the same code."""
+def identity(value: Any, depth: int = 0) -> str:
+    """A name for ``value`` that is the same in another process exactly when the object is the same code or the
+    same value: an enum member by its name, a container by what it holds (a global dict's entries, a module's
+    hooks), to ``_DEPTH`` levels."""
+    if isinstance(value, enum.Enum):
+        return f"enum {identity(type(value))}.{value.name}"
+    if isinstance(value, _CONTAINERS):
+        return _container_identity(value, depth)
     if isinstance(value, types.ModuleType):
         return f"module {value.__name__}"
     if isinstance(value, type):
@@ -53,6 +62,18 @@ def identity(value: Any) -> str:
     if isinstance(value, _PLAIN):
         return f"value {value!r}"
     return f"object of {identity(type(value))}"
+
+
+def _container_identity(value: Any, depth: int) -> str:
+    kind = identity(type(value))
+    if depth >= _DEPTH or len(value) > _ITEMS:
+        return f"{kind} of {len(value)} items"  # (what a guard of its own below it reads is checked at its path)
+    if isinstance(value, dict):
+        items = [f"{identity(key, depth + 1)}: {identity(item, depth + 1)}" for key, item in value.items()]
+    else:
+        items = [identity(item, depth + 1) for item in value]
+        items = sorted(items) if isinstance(value, (set, frozenset)) else items
+    return f"{kind} [{', '.join(items)}]"
 
 
 def _cell_identity(cell: Any) -> str:
@@ -75,7 +96,6 @@ class GuardIdentities:
     def __init__(self, entries: Sequence[tuple[str, str]]) -> None:
         self.entries = [(str(path), str(name)) for path, name in entries]
         self._getters = [(path, name, _getter(path)) for path, name in self.entries]
-        self._from_arguments = [index for index, (path, _) in enumerate(self.entries) if _reads_arguments(path)]
         # per path, what was found there when it last matched: the same objects again need no new name (checked
         # before every call of a program, where naming every function again would cost more than a small step)
         self._matched: list[tuple[Any, ...] | None] = [None] * len(self.entries)
@@ -88,16 +108,10 @@ class GuardIdentities:
         entries = sorted({(path, identity(_getter(path)(arguments, program_globals))) for path in paths})
         return cls(entries)
 
-    def first_difference(
-        self, arguments: dict[str, Any], program_globals: dict[str, Any], arguments_only: bool = False
-    ) -> str | None:
-        """The first path where another object is found now (or none), as one line; None where all are the same.
-        ``arguments_only``: only the paths from the program's arguments (the module, the optimizer: what a fit's
-        own code may change between calls), not those from its globals (module-level functions and classes)."""
+    def first_difference(self, arguments: dict[str, Any], program_globals: dict[str, Any]) -> str | None:
+        """The first path where another object is found now (or none), as one line; None where all are the same."""
         matched = self._matched
-        indices = self._from_arguments if arguments_only else range(len(self._getters))
-        for index in indices:
-            path, name, get = self._getters[index]
+        for index, (path, name, get) in enumerate(self._getters):
             try:
                 value = get(arguments, program_globals)
             except (PathNotFollowed, AttributeError, LookupError, TypeError) as error:
@@ -113,19 +127,14 @@ class GuardIdentities:
         return None
 
 
-def _reads_arguments(path: str) -> bool:
-    """Whether ``path`` starts from one of the program's arguments (a name other than ``G`` and the calls)."""
-    tree = ast.parse(path, mode="eval")
-    called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
-    return any(isinstance(node, ast.Name) and node.id != "G" and id(node) not in called for node in ast.walk(tree))
-
-
 def _parts(value: Any) -> tuple[Any, ...]:
     """The objects ``identity`` reads from ``value``: the same objects give the same name."""
     if isinstance(value, types.FunctionType):
         return (value, value.__code__, *(_cell_contents(cell) for cell in value.__closure__ or ()))
     if isinstance(value, types.MethodType):
         return (value.__self__, *_parts(value.__func__))
+    if isinstance(value, _CONTAINERS):
+        return (object(),)  # (its items may change while it stays the same object: named again at every check)
     return (value,)
 
 

@@ -19,10 +19,11 @@ is used only where all of these hold:
   read the same as when the program was built (TorchDynamo's checksums);
 - TorchDynamo's guards saved with the program hold (the values, flags and tensor properties the trace relied on: a
   dropout's ``p``, ``training``, an optimizer flag), checked before every call as a compiled program's are;
-- the guards it cannot save (which module, class or function sits at each path) hold (``GuardIdentities``): those
-  reached from the program's arguments (the module and its submodules, the optimizer) before every call too, those
-  of module-level functions and classes at the first call (a function replaced in a module while the fit runs is
-  not seen; its source file edited is).
+- checked here, before every call too (``GuardIdentities``): the guards it cannot save (which module, class, function
+  or enum member sits at each path); the values of the globals its guards read (a module-level constant or dict
+  entry: TorchDynamo builds a loaded program's guards on globals again from the loading process's own values, so
+  those alone would hold whatever changed); and the hooks of the module and its submodules and torch's hooks on
+  every module, on which TorchDynamo sets no guard.
 
 A call whose checks fail runs the loop compiled as usual instead (``fallback``), as a recompile would. Where nothing
 is saved, the loop is compiled by ``aot_compile`` (about as long as a first build, longer than a build whose graph
@@ -50,6 +51,7 @@ from lightning_sink._torch_compat import (
     compile_to_save,
     forget_size_marks,
     guards_pass,
+    hook_paths,
     inductor_cache_folder,
     inlined_sources,
     load_saved,
@@ -108,13 +110,13 @@ class SavedLoop:
                 return self._program(self._owner, state, call)
         return self._fallback(state, call)
 
-    def _serves(self, arguments: dict[str, Any], every_path: bool = False) -> bool:
-        """Whether the guards hold: TorchDynamo's saved ones, and the identities (``every_path``: also those from
-        the program's globals, which a fit's own code does not change: checked at the first call only)."""
+    def _serves(self, arguments: dict[str, Any]) -> bool:
+        """Whether the guards hold: TorchDynamo's saved ones, and the identities and values checked here
+        (``DroppedGuard``), before every call: a callback may replace a function or change a setting between two."""
         assert self._identities is not None
         program_globals = self._function.__globals__
         try:
-            if self._identities.first_difference(arguments, program_globals, not every_path) is not None:
+            if self._identities.first_difference(arguments, program_globals) is not None:
                 return False
             return guards_pass(self._program, (arguments["self"], arguments["state"], arguments["call"]))
         except Exception:  # (a guard that cannot be checked does not hold: the loop compiled as usual runs)
@@ -149,7 +151,7 @@ class SavedLoop:
             return False
         self._program, self._identities = program, identities
         tree_map(_unmarked, call)
-        if self._serves(dict(zip(_ARGUMENTS, (self._owner, state, call))), every_path=True):
+        if self._serves(dict(zip(_ARGUMENTS, (self._owner, state, call)))):
             return True
         self._program, self._identities = None, None
         return False
@@ -192,8 +194,10 @@ def _local_class(owner: Any) -> str | None:
 
 
 def _identities(dropped: list[DroppedGuard], arguments: dict[str, Any], program_globals: dict[str, Any]) -> Any:
-    """The left-out guards as identities, each checked against the value TorchDynamo saw at its path."""
-    identities = GuardIdentities.recorded([guard.path for guard in dropped], arguments, program_globals)
+    """The left-out guards as identities, each checked against the value TorchDynamo saw at its path, and the
+    module's hooks, on which TorchDynamo sets no guard."""
+    hooks = hook_paths("self.gradients.module", arguments["self"].gradients.module)
+    identities = GuardIdentities.recorded([guard.path for guard in dropped] + hooks, arguments, program_globals)
     seen = dict(identities.entries)
     for guard in dropped:
         if guard.value is not None and seen[guard.path] != identity(guard.value):

@@ -3,6 +3,7 @@ be the same in another process exactly when the object is the same code; a path 
 
 from __future__ import annotations
 
+import enum
 import subprocess
 import sys
 import types
@@ -124,3 +125,28 @@ def test_a_path_that_would_run_code_or_import_is_refused(path: str, tmp_path, mo
     assert not (tmp_path / "should_not_exist").exists()
     assert "a_module_never_imported_here" not in sys.modules
     guard_identities._getter.cache_clear()
+
+
+class Colour(enum.Enum):
+    RED = 1
+    GREEN = 2
+    CRIMSON = 1  # (an alias: the member RED)
+
+
+def test_an_enum_member_is_named_by_its_member_and_a_container_by_what_it_holds():
+    assert identity(Colour.RED) != identity(Colour.GREEN)
+    assert identity(Colour.CRIMSON) == identity(Colour.RED)
+    assert identity({"w": 1.0}) != identity({"w": 2.0}) and identity([1, 2]) != identity([2, 1])
+    assert identity({1, 2}) == identity({2, 1}) and identity(()) != identity([])
+    assert "of 100 items" in identity(list(range(100)))  # (bounded: a long container by its length)
+
+
+def test_a_container_changed_in_place_is_seen_at_the_next_check():
+    hooks: dict[int, object] = {}
+    holder = Holder()
+    holder.table = hooks
+    recorded = GuardIdentities.recorded(["self.table"], {"self": holder}, {})
+    assert recorded.first_difference({"self": holder}, {}) is None
+    hooks[0] = _scaled(2.0)  # (the same dict object, now holding a hook)
+    difference = recorded.first_difference({"self": holder}, {})
+    assert difference is not None and difference.startswith("self.table: class builtins.dict ["), difference

@@ -229,3 +229,55 @@ def test_a_damaged_saved_loop_is_built_again(fits: Fits, usual, damage: str):
     line, state = fits.run()
     assert LOADED not in line and SAVED in line, line
     assert _equal(state, usual)
+
+
+# what training_step reads beside the module's own attributes, each set from the environment of the fit's process:
+# a module-level value, an enum member the module holds, a hook on a submodule, a module-level function that a
+# callback replaces after the first sink
+READS_BESIDE = """
+    def on_fit_start(self):
+        self.mode = Mode[os.environ.get("NET_MODE", "A")]
+        if os.environ.get("NET_HOOK"):
+            self.net[0].register_forward_hook(lambda module, args, out: out * 0.5)
+
+    def on_train_epoch_end(self):
+        global act
+        if os.environ.get("NET_REPLACE"):
+            act = torch.tanh
+
+
+import enum
+import os
+
+
+class Mode(enum.Enum):
+    A = 1
+    B = 2
+
+
+WEIGHT = float(os.environ.get("NET_WEIGHT", "1.0"))
+act = torch.relu
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "change",
+    [{"NET_WEIGHT": "2.0"}, {"NET_MODE": "B"}, {"NET_HOOK": "1"}, {"NET_REPLACE": "1"}],
+    ids=["module-level value", "enum member", "hook on a submodule", "function replaced between sinks"],
+)
+def test_what_the_step_reads_beside_the_module_is_checked_before_a_saved_loop_serves(tmp_path: Path, change):
+    """TorchDynamo builds a loaded program's guards on globals again from the loading process's values, names an
+    enum member only by its class, and sets no guard on hooks: each such change trained the saved loop's model."""
+    fits = Fits(tmp_path)
+    fits.write_module(
+        scale="WEIGHT * act(torch.tensor(1.0)) * (2.0 if self.mode is Mode.B else 1.0)", config=READS_BESIDE
+    )
+    first_line, first = fits.run()
+    assert SAVED in first_line, first_line
+    _, usual = fits.run(LIGHTNING_SINK_SAVED_LOOP="", **change)  # (compiled as usual, the changed setting)
+    assert not _equal(usual, first)  # (the change changes the training)
+    line, state = fits.run(**change)
+    assert _equal(state, usual), line
+    if "NET_REPLACE" in change:  # (the same at the first call: loaded, and the later calls compiled as usual)
+        assert LOADED in line, line
