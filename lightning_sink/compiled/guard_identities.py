@@ -24,6 +24,8 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 __all__ = ["GuardIdentities", "PathNotFollowed", "identity"]
 
 _Getter = Callable[[dict[str, Any], dict[str, Any]], Any]
@@ -42,6 +44,8 @@ def identity(value: Any, depth: int = 0) -> str:
     """A name for ``value`` that is the same in another process exactly when the object is the same code or the
     same value: an enum member by its name, a container by what it holds (a global dict's entries, a module's
     hooks), to ``_DEPTH`` levels."""
+    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return f"torch {value}"  # (one object per value, named by it: torch.bfloat16, cpu)
     if isinstance(value, enum.Enum):
         return f"enum {identity(type(value))}.{value.name}"
     if isinstance(value, _CONTAINERS):

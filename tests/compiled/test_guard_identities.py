@@ -9,6 +9,7 @@ import sys
 import types
 
 import pytest
+import torch
 from torch import nn
 
 from lightning_sink.compiled import guard_identities
@@ -139,6 +140,7 @@ def test_an_enum_member_is_named_by_its_member_and_a_container_by_what_it_holds(
     assert identity({"w": 1.0}) != identity({"w": 2.0}) and identity([1, 2]) != identity([2, 1])
     assert identity({1, 2}) == identity({2, 1}) and identity(()) != identity([])
     assert "of 100 items" in identity(list(range(100)))  # (bounded: a long container by its length)
+    assert identity(torch.bfloat16) != identity(torch.float32)  # (a module-level dtype the step casts to)
 
 
 def test_a_container_changed_in_place_is_seen_at_the_next_check():
