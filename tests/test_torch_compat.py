@@ -268,6 +268,7 @@ def test_the_inductor_settings_of_the_cpu_programs_are_known_to_this_torch():
     cpu_settings = {
         "layout_optimization": False,
         "cpp_wrapper": True,
+        "emulate_precision_casts": True,
         "fallback_random": True,
         "unsafe_marked_cacheable_functions": scan,
     }
