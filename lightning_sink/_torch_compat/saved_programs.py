@@ -7,6 +7,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import io
+import platform
 import re
 import sys
 from collections.abc import Callable, Iterator
@@ -20,6 +21,8 @@ __all__ = [
     "DroppedGuard",
     "caches_disabled",
     "compile_to_save",
+    "constant_marked",
+    "cpu_vector_isa",
     "forget_size_marks",
     "guards_pass",
     "hook_paths",
@@ -39,6 +42,9 @@ _SIZE_MARKS = (
     "_has_dynamo_dim_marking",
 )
 _BUILTINS_GLOBAL = re.compile(rb"__builtins_dict___\d+")
+# guards whose expected value a loaded program takes from the loading process's objects, as it does for globals: a
+# class's attributes (reached through ``type(...)`` and its ``__dict__``) and a function's defaults
+_REBUILT_ON_LOAD = re.compile(r"type\(|__dict__|__defaults__|__kwdefaults__")
 # the hooks a module runs around its forward and backward: its own, and those ``torch.nn.modules.module`` runs for
 # every module (``register_module_forward_hook`` and the like)
 _MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
@@ -49,9 +55,9 @@ _GLOBAL_HOOKS = tuple(f"_global{name}" for name in _MODULE_HOOKS)
 class DroppedGuard:
     """A guard a saved program cannot check by itself: its kind, the path it reads (a Python expression over the
     program's arguments by name and ``G``, its globals) and the value it found there when the program was built.
-    Either TorchDynamo cannot save it (object identities), or it reads a global: a loaded program's guards on
-    globals are built again from the values the loading process has, so they hold there whatever changed; they are
-    saved too (``saved``), and catch what changes after the load."""
+    Either TorchDynamo cannot save it (object identities), or it reads a global, a class attribute or a function's
+    defaults: a loaded program's guards on those are built again from the values the loading process has, so they
+    hold there whatever changed; they are saved too (``saved``), and catch what changes after the load."""
 
     kind: str
     path: str
@@ -70,6 +76,14 @@ def hook_paths(module_path: str, module: torch.nn.Module) -> list[str]:
         paths += [f"{found_at}.{hooks}" for hooks in _MODULE_HOOKS]
     every_module = "G['__import_torch_dot_nn_dot_modules_dot_module']"
     return paths + [f"{every_module}.{hooks}" for hooks in _GLOBAL_HOOKS]
+
+
+def cpu_vector_isa() -> str:
+    """The vector instructions Inductor's generated CPU code uses here (``avx512``, ``avx2``, ``neon``, ...): a
+    program built where they differ may not run."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return f"{platform.machine()} {pick_vec_isa()}"
 
 
 def caches_disabled() -> bool:
@@ -97,9 +111,11 @@ def compile_to_save(
         for entry in entries:
             saved = not ({entry.guard_type, *(entry.derived_guard_types or ())} & unsaved)
             value = entry.value if entry.has_value else None
+            if entry.guard_type == "NOT_PRESENT_IN_GENERIC_DICT":
+                dropped.append(DroppedGuard("CLASS_MEMBER", f"type({entry.name}).{_looked_up(entry)}", None))
             if not saved:
                 dropped.append(DroppedGuard(entry.guard_type, entry.name, value))
-            elif entry.is_global and entry.has_value:
+            elif entry.has_value and (entry.is_global or _REBUILT_ON_LOAD.search(entry.name)):
                 dropped.append(DroppedGuard(entry.guard_type, entry.name, value, saved=True))
             kept.append(saved)
         return kept
@@ -115,6 +131,17 @@ def compile_to_save(
         program = compiled.aot_compile((args, {}))
     program.disable_guard_check()  # (the caller checks them before each call: ``guards_pass``)
     return program
+
+
+def _looked_up(entry: Any) -> str:
+    """The attribute that a guard found missing from an object's own ``__dict__``, so that the trace read it from
+    the object's class: a class attribute, a method, a base's constant. TorchDynamo keeps no guard on what the class
+    holds there (and those it keeps on a class's dict are built again from the loading process's class), so each
+    such attribute is a ``DroppedGuard`` at ``type(path).attribute``, named by what it holds."""
+    attribute = getattr(entry.orig_guard.create_fn, "keywords", {}).get("attr")
+    if not (isinstance(attribute, str) and attribute.isidentifier()):
+        raise TypeError(f"the attribute a guard on {entry.name} looks up is not known")  # (the loop is not saved)
+    return attribute
 
 
 @contextlib.contextmanager
@@ -150,6 +177,18 @@ def _new_object(cls: type) -> Any:
 
 def _restore_attributes(obj: Any, attributes: dict[str, Any]) -> None:
     obj.__dict__.update(attributes)
+
+
+def constant_marked(program: Any) -> str | None:
+    """A function marked ``torch._dynamo.assume_constant_result`` among the globals of the modules ``program``
+    traced (its name), or None. TorchDynamo calls such a function once while tracing and keeps its result in the
+    graph with no guard, so a saved program would keep a value another process may not have."""
+    for module_name in sorted({source[0] for source in inlined_sources(program)}):
+        module = sys.modules.get(module_name)
+        for name, value in vars(module).items() if module is not None else ():
+            if callable(value) and getattr(value, "_dynamo_marked_constant", False) is True:
+                return f"{module_name}.{name}"
+    return None
 
 
 def save_program(program: Any, path: Path) -> None:

@@ -47,29 +47,36 @@ def identity(value: Any, depth: int = 0) -> str:
     if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
         return f"torch {value}"  # (one object per value, named by it: torch.bfloat16, cpu)
     if isinstance(value, enum.Enum):
-        return f"enum {identity(type(value))}.{value.name}"
+        return f"enum {_class_name(type(value))}.{value.name}"
     if isinstance(value, _CONTAINERS):
         return _container_identity(value, depth)
     if isinstance(value, types.ModuleType):
         return f"module {value.__name__}"
     if isinstance(value, type):
-        return f"class {value.__module__}.{value.__qualname__}"
+        return _class_name(value)
+    if isinstance(value, types.FunctionType) and depth >= _DEPTH:  # (a closure may hold the function itself)
+        return f"function {value.__module__}.{value.__qualname__} {_code_digest(value.__code__)}"
     if isinstance(value, types.FunctionType):
-        cells = tuple(_cell_identity(cell) for cell in value.__closure__ or ())
-        return f"function {value.__module__}.{value.__qualname__} {_code_digest(value.__code__)} {cells}"
+        cells = tuple(_cell_identity(cell, depth + 1) for cell in value.__closure__ or ())
+        defaults = identity(value.__defaults__, depth + 1), identity(value.__kwdefaults__, depth + 1)
+        return f"function {value.__module__}.{value.__qualname__} {_code_digest(value.__code__)} {cells} {defaults}"
     if isinstance(value, types.MethodType):
-        return f"method {identity(value.__func__)} of {identity(type(value.__self__))}"
+        return f"method {identity(value.__func__, depth)} of {_class_name(type(value.__self__))}"
     if isinstance(value, (types.BuiltinFunctionType, types.BuiltinMethodType)):
         owner = getattr(value, "__self__", None)
-        where = value.__module__ or (identity(type(owner)) if owner is not None else "")
+        where = value.__module__ or (_class_name(type(owner)) if owner is not None else "")
         return f"builtin {where}.{value.__qualname__}"
     if isinstance(value, _PLAIN):
         return f"value {value!r}"
-    return f"object of {identity(type(value))}"
+    return f"object of {_class_name(type(value))}"
+
+
+def _class_name(cls: type) -> str:
+    return f"class {cls.__module__}.{cls.__qualname__}"
 
 
 def _container_identity(value: Any, depth: int) -> str:
-    kind = identity(type(value))
+    kind = _class_name(type(value))
     if depth >= _DEPTH or len(value) > _ITEMS:
         return f"{kind} of {len(value)} items"  # (what a guard of its own below it reads is checked at its path)
     if isinstance(value, dict):
@@ -80,18 +87,29 @@ def _container_identity(value: Any, depth: int) -> str:
     return f"{kind} [{', '.join(items)}]"
 
 
-def _cell_identity(cell: Any) -> str:
+def _cell_identity(cell: Any, depth: int) -> str:
     contents = _cell_contents(cell)
-    return "empty" if contents is _EMPTY_CELL else identity(contents)
+    return "empty" if contents is _EMPTY_CELL else identity(contents, depth)
 
 
 @functools.lru_cache(maxsize=4096)
 def _code_digest(code: types.CodeType) -> str:
     """The code's instructions, constants and names (not its line numbers; ``marshal`` is not used because its
     output depends on reference counts)."""
-    consts = [_code_digest(const) if isinstance(const, types.CodeType) else repr(const) for const in code.co_consts]
+    consts = [_constant(const) for const in code.co_consts]
     parts = (code.co_code, consts, code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars, code.co_flags)
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
+
+
+def _constant(const: Any) -> str:
+    """A code constant by value; a frozenset's items sorted (its order follows the process's string hashing)."""
+    if isinstance(const, types.CodeType):
+        return _code_digest(const)
+    if isinstance(const, frozenset):
+        return f"frozenset {sorted(_constant(item) for item in const)}"
+    if isinstance(const, tuple):
+        return f"tuple {[_constant(item) for item in const]}"
+    return repr(const)
 
 
 class GuardIdentities:
@@ -134,7 +152,8 @@ class GuardIdentities:
 def _parts(value: Any) -> tuple[Any, ...]:
     """The objects ``identity`` reads from ``value``: the same objects give the same name."""
     if isinstance(value, types.FunctionType):
-        return (value, value.__code__, *(_cell_contents(cell) for cell in value.__closure__ or ()))
+        cells = (_cell_contents(cell) for cell in value.__closure__ or ())
+        return (value, value.__code__, value.__defaults__, value.__kwdefaults__, *cells)
     if isinstance(value, types.MethodType):
         return (value.__self__, *_parts(value.__func__))
     if isinstance(value, _CONTAINERS):

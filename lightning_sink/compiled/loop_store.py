@@ -24,7 +24,7 @@ from lightning_sink.regular_file import read_regular
 
 __all__ = ["FORMAT", "MAX_ENTRY_BYTES", "MAX_PROGRAM_BYTES", "MAX_SAVED_LOOPS", "LoopStore", "StoredLoop"]
 
-FORMAT = 1
+FORMAT = 2
 MAX_ENTRY_BYTES = 8 << 20
 MAX_PROGRAM_BYTES = 256 << 20
 MAX_SAVED_LOOPS = 32

@@ -13,8 +13,9 @@ program in torch's format (``aot_compile``; a pickle, as Inductor's own cache en
 private as Inductor's) and an entry (``loop_store.py``: read bounded, the program's SHA-256 checked). A saved loop
 is used only where all of these hold:
 
-- the key: torch's, Python's and this package's versions, Inductor's settings, the module's classes and the shapes,
-  dtypes and devices of everything the program reads;
+- the key: torch's, Python's and this package's versions, the CPU's vector instructions, Inductor's settings, the
+  module's classes (named with what each class and its bases hold: attributes, methods by their code) and the
+  shapes, dtypes and devices of everything the program reads;
 - the sources TorchDynamo traced (the module's ``training_step``, this package's programs, torch's optimizer code)
   read the same as when the program was built (TorchDynamo's checksums);
 - TorchDynamo's guards saved with the program hold (the values, flags and tensor properties the trace relied on: a
@@ -49,6 +50,8 @@ from lightning_sink._torch_compat import (
     DroppedGuard,
     caches_disabled,
     compile_to_save,
+    constant_marked,
+    cpu_vector_isa,
     forget_size_marks,
     guards_pass,
     hook_paths,
@@ -161,6 +164,9 @@ class SavedLoop:
         dropped: list[DroppedGuard] = []
         try:
             program = compile_to_save(self._function, self._options, (self._owner, state, call), dropped)
+            marked = constant_marked(program)
+            if marked is not None:
+                raise ValueError(f"{marked} is marked assume_constant_result: its value would not be checked")
             arguments = dict(zip(_ARGUMENTS, (self._owner, state, call)))
             identities = _identities(dropped, arguments, self._function.__globals__)
         except Exception as error:  # (the loop is then compiled as usual, by the fallback)
@@ -210,6 +216,7 @@ def _key(owner: Any, state: dict[str, Any], call: dict[str, Any], options: dict[
     described = [
         torch.__version__,
         sys.version,
+        cpu_vector_isa(),
         _package_version(),
         FORMAT,
         sorted((options or {}).items()),

@@ -42,9 +42,19 @@ sys.path.insert(0, sys.argv[1])
 from lightning_sink.compiled.guard_identities import identity
 import lightning_sink.compiled.traced_programs as traced
 import torch
+namespace = {"__name__": "in_a_set"}
+exec(sys.argv[2], namespace)
 print(identity(traced._carry)); print(identity(traced.TracedPrograms.several_program)); print(identity(torch.optim))
-print(identity(torch.optim.AdamW)); print(identity(torch.add))
+print(identity(torch.optim.AdamW)); print(identity(torch.add)); print(identity(namespace["_in_a_set"]))
 """
+
+# a function whose code holds a frozenset of strings, whose order follows each process's string hashing
+IN_A_SET = """
+def _in_a_set(name):
+    return name in {"adam", "adamw", "sgd", "rmsprop", "lbfgs", "adagrad"}
+"""
+IN_A_SET_NAMESPACE: dict = {"__name__": "in_a_set"}
+exec(compile(IN_A_SET, "in_a_set", "exec", dont_inherit=True), IN_A_SET_NAMESPACE)
 
 
 def test_names_are_the_same_in_a_new_process():
@@ -58,15 +68,26 @@ def test_names_are_the_same_in_a_new_process():
         identity(torch.optim),
         identity(torch.optim.AdamW),
         identity(torch.add),
+        identity(IN_A_SET_NAMESPACE["_in_a_set"]),
     ]
-    done = subprocess.run(
-        [sys.executable, "-c", IDENTITY_IN_A_NEW_PROCESS, "."], capture_output=True, text=True, check=True, timeout=300
-    )
+    command = [sys.executable, "-c", IDENTITY_IN_A_NEW_PROCESS, ".", IN_A_SET]
+    done = subprocess.run(command, capture_output=True, text=True, check=True, timeout=300)
     assert done.stdout.splitlines() == here
+
+
+def _offset(x, by=1.0, *, times=1.0):
+    return (x + by) * times
 
 
 def test_names_tell_code_and_closures_apart():
     assert identity(_scaled(2.0)) == identity(_scaled(2.0))
+    named = identity(_offset)
+    _offset.__defaults__ = (2.0,)  # (TorchDynamo reads defaults as constants of the trace)
+    assert identity(_offset) != named
+    _offset.__defaults__, _offset.__kwdefaults__ = (1.0,), {"times": 3.0}
+    assert identity(_offset) != named
+    _offset.__kwdefaults__ = {"times": 1.0}
+    assert identity(_offset) == named
     assert identity(_scaled(2.0)) != identity(_scaled(3.0))  # (what the closure holds)
     assert identity(_scaled(2.0)) != identity(_shifted(2.0))  # (the same name and closure, other code)
     assert identity(nn.Linear) != identity(nn.Conv1d)

@@ -51,7 +51,7 @@ DAMAGE = {
     "entry not JSON": lambda folder: (folder / "k1.json").write_text("{not json"),
     "entry a list": lambda folder: (folder / "k1.json").write_text("[1, 2]"),
     "entry of another key": lambda folder: _set(folder / "k1.json", key="k2"),
-    "entry of another format": lambda folder: _set(folder / "k1.json", format=2),
+    "entry of another format": lambda folder: _set(folder / "k1.json", format=loop_store.FORMAT + 1),
     "size not an int": lambda folder: _set(folder / "k1.json", bytes="13"),
     "size too large": lambda folder: _set(folder / "k1.json", bytes=loop_store.MAX_PROGRAM_BYTES + 1),
     "sources malformed": lambda folder: _set(folder / "k1.json", sources=[["net_module", "3", 9, "ab"]]),
@@ -90,7 +90,9 @@ def test_a_refusal_is_kept_until_the_loop_is_saved(tmp_path: Path):
     store.refuse("k1", "TypeError: a class defined in a function")
     assert store.refusal("k1") == "TypeError: a class defined in a function"
     assert store.refusal("k2") is None
-    (tmp_path / "k2.refused").write_text(json.dumps({"format": 1, "key": "k2", "reason": ["not", "text"]}))
+    (tmp_path / "k2.refused").write_text(
+        json.dumps({"format": loop_store.FORMAT, "key": "k2", "reason": ["not", "text"]})
+    )
     assert store.refusal("k2") is None
     assert _save(store, "k1")
     assert store.refusal("k1") is None and store.load("k1") is not None

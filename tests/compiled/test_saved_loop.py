@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from lightning_sink.compiled import loop_store
 
 MODULE = """
 import lightning.pytorch as pl
@@ -213,8 +216,9 @@ def test_a_loop_torch_cannot_save_is_compiled_as_usual_and_not_tried_again(tmp_p
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["flipped program byte", "truncated program", "entry not JSON", "entry for 2"])
+@pytest.mark.parametrize("damage", ["flipped program byte", "truncated program", "entry not JSON", "entry format"])
 def test_a_damaged_saved_loop_is_built_again(fits: Fits, usual, damage: str):
+    shutil.rmtree(fits.cache / "lightning_sink_loops", ignore_errors=True)  # (an edited module saved its own loop)
     fits.run()
     entry_path, program_path = fits.saved_files()
     program, entry = program_path.read_bytes(), entry_path.read_text()
@@ -225,7 +229,7 @@ def test_a_damaged_saved_loop_is_built_again(fits: Fits, usual, damage: str):
     elif damage == "entry not JSON":
         entry_path.write_text(entry[:-5])
     else:
-        entry_path.write_text(json.dumps({**json.loads(entry), "format": 2}))
+        entry_path.write_text(json.dumps({**json.loads(entry), "format": loop_store.FORMAT + 1}))
     line, state = fits.run()
     assert LOADED not in line and SAVED in line, line
     assert _equal(state, usual)
@@ -235,10 +239,21 @@ def test_a_damaged_saved_loop_is_built_again(fits: Fits, usual, damage: str):
 # a module-level value, an enum member the module holds, a hook on a submodule, a module-level function that a
 # callback replaces after the first sink
 READS_BESIDE = """
+    GAIN = 1.0
+
     def on_fit_start(self):
         self.mode = Mode[os.environ.get("NET_MODE", "A")]
+        self.helper = Helper()
         if os.environ.get("NET_HOOK"):
             self.net[0].register_forward_hook(lambda module, args, out: out * 0.5)
+        if os.environ.get("NET_CLASS_GAIN"):
+            type(self).GAIN = 2.0
+        if os.environ.get("NET_HELPER_GAIN"):
+            Helper.GAIN = 2.0
+        if os.environ.get("NET_DEFAULTS"):
+            scaled.__defaults__ = (2.0,)
+        if os.environ.get("NET_LINEAR_FORWARD"):
+            nn.Linear.forward = lambda self, x: F.linear(x, self.weight, self.bias) * 0.5
 
     def on_train_epoch_end(self):
         global act
@@ -257,22 +272,42 @@ class Mode(enum.Enum):
 
 WEIGHT = float(os.environ.get("NET_WEIGHT", "1.0"))
 act = torch.relu
+
+
+class Helper:
+    GAIN = 1.0
+
+    def gain(self):
+        return self.GAIN
+
+
+def scaled(x, factor=1.0):
+    return x * factor
 """
+
+# what each change below sets, and what it was called when it was found
+CHANGES = {
+    "module-level value": {"NET_WEIGHT": "2.0"},
+    "enum member": {"NET_MODE": "B"},
+    "hook on a submodule": {"NET_HOOK": "1"},
+    "function replaced between sinks": {"NET_REPLACE": "1"},
+    "the module's class attribute": {"NET_CLASS_GAIN": "1"},
+    "a helper class's attribute": {"NET_HELPER_GAIN": "1"},
+    "a function's defaults": {"NET_DEFAULTS": "1"},
+    "a torch method replaced on its class": {"NET_LINEAR_FORWARD": "1"},
+}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "change",
-    [{"NET_WEIGHT": "2.0"}, {"NET_MODE": "B"}, {"NET_HOOK": "1"}, {"NET_REPLACE": "1"}],
-    ids=["module-level value", "enum member", "hook on a submodule", "function replaced between sinks"],
-)
+@pytest.mark.parametrize("change", CHANGES.values(), ids=CHANGES.keys())
 def test_what_the_step_reads_beside_the_module_is_checked_before_a_saved_loop_serves(tmp_path: Path, change):
-    """TorchDynamo builds a loaded program's guards on globals again from the loading process's values, names an
-    enum member only by its class, and sets no guard on hooks: each such change trained the saved loop's model."""
+    """TorchDynamo builds a loaded program's guards on globals, class attributes and defaults again from the loading
+    process's values, names an enum member only by its class, and sets no guard on hooks or on a method looked up
+    through a class: each such change trained the saved loop's model."""
     fits = Fits(tmp_path)
-    fits.write_module(
-        scale="WEIGHT * act(torch.tensor(1.0)) * (2.0 if self.mode is Mode.B else 1.0)", config=READS_BESIDE
-    )
+    mode = "(2.0 if self.mode is Mode.B else 1.0)"
+    gains = "self.GAIN * self.helper.gain() * scaled(1.0)"
+    fits.write_module(scale=f"WEIGHT * act(torch.tensor(1.0)) * {mode} * {gains}", config=READS_BESIDE)
     first_line, first = fits.run()
     assert SAVED in first_line, first_line
     _, usual = fits.run(LIGHTNING_SINK_SAVED_LOOP="", **change)  # (compiled as usual, the changed setting)
@@ -281,3 +316,16 @@ def test_what_the_step_reads_beside_the_module_is_checked_before_a_saved_loop_se
     assert _equal(state, usual), line
     if "NET_REPLACE" in change:  # (the same at the first call: loaded, and the later calls compiled as usual)
         assert LOADED in line, line
+
+
+@pytest.mark.slow
+def test_a_step_reading_a_value_assumed_constant_is_not_saved(tmp_path: Path, usual):
+    """TorchDynamo keeps what an ``assume_constant_result`` function returned while tracing, with no guard."""
+    fits = Fits(tmp_path)
+    marked = "\n\n@torch._dynamo.assume_constant_result\ndef factor():\n    return 1.0\n"
+    fits.write_module(scale="factor()", config=marked)
+    line, state = fits.run()
+    assert (
+        "the loop is not saved for a later fit (ValueError: net_module.factor is marked assume_constant_result" in line
+    )
+    assert _equal(state, usual)
