@@ -21,16 +21,18 @@ is used only where all of these hold:
 - TorchDynamo's guards saved with the program hold (the values, flags and tensor properties the trace relied on: a
   dropout's ``p``, ``training``, an optimizer flag), checked before every call as a compiled program's are;
 - checked here, before every call too (``GuardIdentities``): the guards it cannot save (which module, class, function
-  or enum member sits at each path); the values of the globals its guards read (a module-level constant or dict
-  entry: TorchDynamo builds a loaded program's guards on globals again from the loading process's own values, so
-  those alone would hold whatever changed); and the hooks of the module and its submodules and torch's hooks on
-  every module, on which TorchDynamo sets no guard.
+  or enum member sits at each path); the values of its guards on globals, on a class's dict and on a function's
+  defaults (TorchDynamo builds a loaded program's guards on those again from the loading process's own values, so
+  alone they would hold whatever changed); what each attribute the trace read through an object's class holds
+  there (a class attribute, a method by its code and defaults: TorchDynamo keeps no guard on those); and the hooks
+  of the module and its submodules and torch's hooks on every module, on which TorchDynamo sets no guard.
 
 A call whose checks fail runs the loop compiled as usual instead (``fallback``), as a recompile would. Where nothing
 is saved, the loop is compiled by ``aot_compile`` (about as long as a first build, longer than a build whose graph
 Inductor's cache holds) and saved for the next fit; where torch cannot save it, the loop is compiled as usual and
 the reason kept, so that later fits do not try again. A module whose class is defined inside a function cannot be
-saved (torch refuses it): its loop is compiled as usual. ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` turns saving and
+saved (torch refuses it): its loop is compiled as usual; so is one whose traced code calls a function marked
+``assume_constant_result`` (TorchDynamo keeps its value with no guard). ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` turns saving and
 loading off with Inductor's caches."""
 
 from __future__ import annotations
