@@ -14,8 +14,8 @@ private as Inductor's) and an entry (``loop_store.py``: read bounded, the progra
 is used only where all of these hold:
 
 - the key: torch's, Python's and this package's versions, the CPU's vector instructions, Inductor's settings, the
-  module's classes (named with what each class and its bases hold: attributes, methods by their code) and the
-  shapes, dtypes and devices of everything the program reads;
+  module's classes (by name: what the trace read from them is checked below) and the shapes, dtypes and devices of
+  everything the program reads;
 - the sources TorchDynamo traced (the module's ``training_step``, this package's programs, torch's optimizer code)
   read the same as when the program was built (TorchDynamo's checksums);
 - TorchDynamo's guards saved with the program hold (the values, flags and tensor properties the trace relied on: a
