@@ -18,8 +18,8 @@ Three fits per round, each in a new process (nothing compiled or cached in memor
 - **compile, cold**: ``SinkStrategy(sink_size=K, graph_mode="compile")`` with an empty Inductor cache
   (``TORCHINDUCTOR_CACHE_DIR`` a new folder): what a first fit pays;
 - **compile, cached**: the same again over the cache the cold fit left: what every later fit of the same module
-  pays (with ``LIGHTNING_SINK_SAVED_LOOP=1`` in the environment, the build loads the loop over windows the cold fit
-  saved there, ``compiled/saved_loop.py``: experimental, off by default).
+  pays (by default the build loads the loop over windows the cold fit saved there, ``compiled/saved_loop.py``;
+  ``LIGHTNING_SINK_SAVED_LOOP=0`` in the environment measures Inductor's cache alone).
 
 Per fit: the whole ``trainer.fit`` in seconds; the package's own build line (``build_seconds``); the steady sinks'
 median time, from which ``run_seconds`` (the fit's micro-batches at that pace) is derived, so build and run are

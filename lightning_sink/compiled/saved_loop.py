@@ -2,11 +2,11 @@
 loads the compiled loop instead of tracing it again, which is most of an identical build's time (TorchDynamo's
 trace and reading the graph back from Inductor's caches).
 
-**Off unless ``LIGHTNING_SINK_SAVED_LOOP=1`` is set** (``saved_loops_on``): fits that differed from the saving one
-loaded the saved loop and trained the wrong model without a word, where the checks below did not see what changed: a
-module-level constant or dict entry the step reads, an enum attribute, a function replaced in a module, a forward
-hook registered, an attribute a callback changed between sinks (``benchmarks/README.md``, "The saved loop off by
-default"). Until every such change refuses the load, the loop is compiled as usual, from Inductor's caches.
+**On by default; ``LIGHTNING_SINK_SAVED_LOOP=0`` turns it off** (``saved_loops_on``). It was off while fits that
+differed from the saving one loaded the saved loop and trained the wrong model, where the checks below did not see
+what changed (a module-level constant, an enum attribute, a hook, a class attribute, a method replaced on a class, a
+function's defaults: ``benchmarks/README.md``, "The saved loop off by default" and the sections after it). Each
+cause is checked now, and the same searches of single changes found none that loads and trains differently.
 
 The loops are kept in ``lightning_sink_loops/`` of Inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``), each a
 program in torch's format (``aot_compile``; a pickle, as Inductor's own cache entries are, so that folder must be as
@@ -32,8 +32,9 @@ is saved, the loop is compiled by ``aot_compile`` (about as long as a first buil
 Inductor's cache holds) and saved for the next fit; where torch cannot save it, the loop is compiled as usual and
 the reason kept, so that later fits do not try again. A module whose class is defined inside a function cannot be
 saved (torch refuses it): its loop is compiled as usual; so is one whose traced code calls a function marked
-``assume_constant_result`` (TorchDynamo keeps its value with no guard). ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1`` turns saving and
-loading off with Inductor's caches."""
+``assume_constant_result`` (TorchDynamo keeps its value with no guard). ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``
+turns saving and loading off with Inductor's caches. Anything that goes wrong while saving or loading leaves the loop
+compiled as usual, with the reason in the build's line."""
 
 from __future__ import annotations
 
@@ -75,8 +76,8 @@ SAVED_LOOP_VARIABLE = "LIGHTNING_SINK_SAVED_LOOP"
 
 
 def saved_loops_on() -> bool:
-    """Whether loops are saved and loaded: only where ``LIGHTNING_SINK_SAVED_LOOP=1`` (module docstring: why)."""
-    return os.environ.get(SAVED_LOOP_VARIABLE) == "1"
+    """Whether loops are saved and loaded: unless ``LIGHTNING_SINK_SAVED_LOOP=0``."""
+    return os.environ.get(SAVED_LOOP_VARIABLE, "").strip() != "0"
 
 
 _ARGUMENTS = ("self", "state", "call")
@@ -107,7 +108,11 @@ class SavedLoop:
     def __call__(self, state: dict[str, Any], call: dict[str, Any]) -> Any:
         if not self._started:
             self._started = True
-            self._start(state, call)
+            try:
+                self._start(state, call)
+            except Exception as error:  # (a cache: whatever fails in it, the loop compiled as usual runs)
+                self._program, self._identities, self.kept = None, None, False
+                self.note = f"; the loop is not saved for a later fit ({type(error).__name__}: {reason_of(error)})"
         if self._program is not None:
             tree_map(_unmarked, call)
             arguments = dict(zip(_ARGUMENTS, (self._owner, state, call)))

@@ -1,4 +1,4 @@
-"""The loop over windows kept on disk (``compiled/saved_loop.py``, on with ``LIGHTNING_SINK_SAVED_LOOP=1`` only): a
+"""The loop over windows kept on disk (``compiled/saved_loop.py``, on unless ``LIGHTNING_SINK_SAVED_LOOP=0``): a
 second identical fit in a new process loads it instead of tracing it and trains exactly as a fit that compiled it as
 usual (saving off); a fit that differs in what the trace relied on (a dropout's ``p``, an edited ``training_step``)
 or finds a damaged file builds again and trains as its own code says. Each fit is a fresh Python process, as a
@@ -93,7 +93,7 @@ class Fits:
             **os.environ,
             "TORCHINDUCTOR_CACHE_DIR": str(self.cache),
             "PYTHONPATH": path,
-            "LIGHTNING_SINK_SAVED_LOOP": "1",  # (off by default: saved_loop.py says why)
+            "LIGHTNING_SINK_SAVED_LOOP": "",  # (the default)
             **env,
         }
         done = subprocess.run(
@@ -147,11 +147,10 @@ def test_a_second_identical_fit_loads_the_saved_loop_and_trains_as_the_usual_bui
 
 
 @pytest.mark.slow
-def test_by_default_no_loop_is_saved_or_loaded(tmp_path: Path):
-    # (off by default: fits that differed from the saving one loaded its loop where the checks did not see the change)
+def test_with_the_variable_at_0_no_loop_is_saved_or_loaded(tmp_path: Path):
     fits = Fits(tmp_path)
     for _ in range(2):
-        line, _ = fits.run(LIGHTNING_SINK_SAVED_LOOP="")
+        line, _ = fits.run(LIGHTNING_SINK_SAVED_LOOP="0")
         assert "saved" not in line and "loaded" not in line, line
     assert not (fits.cache / "lightning_sink_loops").exists()
 
@@ -310,7 +309,7 @@ def test_what_the_step_reads_beside_the_module_is_checked_before_a_saved_loop_se
     fits.write_module(scale=f"WEIGHT * act(torch.tensor(1.0)) * {mode} * {gains}", config=READS_BESIDE)
     first_line, first = fits.run()
     assert SAVED in first_line, first_line
-    _, usual = fits.run(LIGHTNING_SINK_SAVED_LOOP="", **change)  # (compiled as usual, the changed setting)
+    _, usual = fits.run(LIGHTNING_SINK_SAVED_LOOP="0", **change)  # (compiled as usual, the changed setting)
     assert not _equal(usual, first)  # (the change changes the training)
     line, state = fits.run(**change)
     assert _equal(state, usual), line
