@@ -141,7 +141,7 @@ class CompiledPrograms:
     them) and the call of several. ``quiet``: built without running (``BuildWithoutRunning``), for programs with a
     sum across processes traced in. ``one_loop_graph``: every call of two windows or more, whatever their number,
     runs one compiled graph of the loop, which on a CPU with Inductor can be kept on disk for later fits (``saved``:
-    ``saved_loop.py``; off by default)."""
+    ``saved_loop.py``; unless ``LIGHTNING_SINK_SAVED_LOOP=0``)."""
 
     def __init__(self, traced: TracedPrograms, backend: str, device: torch.device, quiet: bool) -> None:
         options = compile_options(backend, device)
