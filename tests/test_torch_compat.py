@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import subprocess
 import sys
 import warnings
@@ -416,6 +417,41 @@ def test_a_program_saved_with_its_guards_loads_runs_and_checks_them(tmp_path: Pa
     assert compat.source_checksum("a_module_never_imported_here", 1, 2) is None
     holder.scale = 3.0
     assert not compat.guards_pass(loaded, (holder, x))
+
+
+_COMPILED_AGAIN = """
+import torch
+from torch._dynamo.utils import counters
+from lightning_sink import _torch_compat as compat
+
+
+def step(linear, x):
+    return linear(x).relu().sum()
+
+
+linear, x = torch.nn.Linear(2, 2), torch.randn(3, 2)
+program = compat.compile_to_save(step, None, (linear, x), [])
+assert torch.allclose(program(linear, x), step(linear, x))
+print("hits", counters["aot_autograd"]["autograd_cache_hit"])
+"""
+
+
+@pytest.mark.slow
+def test_a_graph_compiled_again_to_be_saved_is_read_from_the_cache(tmp_path: Path):
+    """A later process's ``compile_to_save`` of the same graph, its file edited elsewhere (a fit after an edit that
+    left the traced code's graph as it was), takes the compiled graph from the entry the first process wrote in
+    AOTAutograd's cache instead of compiling it whole again; an edit that changes the graph compiles it."""
+    script = tmp_path / "step.py"
+    environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    edited = _COMPILED_AGAIN + "\n# an edit elsewhere in the file\n"
+    hits = []
+    for version in (_COMPILED_AGAIN, edited, _COMPILED_AGAIN.replace(".relu()", ".sigmoid()")):
+        script.write_text(version)
+        run = [sys.executable, str(script)]
+        done = subprocess.run(run, env=environment, capture_output=True, text=True, timeout=600, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        hits.append(done.stdout.split()[-1])
+    assert hits == ["0", "1", "0"]
 
 
 def test_size_marks_come_off_and_the_cache_switch_is_read(monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import io
+import itertools
 import platform
 import re
 import sys
@@ -127,10 +128,36 @@ def compile_to_save(
         dynamic=False,
         options={**(options or {}), "guard_filter_fn": keep},
     )
-    with _guard_values_pickled():
+    with _guard_values_pickled(), _graph_named_alike(function.__globals__):
         program = compiled.aot_compile((args, {}))
     program.disable_guard_check()  # (the caller checks them before each call: ``guards_pass``)
     return program
+
+
+# a compiled graph's name as TorchDynamo writes it: a prefix, a number and a UUID, here a fixed one
+_GRAPH_NAME = "__compiled_fn_{}_6c696768_746e_4000_8000_73696e6b6c6f"
+
+
+@contextlib.contextmanager
+def _graph_named_alike(scope: dict[str, Any]) -> Iterator[None]:
+    """Each graph of a program compiled to be saved named alike in every process. TorchDynamo names a graph with a
+    random UUID, and on the way to a saved program that name is part of the key of the compiled graph's entry in
+    AOTAutograd's cache, so no build found the entry an earlier one wrote: a loop built again after an edit that left
+    its graph as it was (a comment, another method of the module's file) compiled it whole again. TorchDynamo puts
+    the graph into ``scope`` (the traced function's globals) under that name, which must be new there: the first
+    free number is taken, the same in every new process."""
+    from torch._dynamo import output_graph
+
+    original = getattr(output_graph, "make_compiled_fn_name", None)
+    if original is None:  # (another torch: its own names, and each build compiles in full)
+        yield
+        return
+    free = (name for name in map(_GRAPH_NAME.format, itertools.count()) if name not in scope)
+    output_graph.make_compiled_fn_name = lambda: next(free)
+    try:
+        yield
+    finally:
+        output_graph.make_compiled_fn_name = original
 
 
 def _looked_up(entry: Any) -> str:
