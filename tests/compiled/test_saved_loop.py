@@ -328,3 +328,53 @@ def test_a_step_reading_a_value_assumed_constant_is_not_saved(tmp_path: Path, us
         "the loop is not saved for a later fit (ValueError: net_module.factor is marked assume_constant_result" in line
     )
     assert _equal(state, usual)
+
+
+TWO_FITS = """
+import sys
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from lightning_sink import SinkStrategy
+from net_module import Net
+
+generator = torch.Generator().manual_seed(1)
+data = TensorDataset(torch.randn(64, 8, generator=generator), torch.randint(0, 4, (64,), generator=generator))
+torch.manual_seed(2)  # (the dropout masks and the shuffle)
+module = Net(0.25)
+for epochs in (2, 4):  # the second fit goes on training the same module, in the same process
+    trainer = pl.Trainer(
+        accelerator="cpu", strategy=SinkStrategy(sink_size=8, graph_mode="compile"), max_epochs=epochs,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(module, DataLoader(data, batch_size=4, shuffle=True))
+torch.save(module.state_dict(), sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+def test_a_second_fit_in_the_same_process_loads_the_loop_the_first_saved_and_trains_as_without_saving(
+    tmp_path: Path,
+):
+    states, outputs = [], []
+    for setting in ("", "0"):
+        folder = tmp_path / f"saving_{setting or 'on'}"
+        folder.mkdir()
+        fits = Fits(folder)
+        (fits.folder / "two_fits.py").write_text(TWO_FITS)
+        out = fits.folder / "trained.pt"
+        environment = {
+            **os.environ,
+            "TORCHINDUCTOR_CACHE_DIR": str(fits.cache),
+            "PYTHONPATH": os.pathsep.join([str(fits.folder), str(Path.cwd())]),
+            "LIGHTNING_SINK_SAVED_LOOP": setting,
+        }
+        run = [sys.executable, str(fits.folder / "two_fits.py"), str(out)]
+        done = subprocess.run(run, env=environment, capture_output=True, text=True, timeout=900, check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs.append(done.stdout + done.stderr)
+        states.append(torch.load(out))
+    saving, not_saving = outputs
+    assert saving.index(SAVED) < saving.index(LOADED), saving[-3000:]
+    assert SAVED not in not_saving and LOADED not in not_saving
+    assert _equal(*states)
