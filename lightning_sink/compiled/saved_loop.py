@@ -28,8 +28,8 @@ is used only where all of these hold:
   of the module and its submodules and torch's hooks on every module, on which TorchDynamo sets no guard.
 
 A call whose checks fail runs the loop compiled as usual instead (``fallback``), as a recompile would. Where nothing
-is saved, the loop is compiled by ``aot_compile`` (about as long as a first build, longer than a build whose graph
-Inductor's cache holds) and saved for the next fit; where torch cannot save it, the loop is compiled as usual and
+is saved, the loop is compiled by ``aot_compile`` (its graph read from AOTAutograd's cache where an earlier build
+wrote it) and saved for the next fit; where torch cannot save it, the loop is compiled as usual and
 the reason kept, so that later fits do not try again. A module whose class is defined inside a function cannot be
 saved (torch refuses it): its loop is compiled as usual; so is one whose traced code calls a function marked
 ``assume_constant_result`` (TorchDynamo keeps its value with no guard). ``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``
