@@ -466,3 +466,42 @@ def test_size_marks_come_off_and_the_cache_switch_is_read(monkeypatch):
     assert compat.caches_disabled()
     monkeypatch.setattr(config, "force_disable_caches", False)
     assert not compat.caches_disabled()
+
+
+_COMPILED_TWICE = """
+import torch
+from torch._dynamo.utils import counters
+from lightning_sink import _torch_compat as compat
+
+
+def step(linear, x):
+    return linear(x).relu().sum()
+
+
+def other(linear, x):
+    return linear(x).sigmoid().sum()
+
+
+linear, x = torch.nn.Linear(2, 2), torch.randn(3, 2)
+functions, programs, hits = (step, step, other), [], []
+for function in functions:
+    programs.append(compat.compile_to_save(function, None, (linear, x), []))
+    hits.append(counters["aot_autograd"]["autograd_cache_hit"])
+assert all(torch.allclose(program(linear, x), function(linear, x)) for program, function in zip(programs, functions))
+assert not [name for name in globals() if name.startswith("__compiled_fn")], "a graph was put into the module"
+print("hits", *hits)
+"""
+
+
+@pytest.mark.slow
+def test_a_graph_compiled_again_to_be_saved_in_the_same_process_is_read_from_the_cache(tmp_path: Path):
+    """A second ``compile_to_save`` of the same graph in one process takes it from AOTAutograd's cache; a third, of
+    another graph, compiles it; each program runs its own graph, and none is put into the traced function's
+    module."""
+    script = tmp_path / "twice.py"
+    script.write_text(_COMPILED_TWICE)
+    environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    run = [sys.executable, str(script)]
+    done = subprocess.run(run, env=environment, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-3:] == ["0", "1", "1"]

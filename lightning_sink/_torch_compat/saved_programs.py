@@ -11,6 +11,7 @@ import itertools
 import platform
 import re
 import sys
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,17 +122,31 @@ def compile_to_save(
             kept.append(saved)
         return kept
 
+    traced = _with_own_globals(function)
     compiled: Any = torch.compile(
-        function,
+        traced,
         fullgraph=True,
         backend="inductor",
         dynamic=False,
         options={**(options or {}), "guard_filter_fn": keep},
     )
-    with _guard_values_pickled(), _graph_named_alike(function.__globals__):
+    with _guard_values_pickled(), _graph_named_alike(traced.__globals__):
         program = compiled.aot_compile((args, {}))
     program.disable_guard_check()  # (the caller checks them before each call: ``guards_pass``)
     return program
+
+
+def _with_own_globals(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` with a copy of its module's globals (the same code, defaults and closure), for TorchDynamo to
+    put a program's graph into: each build's graph then has the same name (``_graph_named_alike``) and the module's
+    own globals stay as they were, so a second build of the same graph in one process reads it from AOTAutograd's
+    cache, and no program's graph takes the place of another's. A loaded program runs on such a copy too
+    (``load_saved``)."""
+    own = types.FunctionType(
+        function.__code__, dict(function.__globals__), function.__name__, function.__defaults__, function.__closure__
+    )
+    own.__kwdefaults__, own.__qualname__ = function.__kwdefaults__, function.__qualname__
+    return own
 
 
 # a compiled graph's name as TorchDynamo writes it: a prefix, a number and a UUID, here a fixed one
@@ -144,8 +159,8 @@ def _graph_named_alike(scope: dict[str, Any]) -> Iterator[None]:
     random UUID, and on the way to a saved program that name is part of the key of the compiled graph's entry in
     AOTAutograd's cache, so no build found the entry an earlier one wrote: a loop built again after an edit that left
     its graph as it was (a comment, another method of the module's file) compiled it whole again. TorchDynamo puts
-    the graph into ``scope`` (the traced function's globals) under that name, which must be new there: the first
-    free number is taken, the same in every new process."""
+    the graph into ``scope`` (the traced function's own copy of its globals, ``_with_own_globals``) under that name,
+    which must be new there: the first free number is taken, the same in every build."""
     from torch._dynamo import output_graph
 
     original = getattr(output_graph, "make_compiled_fn_name", None)
