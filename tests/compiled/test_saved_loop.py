@@ -111,8 +111,13 @@ class Fits:
         assert "one loop over its windows" in lines[0], lines[0]  # (the loop over windows is what is saved)
         return lines[0], torch.load(out)
 
+    @property
+    def loops(self) -> Path:
+        """The saved loops' folder in this fits' Inductor cache."""
+        return self.cache / "lightning_sink_loops"
+
     def saved_files(self) -> list[Path]:
-        return sorted((self.cache / "lightning_sink_loops").glob("*"))
+        return sorted(self.loops.glob("*"))
 
 
 def _equal(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> bool:
@@ -152,7 +157,7 @@ def test_with_the_variable_at_0_no_loop_is_saved_or_loaded(tmp_path: Path):
     for _ in range(2):
         line, _ = fits.run(LIGHTNING_SINK_SAVED_LOOP="0")
         assert "saved" not in line and "loaded" not in line, line
-    assert not (fits.cache / "lightning_sink_loops").exists()
+    assert not fits.loops.exists()
 
 
 @pytest.mark.slow
@@ -217,7 +222,7 @@ def test_a_loop_torch_cannot_save_is_compiled_as_usual_and_not_tried_again(tmp_p
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flipped program byte", "truncated program", "entry not JSON", "entry format"])
 def test_a_damaged_saved_loop_is_built_again(fits: Fits, usual, damage: str):
-    shutil.rmtree(fits.cache / "lightning_sink_loops", ignore_errors=True)  # (an edited module saved its own loop)
+    shutil.rmtree(fits.loops, ignore_errors=True)  # (an edited module saved its own loop)
     fits.run()
     entry_path, program_path = fits.saved_files()
     program, entry = program_path.read_bytes(), entry_path.read_text()
@@ -309,15 +314,11 @@ class ReadsBeside:
         first_line, self.first = self.fits.run()
         assert SAVED in first_line, first_line
         self.saved = folder / "loops_saved_by_the_first_fit"
-        shutil.copytree(self._loops, self.saved)
-
-    @property
-    def _loops(self) -> Path:
-        return self.fits.cache / "lightning_sink_loops"
+        shutil.copytree(self.fits.loops, self.saved)
 
     def run(self, **env: str) -> tuple[str, dict[str, torch.Tensor]]:
-        shutil.rmtree(self._loops)
-        shutil.copytree(self.saved, self._loops)
+        shutil.rmtree(self.fits.loops)
+        shutil.copytree(self.saved, self.fits.loops)
         return self.fits.run(**env)
 
 
