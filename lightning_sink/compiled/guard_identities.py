@@ -32,6 +32,7 @@ _Getter = Callable[[dict[str, Any], dict[str, Any]], Any]
 _CALLS: dict[str, Callable[[Any], Any]] = {"dict": dict, "type": type}
 _PLAIN = (type(None), bool, int, float, complex, str, bytes)
 _CONTAINERS = (dict, list, tuple, set, frozenset)
+_EXACT = (type(None), bool, int, str, bytes)  # (equal values of these classes have one ``repr``)
 _DEPTH, _ITEMS = 3, 64  # how deep and how long a container is named item by item
 _EMPTY_CELL = object()
 
@@ -118,8 +119,9 @@ class GuardIdentities:
     def __init__(self, entries: Sequence[tuple[str, str]]) -> None:
         self.entries = [(str(path), str(name)) for path, name in entries]
         self._getters = [(path, name, _getter(path)) for path, name in self.entries]
-        # per path, what was found there when it last matched: the same objects again need no new name (checked
-        # before every call of a program, where naming every function again would cost more than a small step)
+        # per path, what the name of the object found there read when it last matched (``_reads``): equal reads
+        # need no new name (checked before every call of a program, where naming every function again would cost
+        # more than a small step)
         self._matched: list[tuple[Any, ...] | None] = [None] * len(self.entries)
 
     @classmethod
@@ -138,27 +140,106 @@ class GuardIdentities:
                 value = get(arguments, program_globals)
             except (PathNotFollowed, AttributeError, LookupError, TypeError) as error:
                 return f"{path}: not found ({type(error).__name__})"
-            parts = _parts(value)
-            last = matched[index]
-            if last is not None and len(last) == len(parts) and all(a is b for a, b in zip(last, parts)):
+            reads = _reads(value)
+            if reads == matched[index]:
                 continue
             found = identity(value)
             if found != name:
                 return f"{path}: {found} where the saved program has {name}"
-            matched[index] = parts
+            matched[index] = reads
         return None
 
 
-def _parts(value: Any) -> tuple[Any, ...]:
-    """The objects ``identity`` reads from ``value``: the same objects give the same name."""
-    if isinstance(value, types.FunctionType):
-        cells = (_cell_contents(cell) for cell in value.__closure__ or ())
-        return (value, value.__code__, value.__defaults__, value.__kwdefaults__, *cells)
-    if isinstance(value, types.MethodType):
-        return (value.__self__, *_parts(value.__func__))
-    if isinstance(value, _CONTAINERS):
-        return (object(),)  # (its items may change while it stays the same object: named again at every check)
-    return (value,)
+def _reads(value: Any, depth: int = 0) -> tuple[Any, ...]:
+    """What ``identity(value, depth)`` reads, as a tuple: equal tuples (``==``, item by item, each plain value
+    beside its type) give the same name, so a check that finds them equal need not name the object again."""
+    out: list[Any] = []
+    _read_into(out, value, depth)
+    return tuple(out)
+
+
+def _read_into(out: list[Any], value: Any, depth: int) -> None:
+    """Appends what ``identity`` reads of ``value``, in its order; each kind of object appends a fixed number of
+    items or its length first, so two different structures never give the same tuple."""
+    kind = type(value)
+    reader = _READERS.get(kind)
+    if reader is None:
+        reader = _READERS[kind] = _reader_of(kind)  # (decided once per class: its bases do not change)
+    reader(out, value, depth)
+
+
+def _reader_of(kind: type) -> Callable[[list[Any], Any, int], None]:
+    """How ``_read_into`` reads an object of ``kind``: the order of ``identity``'s cases."""
+    if issubclass(kind, (torch.dtype, torch.device, torch.layout, torch.memory_format, enum.Enum)):
+        return _read_itself
+    if issubclass(kind, _CONTAINERS):
+        return _read_container
+    if issubclass(kind, (types.ModuleType, type)):
+        return _read_itself
+    if issubclass(kind, types.FunctionType):
+        return _read_function
+    if issubclass(kind, types.MethodType):
+        return _read_method
+    if issubclass(kind, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+        return _read_builtin
+    if kind in _EXACT:
+        return _read_exact
+    if issubclass(kind, _PLAIN):
+        return _read_by_repr  # (a float by its name: 0.0 equals -0.0, and a NaN is not itself)
+    return _read_class  # (an object is named by its class)
+
+
+def _read_itself(out: list[Any], value: Any, _depth: int) -> None:
+    out.append(value)
+
+
+def _read_exact(out: list[Any], value: Any, _depth: int) -> None:
+    out += (type(value), value)
+
+
+def _read_by_repr(out: list[Any], value: Any, _depth: int) -> None:
+    out += (type(value), repr(value))
+
+
+def _read_class(out: list[Any], value: Any, _depth: int) -> None:
+    out.append(type(value))
+
+
+def _read_container(out: list[Any], value: Any, depth: int) -> None:
+    out += (type(value), len(value))
+    if depth < _DEPTH and len(value) <= _ITEMS:
+        for item in _flat_items(value):
+            _read_into(out, item, depth + 1)
+
+
+def _read_function(out: list[Any], value: Any, depth: int) -> None:
+    out += (value, value.__code__, value.__module__, value.__qualname__)
+    if depth < _DEPTH:
+        cells = value.__closure__ or ()
+        out.append(len(cells))
+        for cell in cells:
+            _read_into(out, _cell_contents(cell), depth + 1)
+        _read_into(out, value.__defaults__, depth + 1)
+        _read_into(out, value.__kwdefaults__, depth + 1)
+
+
+def _read_method(out: list[Any], value: Any, depth: int) -> None:
+    out.append(type(value.__self__))
+    _read_into(out, value.__func__, depth)
+
+
+def _read_builtin(out: list[Any], value: Any, _depth: int) -> None:
+    out += (value.__module__, value.__qualname__, type(getattr(value, "__self__", None)))
+
+
+_READERS: dict[type, Callable[[list[Any], Any, int], None]] = {}
+
+
+def _flat_items(container: Any) -> Any:
+    """A container's items as ``identity`` names them one level down: a dict's keys and values in turn."""
+    if isinstance(container, dict):
+        return (part for pair in container.items() for part in pair)
+    return container
 
 
 def _cell_contents(cell: Any) -> Any:
@@ -188,7 +269,7 @@ def _node(node: ast.expr, path: str) -> _Getter:
     if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
         key = node.slice.value
         if isinstance(node.value, ast.Name) and node.value.id == "G":
-            return lambda _arguments, globals_: _global(globals_, key)
+            return _global(key)
         inner = _node(node.value, path)
         return lambda arguments, globals_: inner(arguments, globals_)[key]
     if isinstance(node, ast.Subscript):  # an item whose key is itself a path (a dict's first key)
@@ -220,12 +301,15 @@ def _is_keys_call(node: ast.Call) -> bool:
     )
 
 
-def _global(program_globals: dict[str, Any], name: Any) -> Any:
+def _global(name: Any) -> _Getter:
+    """``G[name]``: a global of the program, or one TorchDynamo names for a module or the builtins (read the same
+    way at every check, so decided here once)."""
     if isinstance(name, str) and name.startswith("__import_"):
-        return _imported(name[len("__import_") :].replace("_dot_", "."))
+        module = name[len("__import_") :].replace("_dot_", ".")
+        return lambda _arguments, _globals: _imported(module)
     if isinstance(name, str) and name.startswith("__builtins_dict__"):
-        return builtins.__dict__
-    return program_globals[name]
+        return lambda _arguments, _globals: builtins.__dict__
+    return lambda _arguments, globals_: globals_[name]
 
 
 def _imported(module: str) -> Any:

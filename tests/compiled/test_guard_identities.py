@@ -173,3 +173,75 @@ def test_a_container_changed_in_place_is_seen_at_the_next_check():
     hooks[0] = _scaled(2.0)  # (the same dict object, now holding a hook)
     difference = recorded.first_difference({"self": holder}, {})
     assert difference is not None and difference.startswith("self.table: class builtins.dict ["), difference
+
+
+def _with_default(values=[1.0]):  # noqa: B006 (a mutable default is the case under test)
+    return values
+
+
+def _counter():
+    count = 0
+
+    def counted():
+        return count
+
+    def bump():
+        nonlocal count
+        count += 1
+
+    return counted, bump
+
+
+def test_a_check_that_names_nothing_again_still_sees_what_changed_inside_an_object_it_saw_before():
+    """A check names an object again only when what its name reads changed; the changes below leave the function,
+    its defaults tuple and its closure cell the same objects, so only what they hold tells them apart."""
+    counted, bump = _counter()
+    holder = Holder()
+    holder.table = {"default": _with_default, "closure": counted, "nested": {"inner": [1, 2]}, "zero": 0.0}
+    changes = [
+        ("self.table['default']", lambda: _with_default.__defaults__[0].append(2.0)),
+        ("self.table['closure']", bump),
+        ("self.table", lambda: holder.table["nested"]["inner"].append(3)),
+        ("self.table['zero']", lambda: holder.table.__setitem__("zero", -0.0)),  # (equal to 0.0, named apart)
+    ]
+    for path, change in changes:  # (each path checked alone: its own check must see its change)
+        recorded = GuardIdentities.recorded([path], {"self": holder}, {})
+        assert recorded.first_difference({"self": holder}, {}) is None
+        assert recorded.first_difference({"self": holder}, {}) is None  # (nothing named again: the same reads)
+        change()
+        difference = recorded.first_difference({"self": holder}, {})
+        assert difference is not None and difference.startswith(f"{path}: "), (path, difference)
+    _with_default.__defaults__[0][:] = [1.0]
+
+
+def test_objects_whose_reads_are_equal_have_the_same_name():
+    """What lets a check skip naming: equal reads must mean equal names, over values built at random from every
+    kind ``identity`` names (plain values of look-alike types, containers nested past its depth, functions)."""
+    import random
+
+    rng = random.Random(7)
+    leaves = [0, 1, True, 1.0, -0.0, 0.0, float("nan"), "a", b"a", None, torch.float32, Colour.RED, types, len, _offset]
+
+    def build(depth: int):
+        kind = rng.randrange(6 if depth < 5 else 1)
+        if kind == 0:
+            return rng.choice(leaves)
+        items = [build(depth + 1) for _ in range(rng.randrange(3))]
+        if kind == 1:
+            return items
+        if kind == 2:
+            return tuple(items)
+        if kind == 3:
+            return {rng.choice(["k", 1, True]): item for item in items}
+        if kind == 4:
+            return _scaled(rng.choice([2.0, 3.0]))
+        return _with_default
+
+    values = [build(0) for _ in range(400)]
+    pairs = 0
+    for a in values:
+        for b in values:
+            if guard_identities._reads(a) == guard_identities._reads(b):
+                pairs += 1
+                assert identity(a) == identity(b), (a, b)
+    assert pairs > len(values)  # (some different objects read alike: the test compares something)
