@@ -53,6 +53,7 @@ class OptimizerRule:
             self.groups.append(_Group(index, members, {}, flags, {}))
         device = params[0].device if params else torch.device("cpu")
         self.names = _SGD_SCHEDULED if kind == "sgd" else _ADAM_SCHEDULED  # the scheduled hyperparameters, in order
+        self._read_values = _sgd_values if kind == "sgd" else _adam_values  # (read before every update of a call)
         for rule_group in self.groups:
             rule_group.scheduled = {name: torch.zeros((), dtype=torch.float64, device=device) for name in self.names}
         self.group_of = {i: group for group in self.groups for i in group.members}
@@ -85,11 +86,8 @@ class OptimizerRule:
     def current_values(self) -> list[list[float]]:
         """The scheduled hyperparameters as ``param_groups`` hold them now: per group, one float per name of
         ``names`` (a row of the table that gives each update of a call of several its own values)."""
-        rows = []
-        for group in self.groups:
-            settings = self.optimizer.param_groups[group.index]
-            rows.append([float(_setting(settings, name)) for name in self.names])
-        return rows
+        groups, read = self.optimizer.param_groups, self._read_values
+        return [read(groups[group.index]) for group in self.groups]
 
     def changed_flags(self) -> str | None:
         """The first build-time flag a ``param_groups`` entry no longer has (the program no longer applies)."""
@@ -239,6 +237,17 @@ def _bias_corrections(steps: list[Tensor], hyper: dict[str, Tensor]) -> Tensor:
     counts = torch.stack(steps).to(torch.float64) + 1
     betas = torch.stack([hyper["beta1"], hyper["beta2"]]).to(torch.float64)
     return 1 - torch.exp(counts[None, :] * torch.log(betas)[:, None])
+
+
+def _sgd_values(settings: dict) -> list[float]:
+    """``_SGD_SCHEDULED``'s values in a ``param_groups`` entry."""
+    return [float(settings["lr"]), float(settings["momentum"]), float(settings["weight_decay"])]
+
+
+def _adam_values(settings: dict) -> list[float]:
+    """``_ADAM_SCHEDULED``'s values in a ``param_groups`` entry."""
+    beta1, beta2 = settings["betas"]
+    return [float(settings["lr"]), float(beta1), float(beta2), float(settings["eps"]), float(settings["weight_decay"])]
 
 
 def _setting(settings: dict, name: str) -> Any:
