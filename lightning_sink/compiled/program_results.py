@@ -46,8 +46,12 @@ class StackedRows:
         self.metric_tensors = [tensor.unbind(0) for tensor in metric_tensors]
         self.extra = [tensor.unbind(0) for tensor in extra]
 
-    def micro_step(self, window: int, side: Any) -> tuple:
-        """The arguments of ``StepPrograms._outputs`` for this position in window ``window``."""
-        logs = {name: rows[window] for name, rows in self.logs.items()}
-        values = (logs, [rows[window] for rows in self.metric_tensors])
-        return (self.losses[window], values, side, *(rows[window] for rows in self.extra))
+    def micro_steps(self, side: Any) -> list[tuple]:
+        """Per window of the call, the arguments of ``LoggedValues.step_outputs`` for this position, made in one
+        pass over the rows (a call of a whole sink makes hundreds)."""
+        windows = len(self.losses)
+        names = list(self.logs)
+        logs = [dict(zip(names, row)) for row in zip(*self.logs.values())] if names else [{} for _ in range(windows)]
+        tensors = [list(row) for row in zip(*self.metric_tensors)] if self.metric_tensors else [()] * windows
+        extra = list(zip(*self.extra)) if self.extra else [()] * windows
+        return [(loss, values, side, *more) for loss, values, more in zip(self.losses, zip(logs, tensors), extra)]

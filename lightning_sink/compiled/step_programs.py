@@ -218,12 +218,10 @@ class StepPrograms:
             with self._running():
                 stacked = self.compiled.several(self._state, call)
         note_optimizer_step(self.rule.optimizer)
-        positions = [StackedRows(output) for output in stacked]  # a window's positions, each stacked over the windows
-        return [
-            self.logged.step_outputs(*position.micro_step(window, self._side))
-            for window in range(count // self.several[1])
-            for position in positions
-        ]
+        # a window's positions, each stacked over the windows; the outputs in order, window by window
+        positions = [StackedRows(output).micro_steps(self._side) for output in stacked]
+        make = self.logged.step_outputs
+        return [make(*arguments) for window in zip(*positions) for arguments in window]
 
     def unroll(self, micro_steps: int, accumulation_steps: int, shorter: int | None = None) -> None:
         """Before ``compile``: also build ``run_several`` over ``micro_steps`` micro-steps (whole windows of

@@ -30,6 +30,7 @@ sample), the data position (counted per trained micro-batch, as before) and so a
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -219,9 +220,12 @@ class StagedData:
             if isinstance(item, _SampledIndices) and len(item.indices) == self.batch_size
         ]
         if full:
-            # the segment's indices as one tensor (one conversion, not one per micro-batch; numpy converts nested
-            # lists of ints several times faster than torch does), uploaded in one copy; each micro-batch keeps its row
-            rows = torch.from_numpy(numpy.asarray([items[i].indices for i in full], dtype=numpy.int64))
+            # the segment's indices as one tensor (one conversion, not one per micro-batch; numpy reads a flat run of
+            # ints several times faster than torch reads nested lists), uploaded in one copy; each micro-batch keeps
+            # its row
+            flat = itertools.chain.from_iterable(items[i].indices for i in full)
+            shape = (len(full), self.batch_size)
+            rows = torch.from_numpy(numpy.fromiter(flat, dtype=numpy.int64, count=shape[0] * shape[1])).view(shape)
             self.data()[1].load(rows)
             for i, row in zip(full, rows.unbind(0)):
                 items[i] = StagedBatch(row)
