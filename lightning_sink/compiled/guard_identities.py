@@ -150,11 +150,11 @@ class GuardIdentities:
         return None
 
 
-def _reads(value: Any, depth: int = 0) -> tuple[Any, ...]:
-    """What ``identity(value, depth)`` reads, as a tuple: equal tuples (``==``, item by item, each plain value
-    beside its type) give the same name, so a check that finds them equal need not name the object again."""
+def _reads(value: Any) -> tuple[Any, ...]:
+    """What ``identity(value)`` reads, as a tuple: equal tuples (``==``, item by item, each plain value beside its
+    type) give the same name, so a check that finds them equal need not name the object again."""
     out: list[Any] = []
-    _read_into(out, value, depth)
+    _read_into(out, value, 0)
     return tuple(out)
 
 

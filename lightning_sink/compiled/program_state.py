@@ -56,8 +56,8 @@ class HyperTable:
             raise ValueError(f"run_several takes hyperparameters for its {windows} updates; got {len(rows)}")
         if rows == self._rows:
             return
-        for index, table in enumerate(self.tables):  # (a shorter call reads the first rows; numpy reads the nested
-            # lists of floats faster than torch does)
+        # (a shorter call reads the first rows; numpy reads nested lists of floats faster than torch does)
+        for index, table in enumerate(self.tables):
             table[:windows].copy_(torch.from_numpy(numpy.array([row[index] for row in rows], dtype=numpy.float64)))
         self._rows = rows
 
