@@ -62,11 +62,19 @@ CUDA_BUDGET_SHARE = 4  # on CUDA the default budget is a quarter of the device's
 
 @dataclass(slots=True)
 class StagedBatch:
-    """A micro-batch the programs gather on the device: the sampler's indices of its samples (on the host).
+    """A micro-batch the programs gather on the device: the sampler's indices of its samples (on the host), row
+    ``row`` of the indices taken with it.
 
-    One index per sample, so Lightning's ``extract_batch_size`` finds the batch's size in it (the log buffer asks)."""
+    The row is viewed only where it is read (a host read, a second upload, the batch's size): a call of several
+    gathers its batches on the device, so most rows are never viewed on the host at all."""
 
-    indices: Tensor
+    rows: Tensor
+    row: int
+
+    @property
+    def indices(self) -> Tensor:
+        """One index per sample."""
+        return self.rows[self.row]
 
 
 def default_device_data_budget(device: torch.device) -> int:
@@ -227,8 +235,8 @@ class StagedData:
             shape = (len(full), self.batch_size)
             rows = torch.from_numpy(numpy.fromiter(flat, dtype=numpy.int64, count=shape[0] * shape[1])).view(shape)
             self.data()[1].load(rows)
-            for i, row in zip(full, rows.unbind(0)):
-                items[i] = StagedBatch(row)
+            for row, i in enumerate(full):
+                items[i] = StagedBatch(rows, row)
         self._pending.extend(item if isinstance(item, StagedBatch) else self._host(item) for item in items)
 
     def _upload(self, gathered: list[StagedBatch]) -> None:
