@@ -281,7 +281,8 @@ class SinkLogBuffer:
             return 1  # unused by Lightning: only an epoch mean is weighted
         if self._micro_batch_size is None:
             batch = self._micro_batch
-            # (a staged batch is its indices, one per sample: what Lightning's search through the object finds)
+            # (a staged batch's size is its number of indices, one per sample: the size of the batch the loader
+            # path reads for them)
             staged = isinstance(batch, StagedBatch)
             self._micro_batch_size = len(batch.indices) if staged else extract_batch_size(batch)
         return self._micro_batch_size
