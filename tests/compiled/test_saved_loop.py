@@ -86,6 +86,10 @@ class Fits:
 
     def run(self, p: float = 0.25, change: str = "", **env: str) -> tuple[str, dict[str, torch.Tensor]]:
         """The fit's build line and trained parameters."""
+        return self.finish(self.start(p, change, **env))
+
+    def start(self, p: float = 0.25, change: str = "", **env: str) -> tuple[subprocess.Popen, Path]:
+        """A fit started in a new process (``finish`` waits for it)."""
         self.count += 1
         out = self.folder / f"fit{self.count}.pt"
         path = os.pathsep.join([str(self.folder), str(Path.cwd())])
@@ -96,18 +100,20 @@ class Fits:
             "LIGHTNING_SINK_SAVED_LOOP": "",  # (the default)
             **env,
         }
-        done = subprocess.run(
-            [sys.executable, str(self.folder / "fit.py"), str(out), str(p), change],
-            env=environment,
-            capture_output=True,
-            text=True,
-            timeout=900,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        self.output = (done.stdout + done.stderr).splitlines()
+        command = [sys.executable, str(self.folder / "fit.py"), str(out), str(p), change]
+        process = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return process, out
+
+    def finish(self, started: tuple[subprocess.Popen, Path]) -> tuple[str, dict[str, torch.Tensor]]:
+        process, out = started
+        try:
+            stdout, stderr = process.communicate(timeout=900)
+        finally:
+            process.kill()  # (no-op once it ended; a fit past the timeout must not outlive the test)
+        assert process.returncode == 0, stderr[-3000:]
+        self.output = (stdout + stderr).splitlines()
         lines = [line for line in self.output if "programs are compiled whole" in line]
-        assert len(lines) == 1, done.stdout[-3000:] + done.stderr[-3000:]
+        assert len(lines) == 1, stdout[-3000:] + stderr[-3000:]
         assert "one loop over its windows" in lines[0], lines[0]  # (the loop over windows is what is saved)
         return lines[0], torch.load(out)
 
@@ -152,12 +158,15 @@ def test_a_second_identical_fit_loads_the_saved_loop_and_trains_as_the_usual_bui
 
 
 @pytest.mark.slow
-def test_with_the_variable_at_0_no_loop_is_saved_or_loaded(tmp_path: Path):
-    fits = Fits(tmp_path)
-    for _ in range(2):
-        line, _ = fits.run(LIGHTNING_SINK_SAVED_LOOP="0")
-        assert "saved" not in line and "loaded" not in line, line
-    assert not fits.loops.exists()
+def test_with_the_variable_at_0_no_loop_is_saved_or_loaded(fits: Fits, usual):
+    fits.write_module(scale="1.0")
+    if not fits.saved_files():
+        fits.run()  # (a loop saved for this module, there to be left alone)
+    before = {path.name: path.read_bytes() for path in fits.saved_files()}
+    line, state = fits.run(LIGHTNING_SINK_SAVED_LOOP="0")  # (a loop is saved for it: not read, not written)
+    assert "saved" not in line and "loaded" not in line, line
+    assert _equal(state, usual)
+    assert {path.name: path.read_bytes() for path in fits.saved_files()} == before
 
 
 @pytest.mark.slow
@@ -304,7 +313,9 @@ CHANGES = {
 
 class ReadsBeside:
     """Fits of the module that reads ``READS_BESIDE``'s values, in one folder: its first fit, with nothing changed,
-    saved the loop (kept apart as ``saved``, put back before each fit, so that every change meets that loop)."""
+    saved the loop (kept apart as ``saved``, put back before each fit, so that every change meets that loop).
+    ``usual`` holds each change's fit compiled as usual (saving off, so the saved loop is never read), run two at a
+    time (they share nothing but Inductor's cache, which takes concurrent writers)."""
 
     def __init__(self, folder: Path) -> None:
         self.fits = Fits(folder)
@@ -315,6 +326,16 @@ class ReadsBeside:
         assert SAVED in first_line, first_line
         self.saved = folder / "loops_saved_by_the_first_fit"
         shutil.copytree(self.fits.loops, self.saved)
+        self.usual: dict[str, dict[str, torch.Tensor]] = {}
+        names = list(CHANGES)
+        for pair in (names[i : i + 2] for i in range(0, len(names), 2)):
+            started = {name: self.fits.start(LIGHTNING_SINK_SAVED_LOOP="0", **CHANGES[name]) for name in pair}
+            try:
+                for name, handle in started.items():
+                    self.usual[name] = self.fits.finish(handle)[1]
+            finally:
+                for process, _ in started.values():
+                    process.kill()  # (no-op once it ended)
 
     def run(self, **env: str) -> tuple[str, dict[str, torch.Tensor]]:
         shutil.rmtree(self.fits.loops)
@@ -335,12 +356,12 @@ def test_with_nothing_changed_the_loop_the_first_fit_saved_serves_again(reads_be
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("change", CHANGES.values(), ids=CHANGES.keys())
-def test_what_the_step_reads_beside_the_module_is_checked_before_a_saved_loop_serves(reads_beside, change):
+@pytest.mark.parametrize("name", CHANGES)
+def test_what_the_step_reads_beside_the_module_is_checked_before_a_saved_loop_serves(reads_beside, name):
     """TorchDynamo builds a loaded program's guards on globals, class attributes and defaults again from the loading
     process's values, names an enum member only by its class, and sets no guard on hooks or on a method looked up
     through a class: each such change trained the saved loop's model."""
-    _, usual = reads_beside.run(LIGHTNING_SINK_SAVED_LOOP="0", **change)  # (compiled as usual, the changed setting)
+    change, usual = CHANGES[name], reads_beside.usual[name]  # (compiled as usual, the changed setting)
     assert not _equal(usual, reads_beside.first)  # (the change changes the training)
     line, state = reads_beside.run(**change)
     assert _equal(state, usual), line
@@ -387,7 +408,7 @@ torch.save(module.state_dict(), sys.argv[1])
 def test_a_second_fit_in_the_same_process_loads_the_loop_the_first_saved_and_trains_as_without_saving(
     tmp_path: Path,
 ):
-    states, outputs = [], []
+    started = []  # (saving on and off in folders and caches of their own, so both run at once)
     for setting in ("", "0"):
         folder = tmp_path / f"saving_{setting or 'on'}"
         folder.mkdir()
@@ -401,9 +422,17 @@ def test_a_second_fit_in_the_same_process_loads_the_loop_the_first_saved_and_tra
             "LIGHTNING_SINK_SAVED_LOOP": setting,
         }
         run = [sys.executable, str(fits.folder / "two_fits.py"), str(out)]
-        done = subprocess.run(run, env=environment, capture_output=True, text=True, timeout=900, check=False)
-        assert done.returncode == 0, done.stderr[-3000:]
-        outputs.append(done.stdout + done.stderr)
+        pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+        started.append((subprocess.Popen(run, env=environment, text=True, **pipes), out))
+    try:
+        ended = [(process.communicate(timeout=900), process.returncode, out) for process, out in started]
+    finally:
+        for process, _ in started:
+            process.kill()  # (no-op once it ended)
+    states, outputs = [], []
+    for (stdout, stderr), returncode, out in ended:
+        assert returncode == 0, stderr[-3000:]
+        outputs.append(stdout + stderr)
         states.append(torch.load(out))
     saving, not_saving = outputs
     assert saving.index(SAVED) < saving.index(LOADED), saving[-3000:]
