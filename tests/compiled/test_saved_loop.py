@@ -86,7 +86,7 @@ class Fits:
 
     def run(self, p: float = 0.25, change: str = "", **env: str) -> tuple[str, dict[str, torch.Tensor]]:
         """The fit's build line and trained parameters."""
-        return self.finish(self.start(p, change, **env))
+        return self.finish(self.start(p, change, **env))[0]
 
     def start(self, p: float = 0.25, change: str = "", **env: str) -> tuple[subprocess.Popen, Path]:
         """A fit started in a new process (``finish`` waits for it)."""
@@ -104,18 +104,17 @@ class Fits:
         process = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         return process, out
 
-    def finish(self, started: tuple[subprocess.Popen, Path]) -> tuple[str, dict[str, torch.Tensor]]:
-        process, out = started
-        try:
-            stdout, stderr = process.communicate(timeout=900)
-        finally:
-            process.kill()  # (no-op once it ended; a fit past the timeout must not outlive the test)
-        assert process.returncode == 0, stderr[-3000:]
-        self.output = (stdout + stderr).splitlines()
-        lines = [line for line in self.output if "programs are compiled whole" in line]
-        assert len(lines) == 1, stdout[-3000:] + stderr[-3000:]
-        assert "one loop over its windows" in lines[0], lines[0]  # (the loop over windows is what is saved)
-        return lines[0], torch.load(out)
+    def finish(self, *started: tuple[subprocess.Popen, Path]) -> list[tuple[str, dict[str, torch.Tensor]]]:
+        """Each started fit's build line and trained parameters, once all have ended."""
+        results = []
+        for (process, out), (stdout, stderr) in zip(started, _ended([process for process, _ in started])):
+            assert process.returncode == 0, stderr[-3000:]
+            self.output = (stdout + stderr).splitlines()
+            lines = [line for line in self.output if "programs are compiled whole" in line]
+            assert len(lines) == 1, stdout[-3000:] + stderr[-3000:]
+            assert "one loop over its windows" in lines[0], lines[0]  # (the loop over windows is what is saved)
+            results.append((lines[0], torch.load(out)))
+        return results
 
     @property
     def loops(self) -> Path:
@@ -124,6 +123,15 @@ class Fits:
 
     def saved_files(self) -> list[Path]:
         return sorted(self.loops.glob("*"))
+
+
+def _ended(processes: list[subprocess.Popen]) -> list[tuple[str, str]]:
+    """Each process's output once all have ended; none outlives a timeout or a failure here."""
+    try:
+        return [process.communicate(timeout=900) for process in processes]
+    finally:
+        for process in processes:
+            process.kill()  # (no-op once it ended)
 
 
 def _equal(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> bool:
@@ -159,7 +167,6 @@ def test_a_second_identical_fit_loads_the_saved_loop_and_trains_as_the_usual_bui
 
 @pytest.mark.slow
 def test_with_the_variable_at_0_no_loop_is_saved_or_loaded(fits: Fits, usual):
-    fits.write_module(scale="1.0")
     if not fits.saved_files():
         fits.run()  # (a loop saved for this module, there to be left alone)
     before = {path.name: path.read_bytes() for path in fits.saved_files()}
@@ -329,13 +336,9 @@ class ReadsBeside:
         self.usual: dict[str, dict[str, torch.Tensor]] = {}
         names = list(CHANGES)
         for pair in (names[i : i + 2] for i in range(0, len(names), 2)):
-            started = {name: self.fits.start(LIGHTNING_SINK_SAVED_LOOP="0", **CHANGES[name]) for name in pair}
-            try:
-                for name, handle in started.items():
-                    self.usual[name] = self.fits.finish(handle)[1]
-            finally:
-                for process, _ in started.values():
-                    process.kill()  # (no-op once it ended)
+            started = [self.fits.start(LIGHTNING_SINK_SAVED_LOOP="0", **CHANGES[name]) for name in pair]
+            for name, (_, state) in zip(pair, self.fits.finish(*started)):
+                self.usual[name] = state
 
     def run(self, **env: str) -> tuple[str, dict[str, torch.Tensor]]:
         shutil.rmtree(self.fits.loops)
@@ -424,14 +427,9 @@ def test_a_second_fit_in_the_same_process_loads_the_loop_the_first_saved_and_tra
         run = [sys.executable, str(fits.folder / "two_fits.py"), str(out)]
         pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
         started.append((subprocess.Popen(run, env=environment, text=True, **pipes), out))
-    try:
-        ended = [(process.communicate(timeout=900), process.returncode, out) for process, out in started]
-    finally:
-        for process, _ in started:
-            process.kill()  # (no-op once it ended)
     states, outputs = [], []
-    for (stdout, stderr), returncode, out in ended:
-        assert returncode == 0, stderr[-3000:]
+    for (process, out), (stdout, stderr) in zip(started, _ended([process for process, _ in started])):
+        assert process.returncode == 0, stderr[-3000:]
         outputs.append(stdout + stderr)
         states.append(torch.load(out))
     saving, not_saving = outputs
