@@ -46,10 +46,11 @@ def open_regular(
     return fd
 
 
-def read_regular(path: str | os.PathLike, limit: int, what: str) -> bytes:
-    """The whole of ``path`` (``open_regular``), refused when it holds more than ``limit`` bytes."""
+def read_regular(path: str | os.PathLike, limit: int, what: str, *, dir_fd: int | None = None) -> bytes:
+    """The whole of ``path`` (``open_regular``; relative to the folder ``dir_fd`` where given), refused when it holds
+    more than ``limit`` bytes."""
     try:
-        fd = open_regular(path)
+        fd = open_regular(path, dir_fd=dir_fd)
     except ValueError as error:
         raise ValueError(f"{what}: {error}") from None
     with os.fdopen(fd, "rb") as handle:

@@ -9,8 +9,9 @@ function's defaults: ``benchmarks/README.md``, "The saved loop off by default" a
 cause is checked now, and the same searches of single changes found none that loads and trains differently.
 
 The loops are kept in ``lightning_sink_loops/`` of Inductor's cache folder (``TORCHINDUCTOR_CACHE_DIR``), each a
-program in torch's format (``aot_compile``; a pickle, as Inductor's own cache entries are, so that folder must be as
-private as Inductor's) and an entry (``loop_store.py``: read bounded, the program's SHA-256 checked). A saved loop
+program in torch's format (``aot_compile``; a pickle, as Inductor's own cache entries are) and an entry
+(``loop_store.py``: read bounded, the program's SHA-256 checked). That folder is made this user's alone (mode 0o700);
+one that another user owns or may write to is neither read nor written (the build's line says so). A saved loop
 is used only where all of these hold:
 
 - the key: torch's, Python's and this package's versions, the CPU's vector instructions, Inductor's settings, the
@@ -137,6 +138,10 @@ class SavedLoop:
         refused = refused or _local_class(self._owner)
         if refused is not None:
             self.note = f"; the loop is not saved for a later fit ({refused})"
+            return
+        not_private = self._store.privacy()
+        if not_private is not None:  # (its programs are pickles: another user's would run as this one)
+            self.note = f"; no saved loop is read or written ({not_private})"
             return
         key = _key(self._owner, state, call, self._options)
         refused = self._store.refusal(key)
