@@ -10,9 +10,10 @@ build's cost is known only once it has run.
 
 The figures are kept in one small JSON file beside Inductor's on-disk cache of compiled graphs
 (``TORCHINDUCTOR_CACHE_DIR``), whose contents decide how long an identical build takes: removing that folder
-removes both. The file is advice, never trusted: it is read only up to ``MAX_RECORD_BYTES``, anything in it that is
-not a well-formed entry is ignored, no code runs from it, and a file that cannot be read or written only means no
-figures (the fit trains the same). It holds at most ``MAX_ENTRIES`` builds, the newest kept.
+removes both. The file is advice, never trusted: it is read only up to ``MAX_RECORD_BYTES``, only as a regular file
+and never through a link (a FIFO there would block the fit's start forever), anything in it that is not a
+well-formed entry is ignored, no code runs from it, and a file that cannot be read or written only means no figures
+(the fit trains the same). It holds at most ``MAX_ENTRIES`` builds, the newest kept.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lightning_sink.regular_file import read_regular
 
 __all__ = ["MAX_ENTRIES", "MAX_RECORD_BYTES", "RECORD_NAME", "BuildFigures", "BuildRecord", "build_key"]
 
@@ -136,11 +139,8 @@ class BuildRecord:
     def _entries(self) -> dict[str, Any]:
         """The file's entries; empty when it is missing, too large, not JSON or not an object of objects."""
         try:
-            with open(self.path, "rb") as file:
-                data = file.read(MAX_RECORD_BYTES + 1)
-        except OSError:
-            return {}
-        if len(data) > MAX_RECORD_BYTES:
+            data = read_regular(self.path, MAX_RECORD_BYTES, "the build record")
+        except (OSError, ValueError):  # (missing, unreadable, not a regular file, or over MAX_RECORD_BYTES)
             return {}
         try:
             loaded = json.loads(data)

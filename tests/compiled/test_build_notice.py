@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
+import threading
 import types
 import warnings
 from pathlib import Path
@@ -227,3 +229,22 @@ def test_two_scripts_run_as_main_with_a_class_of_the_same_name_are_not_the_same_
         module = type("Net", (Net,), {"__module__": "__main__"})(16)
         keys.append(build_key(module, torch.optim.AdamW(module.parameters()), {"graph_mode": "compile"}))
     assert keys[0] != keys[1]
+
+
+def test_a_fifo_or_a_link_in_place_of_the_record_gives_no_figures_and_never_blocks(tmp_path: Path):
+    outside = tmp_path / "outside.json"
+    outside.write_text('{"k": {"build_seconds": 1}}')  # (a well-formed record elsewhere: not read through a link)
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    (folder / RECORD_NAME).symlink_to(outside)
+    assert BuildRecord(folder).load("k") is None
+    (folder / RECORD_NAME).unlink()
+    os.mkfifo(folder / RECORD_NAME)  # (no writer: a plain open would wait for one forever)
+    record = BuildRecord(folder)
+    answers: list[BuildFigures | None] = []
+    reader = threading.Thread(target=lambda: answers.append(record.load("k")), daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    assert answers == [None], "the record's reader blocked on a FIFO"
+    assert record.save("k", BuildFigures(2.0)) and record.load("k") == BuildFigures(2.0)
+    assert outside.read_text() == '{"k": {"build_seconds": 1}}'
