@@ -67,7 +67,7 @@ class LoopStore:
 
     def load(self, key: str) -> StoredLoop | None:
         try:
-            folder = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            folder = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
         except OSError:  # (missing, unreadable, a link or not a folder)
             return None
         try:
