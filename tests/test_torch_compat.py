@@ -454,7 +454,7 @@ def test_a_graph_compiled_again_to_be_saved_is_read_from_the_cache(tmp_path: Pat
     assert hits == ["0", "1", "0"]
 
 
-def test_size_marks_come_off_and_the_cache_switch_is_read(monkeypatch):
+def test_size_marks_come_off_and_the_cache_switch_is_read():
     tensor = torch.zeros(4, 2)
     compat.may_vary_in_size(tensor, 0)
     assert any(name.startswith("_dynamo") or name.startswith("_has_dynamo") for name in vars(tensor))
@@ -462,10 +462,13 @@ def test_size_marks_come_off_and_the_cache_switch_is_read(monkeypatch):
     assert not any(name.startswith("_dynamo") or name.startswith("_has_dynamo") for name in vars(tensor))
     from torch._inductor import config
 
-    monkeypatch.setattr(config, "force_disable_caches", True)
-    assert compat.caches_disabled()
-    monkeypatch.setattr(config, "force_disable_caches", False)
-    assert not compat.caches_disabled()
+    # config.patch, not monkeypatch: monkeypatch's undo deletes an attribute a config module serves from its table,
+    # which hides the setting from every later compile in this process.
+    with config.patch(force_disable_caches=True):
+        assert compat.caches_disabled()
+    with config.patch(force_disable_caches=False):
+        assert not compat.caches_disabled()
+    assert config.force_disable_caches is not None
 
 
 _COMPILED_TWICE = """
