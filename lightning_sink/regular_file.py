@@ -13,9 +13,10 @@ import os
 import stat
 from pathlib import Path
 
-__all__ = ["open_regular", "read_regular"]
+__all__ = ["CLOEXEC", "open_regular", "read_regular"]
 
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# every descriptor the package opens is closed in a process it starts (0 where the platform has no such flag)
+CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
 def open_regular(
@@ -24,7 +25,7 @@ def open_regular(
     """``os.open`` refusing a symbolic link as the last component and anything but a regular file (a FIFO, a
     device, a socket, a folder). A FIFO is opened without blocking, so that the check, not the open, answers."""
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, mode, dir_fd=dir_fd)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | CLOEXEC, mode, dir_fd=dir_fd)
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise ValueError(

@@ -21,7 +21,7 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
 
-from lightning_sink.regular_file import open_regular
+from lightning_sink.regular_file import CLOEXEC, open_regular
 
 __all__ = [
     "DiskFullError",
@@ -89,7 +89,7 @@ def open_nofollow(path: Path, flags: int = os.O_RDONLY, mode: int = 0o644) -> in
 
 def write_new_file(path: Path, data: bytes) -> None:
     """Create ``path`` exclusively (never through a planted link or onto an existing file), write ``data``, sync."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | CLOEXEC, 0o644)
     try:
         view = memoryview(data)
         while view:
@@ -103,10 +103,10 @@ def open_inside(folder: Path, name: str, what: str, flags: int = os.O_RDONLY) ->
     """A file descriptor for ``folder / name``, opened component by component relative to the folder's descriptor
     with ``O_NOFOLLOW``: no symbolic link below ``folder`` is followed, even one swapped in meanwhile."""
     parts = check_relative_name(name, what).parts
-    directory = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    directory = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | CLOEXEC)
     try:
         for part in parts[:-1]:
-            following = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=directory)
+            following = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | CLOEXEC, dir_fd=directory)
             os.close(directory)
             directory = following
         return open_regular(parts[-1], flags, dir_fd=directory)
@@ -155,7 +155,7 @@ def sha256_of_file(path: Path) -> str:
 
 def fsync_dir(path: Path) -> None:
     """Make a rename in ``path`` durable."""
-    descriptor = os.open(path, os.O_RDONLY)
+    descriptor = os.open(path, os.O_RDONLY | CLOEXEC)
     try:
         os.fsync(descriptor)
     finally:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_sink.regular_file import read_regular
+from lightning_sink.regular_file import CLOEXEC, read_regular
 
 __all__ = ["FORMAT", "MAX_ENTRY_BYTES", "MAX_PROGRAM_BYTES", "MAX_SAVED_LOOPS", "LoopStore", "StoredLoop"]
 
@@ -67,7 +67,7 @@ class LoopStore:
 
     def load(self, key: str) -> StoredLoop | None:
         try:
-            folder = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+            folder = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | CLOEXEC)
         except OSError:  # (missing, unreadable, a link or not a folder)
             return None
         try:

@@ -21,6 +21,8 @@ import struct
 import zlib
 from dataclasses import dataclass, field
 
+from lightning_sink.regular_file import CLOEXEC
+
 __all__ = [
     "MASK",
     "PartCrc",
@@ -321,7 +323,7 @@ def _tiled_register(record: _Record) -> int | None:
 
 def _register_reading_the_rest(record: _Record, stats) -> int:
     """One part of a whole-record tensor: read the boxes around it. Anything else: read the record whole."""
-    fd = os.open(record.path, os.O_RDONLY)
+    fd = os.open(record.path, os.O_RDONLY | CLOEXEC)
     try:
         if len(record.parts) == 1:
             ((((storage_offset, shape, itemsize), (offsets, sizes)), register),) = record.parts.items()

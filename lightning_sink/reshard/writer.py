@@ -36,7 +36,7 @@ from typing import Any, cast
 
 import torch
 
-from lightning_sink.regular_file import open_regular
+from lightning_sink.regular_file import CLOEXEC, open_regular
 from lightning_sink.reshard.reader import ReadStats, TensorLocation, load_on_meta, locations_in
 
 __all__ = ["StreamedRankFile", "write_memory_bytes"]
@@ -127,7 +127,7 @@ class StreamedRankFile:
         _check_no_tensors_outside(payload)
         self.path = path
         # Created exclusively: never through a link planted at the name, never onto a file already there.
-        created = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        created = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | CLOEXEC, 0o644)
         with os.fdopen(created, "wb") as handle, torch.serialization.skip_data():
             torch.save(payload, handle)
         self.size = path.stat().st_size
