@@ -8,6 +8,7 @@ Inductor's generated code, which ``tests/compiled/test_step_programs.py`` checks
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -144,10 +145,13 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def fit(trainer: pl.Trainer, model: pl.LightningModule, data: TensorDataset, caplog: Any, **kwargs: Any) -> None:
-    """``trainer.fit``; under ``graph_mode="compile"`` it must report the whole-step programs compiled (no fallback)."""
+    """``trainer.fit``; under ``graph_mode="compile"`` it must report the whole-step programs compiled (no fallback).
+    No LR scheduler may warn that it stepped before the optimizer (the compiled updates never call ``step``)."""
     caplog.clear()
-    with caplog.at_level("INFO"):
+    with caplog.at_level("INFO"), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         trainer.fit(model, loader(data), **kwargs)
+    assert not [w for w in caught if "before `optimizer.step()`" in str(w.message)]
     if trainer.strategy.graph_mode == "compile":
         reports = [r.getMessage() for r in caplog.records if "whole" in r.getMessage()]
         name = type(trainer.optimizers[0]).__name__
