@@ -44,7 +44,7 @@ from compiled_step import BATCH, Classifier, make_data, make_optimizer, spread
 from lightning_sink.compiled import ProgramSettings, StepPrograms, build_step_programs
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
 
-from common import MODELS, make_model
+from common import MODELS, make_model, plain_torch_cuda_check
 
 CPU = torch.device("cpu")
 
@@ -78,6 +78,7 @@ def configurations(model_name: str, sink: int) -> tuple[dict[str, Callable[[], N
     hand = seeded_classifier(model_name)
     hand_optimizer = make_optimizer("adamw", hand.parameters())
 
+    @plain_torch_cuda_check()
     def hand_loop() -> None:
         for x, y in batches:
             hand_optimizer.zero_grad()

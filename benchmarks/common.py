@@ -1,10 +1,13 @@
 """Pieces the benchmarks share: the two small nets and their random data, a classifier LightningModule around any
-net, quiet and default CPU Trainers, and a callback timing optimizer steps."""
+net, quiet and default CPU Trainers, a callback timing optimizer steps, and the hand-written loops' CUDA check."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +22,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from lenet import LeNet5
 
 MODELS = ("tiny_mlp", "lenet5")
+
+
+@contextlib.contextmanager
+def plain_torch_cuda_check() -> Iterator[None]:
+    """Run the block (or, as a decorator, the function) with torch's CUDA check as a process that never imported
+    Lightning has it (``PYTORCH_NVML_BASED_CUDA_CHECK`` unset), and give the setting back after: every hand-written
+    loop, the anchor of each figure, is plain PyTorch's whatever Lightning or a sink strategy set it to. (Without
+    NVML's library, Lightning's ``1`` makes each optimizer ``step`` try and fail to load it: ``lightning_sink/cuda_check.py``.)"""
+    saved = os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = saved
 
 
 def make_model(name: str) -> nn.Module:

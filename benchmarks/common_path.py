@@ -65,6 +65,7 @@ from common import (
     default_trainer,
     make_loader,
     make_model,
+    plain_torch_cuda_check,
     quiet_trainer,
     synchronize,
 )
@@ -98,6 +99,7 @@ RATIOS = {  # name: (configuration, baseline)
 
 
 # ---------------------------------------------------------------------------------------------- one run
+@plain_torch_cuda_check()
 def hand_written(
     model_name: str, warmup: int, steps: int, device: torch.device, on_timed_start: Callable[[], Any] | None = None
 ) -> float:

@@ -62,7 +62,7 @@ from lightning_sink import SinkDDPStrategy
 from lightning_sink.compiled import ProgramSettings, RankSum, StepPrograms, build_step_programs
 from lightning_sink.window import FlatAllReduce
 
-from common import make_model, quiet_trainer
+from common import make_model, plain_torch_cuda_check, quiet_trainer
 
 BATCH, WORLD = 32, 2
 OPTIMIZERS = ("sgd", "adamw")
@@ -83,6 +83,7 @@ class DDPHandLoop:
         self.optimizer_name, self.accumulation, self.batches = optimizer, accumulation, batches
         self.model: DistributedDataParallel | None = None
 
+    @plain_torch_cuda_check()
     def run(self) -> tuple[float, float]:
         """Seconds per micro-step: (wall clock, this process's CPU time)."""
         if self.model is None:

@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lightning_sink import SinkStrategy
 
-from common import make_model, quiet_trainer
+from common import make_model, plain_torch_cuda_check, quiet_trainer
 
 BATCH = 32
 OPTIMIZERS = ("sgd", "adamw")
@@ -98,6 +98,7 @@ class HandLoop:
         self.optimizer = make_optimizer(optimizer, self.model.parameters())
         self.accumulation, self.batches = accumulation, batches
 
+    @plain_torch_cuda_check()
     def run(self) -> float:
         model, optimizer, n = self.model, self.optimizer, self.accumulation
         start, cpu_start = time.perf_counter(), time.thread_time()

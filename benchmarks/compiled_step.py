@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lightning_sink.compiled import ProgramSettings, StepPrograms, Unavailable, build_step_programs, program_compile
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
 
-from common import MODELS, make_model
+from common import MODELS, make_model, plain_torch_cuda_check
 
 BATCH = 32
 OPTIMIZERS = ("sgd", "adamw")
@@ -160,6 +160,7 @@ class Configuration:
             raise SystemExit(f"{self.name}: no compiled programs: {programs.reason}")
         return model, programs, sink
 
+    @plain_torch_cuda_check()
     def run_eager(self) -> float:
         model, optimizer, n = self.eager, self.eager_optimizer, self.accumulation
         synchronize(self.device)

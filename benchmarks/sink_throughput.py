@@ -42,6 +42,7 @@ from common import (
     default_trainer,
     make_loader,
     make_model,
+    plain_torch_cuda_check,
     quiet_trainer,
     synchronize,
 )
@@ -66,6 +67,7 @@ SINK_CONFIGS = {  # name: (SinkStrategy keyword arguments, Trainer defaults)
 }
 
 
+@plain_torch_cuda_check()
 def hand_written(model_name: str, steps: int, device: torch.device) -> float:
     model, loader = make_model(model_name).to(device), make_loader(model_name)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)

@@ -21,6 +21,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_sink.cuda_check import CudaCheckDuringFit
 from lightning_sink.sink_data import SinkToken
 from lightning_sink.strategies import checkpoint_state
 from lightning_sink.strategies.engine import StepEngine
@@ -33,6 +34,7 @@ class SinkStrategyHooks(Strategy):
     """The ``Strategy`` hooks a sink strategy hands to its fit and step engine (see the module's docstring)."""
 
     sink_fit: SinkFit  # set by the strategy's constructor
+    _cuda_check: CudaCheckDuringFit | None = None  # from setup to teardown (cuda_check.py)
 
     accumulation_steps = fit_setting("accumulation_steps")
     partial_window = fit_setting("partial_window")
@@ -60,6 +62,8 @@ class SinkStrategyHooks(Strategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        self._cuda_check = CudaCheckDuringFit()
+        self._cuda_check.begin()
         self.sink_fit.configure_for_trainer(trainer)
         self._check_fit_settings()
         super().setup(trainer)
@@ -87,6 +91,8 @@ class SinkStrategyHooks(Strategy):
     def teardown(self) -> None:
         self.sink_fit.teardown()
         super().teardown()
+        if self._cuda_check is not None:
+            self._cuda_check.end()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
