@@ -8,7 +8,6 @@ Inductor's generated code, which ``tests/compiled/test_step_programs.py`` checks
 from __future__ import annotations
 
 import copy
-import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -145,13 +144,10 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def fit(trainer: pl.Trainer, model: pl.LightningModule, data: TensorDataset, caplog: Any, **kwargs: Any) -> None:
-    """``trainer.fit``; under ``graph_mode="compile"`` it must report the whole-step programs compiled (no fallback).
-    No LR scheduler may warn that it stepped before the optimizer (the compiled updates never call ``step``)."""
+    """``trainer.fit``; under ``graph_mode="compile"`` it must report the whole-step programs compiled (no fallback)."""
     caplog.clear()
-    with caplog.at_level("INFO"), warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with caplog.at_level("INFO"):
         trainer.fit(model, loader(data), **kwargs)
-    assert not [w for w in caught if "before `optimizer.step()`" in str(w.message)]
     if trainer.strategy.graph_mode == "compile":
         reports = [r.getMessage() for r in caplog.records if "whole" in r.getMessage()]
         name = type(trainer.optimizers[0]).__name__
