@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+from lightning_sink import cuda_check
+
 from lenet import LeNet5
 
 MODELS = ("tiny_mlp", "lenet5")
@@ -30,12 +32,12 @@ def plain_torch_cuda_check() -> Iterator[None]:
     Lightning has it (``PYTORCH_NVML_BASED_CUDA_CHECK`` unset), and give the setting back after: every hand-written
     loop, the anchor of each figure, is plain PyTorch's whatever Lightning or a sink strategy set it to. (Without
     NVML's library, Lightning's ``1`` makes each optimizer ``step`` try and fail to load it: ``lightning_sink/cuda_check.py``.)"""
-    saved = os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+    saved = os.environ.pop(cuda_check.VARIABLE, None)
     try:
         yield
     finally:
         if saved is not None:
-            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = saved
+            os.environ[cuda_check.VARIABLE] = saved
 
 
 def make_model(name: str) -> nn.Module:

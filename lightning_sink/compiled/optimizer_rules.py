@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_sink._torch_compat import note_optimizer_step
+
 __all__ = ["OptimizerRule", "optimizer_rule"]
 
 # Hyperparameters entering as tensors (they may be scheduled) and flags fixed at build time (a change is a new
@@ -59,6 +61,7 @@ class OptimizerRule:
         self.group_of = {i: group for group in self.groups for i in group.members}
         self.created: list[Tensor] = []  # parameters whose optimizer state this rule created (see discard_created)
         self.state = [self._state_for(i) for i in range(len(params))]
+        self._stepped_noted = False  # (``note_stepped``)
         self.refresh()
 
     # -- host side, before each update ------------------------------------------------------------------------
@@ -82,6 +85,14 @@ class OptimizerRule:
                 elif group.last_values.get(name) != value:
                     tensor.fill_(float(value))
                     group.last_values[name] = value
+
+    def note_stepped(self) -> None:
+        """Tell the LR schedulers that the optimizer stepped (``note_optimizer_step``), as its own ``step`` would: a
+        program's update does not call it. Once is enough: the flag stays set, and a scheduler reads it at its own
+        first step alone."""
+        if not self._stepped_noted:
+            note_optimizer_step(self.optimizer)
+            self._stepped_noted = True
 
     def current_values(self) -> list[list[float]]:
         """The scheduled hyperparameters as ``param_groups`` hold them now: per group, one float per name of

@@ -38,7 +38,6 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_sink._torch_compat import note_optimizer_step
 from lightning_sink.compiled.autocast_region import AutocastRegion
 from lightning_sink.compiled.cuda_graphs import CapturedProgram
 from lightning_sink.compiled.device_dataset import DeviceDataset, SinkIndices
@@ -103,7 +102,6 @@ class StepPrograms:
         self._side: dict[str, Any] | None = None
         # after a build of the loop alone: the pair still to build (``build_pair``), over a copy of its example batch
         self._pair_pending, self._pair_example = False, None
-        self._optimizer_noted = False  # (``_note_optimizer_stepped``)
         self._state = self._initial_state(data)
         # a sum across processes traced into the programs: built without running them (no collective in the build)
         quiet = self.rank_sum is not None and self.rank_sum.group is not None
@@ -183,15 +181,8 @@ class StepPrograms:
                 found_inf = self.compiled.update_apply(self._state, flat)
         else:
             loss, values, side, found_inf = self._call("update", batch)
-        self._note_optimizer_stepped()
+        self.rule.note_stepped()
         return self.logged.step_outputs(loss, values, side, found_inf)
-
-    def _note_optimizer_stepped(self) -> None:
-        """Tell the LR schedulers that the optimizer stepped (``note_optimizer_step``), after the first update only:
-        the flag stays set, and a scheduler reads it at its own first step alone."""
-        if not self._optimizer_noted:
-            note_optimizer_step(self.rule.optimizer)
-            self._optimizer_noted = True
 
     def run_several(
         self,
@@ -225,7 +216,7 @@ class StepPrograms:
         else:
             with self._running():
                 stacked = self.compiled.several(self._state, call)
-        self._note_optimizer_stepped()
+        self.rule.note_stepped()
         # a window's positions, each stacked over the windows; the outputs in order, window by window
         positions = [StackedRows(output).micro_steps(self._side) for output in stacked]
         make = self.logged.step_outputs

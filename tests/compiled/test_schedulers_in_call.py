@@ -233,3 +233,18 @@ def test_a_scheduler_a_call_cannot_follow_runs_one_window_per_call_and_says_why(
         runs.append(model)
     assert several_calls == []
     assert torch.equal(flat(runs[0].net), flat(runs[1].net))
+
+
+@pytest.mark.parametrize("calls", [1, 4])
+def test_a_step_scheduler_does_not_warn_that_it_stepped_before_the_optimizer(calls, caplog, several_calls):
+    """A program's update does not call the optimizer's ``step``, which is what tells torch's schedulers that the
+    optimizer stepped: the programs tell them instead, so that a scheduler stepping after the first update (a
+    fresh optimizer, one micro-batch per call or several) does not warn as though the user called it first."""
+    trainer = trainer_for(1, 10, 1, calls)
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "error", message=r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+        )
+        fit(trainer, Scheduled("adamw", "warmup_cosine"), dataset(), caplog)
+    assert trainer.global_step == 10
+    assert (several_calls != []) == (calls > 1)  # the route each call length takes: run_several only for several

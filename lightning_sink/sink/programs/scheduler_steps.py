@@ -27,7 +27,6 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_sink._torch_compat import note_optimizer_step
 from lightning_sink.compiled import OptimizerRule
 from lightning_sink.sink.programs.eager import SinkUpdates
 from lightning_sink.strategies.engine import StepEngine
@@ -70,7 +69,7 @@ class SchedulerSteps:
             return None
         # the call steps the optimizer before these steps take effect: a scheduler would otherwise warn on the
         # fit's first call that it stepped first
-        note_optimizer_step(rule.optimizer)
+        rule.note_stepped()
         step = self._engine.trainer.global_step  # the k-th update of the call makes it step + k
         rows = []
         for update in range(1, windows + 1):
