@@ -32,11 +32,13 @@ A step therefore also gets a call as long as the sink (``longest_call``): with s
 micro-batches, from a loader the sink's batches read and stacked within ``LOADER_CALL_BYTES`` and the device-data
 budget (``loader_call``), up to ``LONGEST_CALL``, so a whole sink is one call where its segment allows; the host loop
 runs each segment's calls longest first, then calls of the short length, then one micro-step per call for what is
-left. One graph of the loop serves both lengths (the number of windows is a size the graph leaves open; a call of
-one window is a graph of its own); for programs built without running (a sum across processes traced in), and
-off the CPU, each length is a graph of its own. Neither grows with ``sink_size``. On a GPU, a CUDA graph's replay
-costs little per call, and a loop of several captured as one graph has not run there yet (benchmarks/README.md):
-one per call.
+left. One graph of the loop serves every call of two windows or more, whatever their number (the number of windows is
+a size the graph leaves open; a call of one window is a graph of its own), so a segment's rest of two windows or
+more is one call of its own length (``StepPrograms.any_shorter_call``): a schedule point, ``max_steps`` or a pass's
+end leaves at most one window to the one-micro-step programs, which a fit then often never builds. For programs
+built without running (a sum across processes traced in), and off the CPU, each length is a graph of its own.
+Neither grows with ``sink_size``. On a GPU, a CUDA graph's replay costs little per call, and a loop of several
+captured as one graph has not run there yet (benchmarks/README.md): one per call.
 """
 
 from __future__ import annotations

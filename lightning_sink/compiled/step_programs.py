@@ -122,6 +122,13 @@ class StepPrograms:
             return ()
         return (self.several[0],) if self._shorter is None else (self.several[0], self._shorter)
 
+    @property
+    def any_shorter_call(self) -> bool:
+        """Whether a call may also run any whole number of windows from two up to the longest call's: one graph of
+        the loop serves them all (``CompiledPrograms.one_loop_graph``), a segment's rest included."""
+        lengths, several = self.call_lengths, self.several
+        return self.compiled.one_loop_graph and several is not None and lengths[0] >= 2 * several[1]
+
     def _windows_per_call(self) -> int:
         """The windows in one call of several (0 without)."""
         return self.several[0] // self.several[1] if self.several is not None else 0
@@ -192,16 +199,18 @@ class StepPrograms:
     ) -> list[StepOutputs]:
         """Run whole windows from an empty one (no ``accumulate`` since the last ``update``), ``micro_steps_per_call``
         micro-batches (``None``: ``count`` from the staged dataset, by default the longest call; one of
-        ``call_lengths``), in one call. ``hyperparameters``: per window, the values its update uses (per param
+        ``call_lengths``, or with ``any_shorter_call`` two windows or more up to the longest), in one call. ``hyperparameters``: per window, the values its update uses (per param
         group, one float per name of ``rule.names``: ``OptimizerRule.current_values`` rows); ``None``: every update
         uses the current ``param_groups``."""
         if self.several is None:
             raise ProgramUnavailable("built without micro_steps_per_call > 1: call accumulate/update instead")
-        count = self.several[0] if count is None else count
-        if batches is not None:
-            count = len(batches)
-        if count not in self.call_lengths:
-            raise ValueError(f"run_several runs {' or '.join(map(str, self.call_lengths))} micro-steps; got {count}")
+        count = len(batches) if batches is not None else self.several[0] if count is None else count
+        longest, window = self.several
+        if count not in self.call_lengths and not (
+            self.any_shorter_call and count % window == 0 and window < count < longest
+        ):
+            lengths = " or ".join(map(str, self.call_lengths))
+            raise ValueError(f"run_several runs {lengths} micro-steps (or whole windows between); got {count}")
         changed = self.rule.changed_flags()
         if changed is not None:
             raise ProgramUnavailable(f"the update program no longer applies: {changed}")

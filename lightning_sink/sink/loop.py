@@ -274,15 +274,14 @@ class SinkLoop:
         (``sink_size=-1``)."""
         updates_left = None if updates_allowed == -1 else updates_allowed - self.updates.count
         in_pass = self._data_position.trained_in_pass
-        fitting = (several for several in calls.several if self._fits_in_call(several, left, updates_left, in_pass))
-        call = next(fitting, calls.one)
+        call, count = self._call_at(calls.several, left, updates_left, in_pass) or (calls.one, 1)
         if calls.partial_batch is not None and self._at_partial_batch(in_pass):
-            call = calls.partial_batch
+            call, count = calls.partial_batch, 1
         batches = []
-        for _ in range(call.count):
+        for _ in range(count):
             batch = next_batch()
             if batch is PASS_END:
-                if call.count > 1:
+                if count > 1:
                     raise RuntimeError(
                         f"The training loader ended its data pass after {self._data_position.trained_in_pass}"
                         f" batches, before its len() of {self._schedule.pass_length}: make len() match the batches"
@@ -291,7 +290,7 @@ class SinkLoop:
                 return None if self._sink_size == -1 and micro_index else ()
             batches.append(self._prepared(batch))
         first = self._data_position.trained_in_sink
-        if call.count > 1 and not isinstance(batches[0], StagedBatch) and not stackable(batches):
+        if count > 1 and not isinstance(batches[0], StagedBatch) and not stackable(batches):
             # a loader's batches of differing shapes (each padded to its longest sequence): a call for each
             return [(batch, run) for i, batch in enumerate(batches) for run in calls.one.run([batch], first + i)]
         return list(zip(batches, call.run(batches, first)))
@@ -322,23 +321,25 @@ class SinkLoop:
             programs.end_sink()  # the compiled programs' window sum into the store (checkpoints read it there)
         compat.set_logging_step(self._engine.trainer, updated=self.updates.count > 0)  # (the buffer writes steps)
 
-    def _fits_in_call(
-        self, several: SeveralSteps, left_in_segment: float, updates_left: int | None, trained_in_pass: int
-    ) -> bool:
-        """Whether the next ``several.count`` micro-batches may run in one call: the segment (whose end is a point
-        of the schedule: validation, a checkpoint, the sink's end), the data pass (whose end is read from the stream
-        only after its last batch was trained; a partial last batch, of another shape than the call's, is trained
-        apart) and ``max_steps`` (``updates_left``; None: no limit) all leave room for them, and the programs say
-        the call is exact."""
-        count = several.count
-        if left_in_segment < count:
-            return False
-        if updates_left is not None and updates_left < count // self._engine.accumulation_steps:
-            return False
+    def _call_at(
+        self, several: Sequence[SeveralSteps], left_in_segment: float, updates_left: int | None, trained_in_pass: int
+    ) -> tuple[SeveralSteps, int] | None:
+        """The first of ``several`` (longest first) to run the next micro-batches, and how many: within the room
+        the segment (whose end is a point of the schedule: validation, a checkpoint, the sink's end), the data pass
+        (whose end is read from the stream only after its last batch was trained; a partial last batch, of another
+        shape than the call's, is trained apart) and ``max_steps`` (``updates_left``; None: no limit) leave, where
+        the programs say the call is exact; None: no call of several fits."""
         whole = self._schedule.whole_in_pass
-        if whole is None or whole - trained_in_pass < count:
-            return False
-        return several.ready()
+        if whole is None:
+            return None
+        room = min(left_in_segment, whole - trained_in_pass)
+        if updates_left is not None:
+            room = min(room, updates_left * self._engine.accumulation_steps)
+        for call in several:
+            count = call.length_within(int(room))
+            if count and call.ready():
+                return call, count
+        return None
 
     def _trains_one_per_call(self, programs: SinkPrograms, length: float, updates_allowed: int) -> bool:
         """Whether the segment about to run will train any micro-batch one per call (by the pair): its calls counted
@@ -352,14 +353,15 @@ class SinkLoop:
             if pass_length is not None and in_pass >= pass_length:
                 in_pass = 0  # (the stream reads the pass's end, and the next pass starts)
             updates_left = None if updates_allowed == -1 else updates_allowed - updates
-            call = next((c for c in programs.several if self._fits_in_call(c, left, updates_left, in_pass)), None)
+            call = self._call_at(programs.several, left, updates_left, in_pass)
             if call is None and programs.partial_batch is not None and self._at_partial_batch(in_pass):
                 if steps > 1 and left > 1:
                     return True  # (it leaves a window open: the micro-batches after it go one per call)
-                call = programs.partial_batch
+                call = programs.partial_batch, 1
             if call is None:
                 return True
-            left, updates, in_pass = left - call.count, updates + call.count // steps, in_pass + call.count
+            count = call[1]
+            left, updates, in_pass = left - count, updates + count // steps, in_pass + count
         return False
 
     def _at_partial_batch(self, trained_in_pass: int) -> bool:

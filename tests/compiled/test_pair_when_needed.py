@@ -1,7 +1,8 @@
 """With calls of several micro-steps (the default's loop over windows), the fit's build compiles the loop alone: the
 accumulate and update programs of one micro-step are built at the start of the first segment that trains a
-micro-batch one per call (a sink's rest shorter than a call, a window left open across sinks, ``max_steps``, a
-validation point), never inside a call, and never in a fit whose micro-batches all run in calls of several. Each
+micro-batch one per call (a segment's rest of one window, at a sink's end, ``max_steps`` or a schedule point; a
+window left open across sinks), never inside a call, and never in a fit whose micro-batches all run in calls of
+several (a rest of two windows or more is a call of its own length). Each
 fit against the same fit with one call per micro-batch, bit for bit, and where the build of the pair fails, the
 eager step from there, against a plain PyTorch loop.
 
@@ -37,7 +38,8 @@ from tests.helpers import quiet_trainer
 # is 10 micro-batches, staged on the device, and the default's calls are 8 micro-steps and a whole sink
 CASES = {
     "every sink one call": (2, 10, {"max_epochs": 3}, False),
-    "max_steps inside the last sink": (2, 10, {"max_steps": 12}, True),
+    "max_steps inside the last sink": (2, 10, {"max_steps": 11}, True),
+    "max_steps leaving two windows of the last sink": (2, 10, {"max_steps": 12}, False),
     "a window open across sinks": (3, 10, {"max_epochs": 3}, True),
     "checkpoints every 9 updates": (1, 10, {"max_epochs": 2, "every_n_train_steps": 9}, True),
 }
@@ -118,16 +120,16 @@ def test_a_pair_that_does_not_build_leaves_the_eager_step_from_there(caplog, sev
 
     monkeypatch.setattr(StepPrograms, "build_pair", refused)
     result = run("max_steps inside the last sink", None, caplog, tmp_path)
-    assert several_calls == [10, 10]
+    assert several_calls == [10, 10]  # (then one window, by the pair: its build fails)
     assert len(result["fell_back"]) == 1, result["fell_back"]
     assert (
         "the accumulate and update programs of one micro-step did not build (RuntimeError: no pair here)"
         in (result["fell_back"][0])
     )
-    assert result["trainer"].global_step == 12
+    assert result["trainer"].global_step == 11
     reference = result["reference"]
-    expected = plain_loop(reference, "adamw", 24, 2, dataset())
-    assert expected["updates"] == 12
+    expected = plain_loop(reference, "adamw", 22, 2, dataset())
+    assert expected["updates"] == 11
     assert relative_error(flat(result["model"].net), flat(reference)) <= 1e-5
 
 

@@ -32,7 +32,9 @@ SAMPLES = 42  # with micro-batches of 4: 10 whole batches and a partial one of 2
 CASES = {
     "windows of one, a sink of one pass": (1, -1, 3, False),
     "windows of one, sinks of one pass's length": (1, 11, 3, False),
-    "windows of one, sinks of 7 (whole batches left one per call at a pass's end)": (1, 7, 5, True),
+    # (whole batches left at a pass's end: each run of two or more is one call of its own length)
+    "windows of one, sinks of 7 (whole batches left at a pass's end)": (1, 7, 5, False),
+    "windows of one, sinks of 9 (one whole batch left one per call at a pass's end)": (1, 9, 4, True),
     "windows of three across the partial batch": (3, -1, 3, True),
 }
 

@@ -148,12 +148,23 @@ class CompiledSeveral(_Compiled):
         count: int,
         schedulers: SchedulerSteps,
     ) -> None:
-        """``count``: the micro-steps of this call, one of ``programs.call_lengths``; ``schedulers``: the fit's
-        step schedulers, stepped through each call's updates before it."""
+        """``count``: the micro-steps of this call, one of ``programs.call_lengths`` (the longest: any whole number
+        of windows from two up to it, where the programs run them all, ``StepPrograms.any_shorter_call``);
+        ``schedulers``: the fit's step schedulers, stepped through each call's updates before it."""
         super().__init__(programs, engine, updates, copy_outputs)
         assert programs.several is not None and count in programs.call_lengths
         self.count, self._window_length = count, programs.several[1]
+        self._shorter = programs.any_shorter_call and count == programs.call_lengths[0]
         self._schedulers = schedulers
+
+    def length_within(self, room: int) -> int:
+        window = self._window_length
+        if not self._shorter:
+            return self.count if room >= self.count else 0
+        windows = min(room, self.count) // window
+        if room // window - windows == 1 and windows > 2:
+            windows -= 1  # (a rest of one window would need programs of its own: two calls of two windows or more)
+        return windows * window if windows >= 2 else 0
 
     def ready(self) -> bool:
         return (

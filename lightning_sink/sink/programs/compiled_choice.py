@@ -19,13 +19,13 @@ in the programs' buffers during a sink, in the window's store between sinks (``s
 
 With ``micro_steps_per_call=M`` (> 1) the programs are built with one compiled program of M micro-steps as well
 (whole windows, ``StepPrograms.run_several``) where M is a multiple of the accumulation (and, staged, no more than a
-sink stages), and ``choose`` adds a ``CompiledSeveral`` per call length to the pair (longest first; each steps the
-fit's step schedulers through its call's updates before the call: ``SchedulerSteps``). With ``None`` (the default)
-the build decides M from the step's size, with a second call as long as a staged sink (``compiled/call_length.py``),
-under DDP too (every process the same lengths, agreed after the build); for CUDA graphs it is 1. With calls of
-several the build compiles their loop alone: the returned programs carry ``build_pair`` until the pair of one
-micro-step is built, and the sink loop calls it at the first segment that trains a micro-batch one per call
-(``_with_pair``: built then, agreed across processes, or the eager pair from there).
+sink stages), and ``choose`` adds a ``CompiledSeveral`` per call length to the pair (longest first, the longest also
+a rest of two windows or more where one graph serves them; each steps the fit's step schedulers through its call's
+updates first: ``SchedulerSteps``). With ``None`` (the default) the build decides M from the step's size, with a
+second call as long as a staged sink (``compiled/call_length.py``), under DDP too (every process the same lengths,
+agreed after the build); for CUDA graphs it is 1. With calls of several the build compiles their loop alone: the
+returned programs carry ``build_pair`` until the one-micro-step pair is built, which the sink loop calls at the first
+segment training a micro-batch one per call (``_with_pair``: built, agreed across processes, or the eager pair).
 """
 
 from __future__ import annotations
@@ -183,8 +183,8 @@ class CompiledProgramChooser:
         return replace(compiled, build_pair=partial(self._with_pair, engine, updates, compiled))
 
     def _with_pair(self, engine: StepEngine, updates: SinkUpdates, compiled: SinkPrograms) -> SinkPrograms:
-        """The first segment that trains a micro-batch one per call (a sink's rest shorter than a call, a window
-        left open): the accumulate and update programs built now (the fit's build compiled the loop alone) and,
+        """The first segment that trains a micro-batch one per call (a segment's rest too short for a call, a
+        window left open): the accumulate and update programs built now (the fit's build compiled the loop alone) and,
         across processes, agreed built everywhere; where they do not build, the eager pair from here on (the
         window's sum is in the store still: the programs' buffers hold a copy)."""
         assert self.programs is not None
@@ -206,8 +206,8 @@ class CompiledProgramChooser:
             rank_zero_info(
                 f"{type(engine.host).__name__}(graph_mode={self.graph_mode!r}): the accumulate and update programs"
                 f" of one micro-step compiled in {seconds:.1f} s, for micro-batches a call of several cannot take"
-                " (a segment's rest shorter than a call: a schedule point, max_steps, a pass's end; or a window left"
-                " open)"
+                " (a segment's rest too short for a call: a schedule point, max_steps, a pass's end; or a window"
+                " left open)"
             )
         return compiled
 

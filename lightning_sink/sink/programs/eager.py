@@ -66,15 +66,15 @@ class MicroBatchProgram(Protocol):
 
 
 class SeveralSteps(Protocol):
-    """``count`` micro-batches (whole windows) trained in one call, where that is exact (``ready``)."""
+    """Micro-batches (whole windows) trained in one call, where that is exact (``ready``)."""
 
-    @property
-    def count(self) -> int:
-        """The micro-batches of one call."""
+    def length_within(self, room: int) -> int:
+        """The micro-batches of a call where ``room`` are left before the segment's, the data pass's or
+        ``max_steps``' end; 0: no call of this kind fits."""
         ...
 
     def ready(self) -> bool:
-        """Whether the next ``count`` micro-batches may run in one call (asked at each candidate micro-batch)."""
+        """Whether the next micro-batches may run in one call (asked at each candidate micro-batch)."""
         ...
 
     def run(self, batches: list[Any], batch_idx: int) -> list[Callable[[], Tensor | None]]:
@@ -89,10 +89,11 @@ class PairCall:
     the update program where the micro-batch ends its window. Training runs in the micro-batch's function, so its
     effects come in the same order as a call of several's."""
 
-    count = 1
-
     def __init__(self, programs: SinkPrograms, engine: StepEngine) -> None:
         self._programs, self._engine = programs, engine
+
+    def length_within(self, room: int) -> int:
+        return min(room, 1)
 
     def ready(self) -> bool:
         return True

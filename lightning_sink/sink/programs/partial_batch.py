@@ -31,10 +31,11 @@ class PartialBatchCall:
     """A call of one micro-batch, a data pass's partial last batch, trained by the eager pair (a ``SeveralSteps``
     of one)."""
 
-    count = 1
-
     def __init__(self, engine: StepEngine, updates: SinkUpdates, handover: WindowHandover) -> None:
         self._engine, self._updates, self._handover = engine, updates, handover
+
+    def length_within(self, room: int) -> int:
+        return min(room, 1)
 
     def ready(self) -> bool:
         return True
