@@ -1,12 +1,15 @@
 """A realistic LightningModule's whole fit, eager sinks against compiled sinks, build included.
 
     python benchmarks/realistic_fit.py [--micro-batches 2000] [--sink 250] [--repeats 3] [--threads 1] [--devices 1]
+        [--checkpoint-every N]
 
 The module is what a Lightning user writes for a small image classifier: a CNN with BatchNorm and two dropouts on
 1x28x28 inputs (10 classes, batch 32, random data in memory, a shuffled loader), a torchmetrics ``MulticlassAccuracy``
 updated in ``training_step`` and logged on step and epoch, the loss logged to the progress bar, AdamW with
 ``OneCycleLR`` stepped every update and sized from ``trainer.estimated_stepping_batches``, a validation loop with its
-own metric after every sink (and a sanity check), a checkpoint after every sink, the TensorBoard logger.
+own metric after every sink (and a sanity check), a checkpoint after every sink, the TensorBoard logger. With
+``--checkpoint-every N`` a second ``ModelCheckpoint(every_n_train_steps=N)`` ends a segment inside the sinks, as
+such a callback does in many recipes: the calls of compiled sinks then end there too.
 
 With ``--devices 2`` every fit runs on two gloo processes (``SinkDDPStrategy``, the same options), the training
 set split between them by Lightning's ``DistributedSampler`` (each process trains half the micro-batches, ``--sink``
@@ -112,6 +115,11 @@ def one_fit(args: argparse.Namespace) -> dict | None:
     clock = SinkClockAndGraphs()
     options = {"graph_mode": "compile"} if graph_mode == "compile" else {}
     strategy = SinkDDPStrategy if args.devices > 1 else SinkStrategy
+    step_checkpoints = []
+    if args.checkpoint_every:
+        every = args.checkpoint_every
+        folder_of_steps = os.path.join(folder, "step_checkpoints")
+        step_checkpoints.append(ModelCheckpoint(dirpath=folder_of_steps, every_n_train_steps=every, save_top_k=-1))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -119,7 +127,11 @@ def one_fit(args: argparse.Namespace) -> dict | None:
         max_epochs=micro_batches // sink,
         default_root_dir=folder,
         logger=TensorBoardLogger(folder, name="tb"),
-        callbacks=[clock, ModelCheckpoint(dirpath=os.path.join(folder, "checkpoints"), every_n_epochs=1)],
+        callbacks=[
+            clock,
+            ModelCheckpoint(dirpath=os.path.join(folder, "checkpoints"), every_n_epochs=1),
+            *step_checkpoints,
+        ],
         log_every_n_steps=50,
         num_sanity_val_steps=2,
         enable_progress_bar=False,
@@ -173,6 +185,8 @@ def run_child(graph_mode: str, args: argparse.Namespace, cache: str | None, stat
             str(args.threads),
             "--devices",
             str(args.devices),
+            "--checkpoint-every",
+            str(args.checkpoint_every),
             "--folder",
             folder,
             "--state",
@@ -204,6 +218,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads in every fit (per process)")
     parser.add_argument(
         "--devices", type=int, default=1, help="processes (2: SinkDDPStrategy on gloo, the data split between them)"
+    )
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=0, help="also a checkpoint every N updates (0: none), inside the sinks"
     )
     parser.add_argument("--child", choices=("eager", "compile"), help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
@@ -255,6 +272,7 @@ def main() -> None:
                 "sink_size": args.sink,
                 "threads": args.threads,
                 "devices": args.devices,
+                "checkpoint_every": args.checkpoint_every,
                 "rounds": rounds,
                 "summary": summary,
             }

@@ -1,6 +1,6 @@
 """The compiled step programs as the sink loop calls them: ``CompiledAccumulate`` / ``CompiledUpdate`` (one
 micro-batch per call, ``MicroBatchProgram``) and ``CompiledSeveral`` (whole windows per call, ``SeveralSteps``), each a
-call of ``lightning_sink.compiled``'s ``StepPrograms``, which one fit's choice (``sink/programs/compiled_choice.py``) built.
+call of ``lightning_sink.compiled``'s ``StepPrograms``, built by the fit's choice (``compiled_choice.py`` here).
 
 What stays where it was:
 
@@ -17,10 +17,12 @@ What stays where it was:
 A program given a ``StagedBatch`` (``sink/staging.py``) runs without a batch argument: it gathers that batch itself.
 
 ``CompiledSeveral`` runs M micro-batches per call (``micro_steps_per_call``) where that is exact: at a window's start,
-with the accumulation the program was built for. Each update of the call reads its own hyperparameters, for which
-``SchedulerSteps`` steps the fit's ``interval="step"`` schedulers through the call's updates before it. After the
-call every micro-batch's host effects are done in order, as the one-per-call pair does them, the schedulers' steps
-excepted (``SinkLoop`` asks the rest: segment, pass and ``max_steps``; ``max_time`` is read between calls).
+with the accumulation the program was built for; where one graph of the loop serves every number of windows, a
+segment's rest of two windows or more as well (``length_within``). Each update of the call reads its own
+hyperparameters, for which ``SchedulerSteps`` steps the fit's ``interval="step"`` schedulers through the call's
+updates before it. After the call every micro-batch's host effects are done in order, as the one-per-call pair does
+them, the schedulers' steps excepted (``SinkLoop`` asks the rest: segment, pass and ``max_steps``; ``max_time`` is
+read between calls).
 """
 
 from __future__ import annotations
