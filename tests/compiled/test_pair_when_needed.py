@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_sink import SinkStrategy
 from lightning_sink.compiled import StepPrograms
@@ -155,3 +156,54 @@ def test_a_fit_that_builds_the_pair_midway_trains_as_stock_lightning_without_sin
         (step, sorted(values)) for step, values in logger.points
     ]
     assert relative_error(flat(sink["model"].net), flat(stock.net)) <= 1e-5
+
+
+def test_segments_cut_by_checkpoints_run_as_calls_of_the_loop_and_train_as_stock_lightning(
+    caplog, several_calls, pair_calls, tmp_path
+):
+    """A shuffled loader (passes of 30 micro-batches), a step LR scheduler, windows of 2, sinks of 12 and a
+    checkpoint every 4 updates: the sinks' segments of 8 and 4 micro-batches each run as one call of the loop, no
+    one-micro-step program is built or run, and the fit is stock Lightning's without sinking (``accumulate_grad_batches``,
+    the same callback and limit): the same updates, checkpoints, losses logged at each step and parameters."""
+    x, y = dataset().tensors
+    data = TensorDataset(x.repeat(3, 1), y.repeat(3))
+
+    def shuffled() -> DataLoader:
+        return DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5))
+
+    def fit_with(strategy: Any, folder: Path, **options: Any) -> dict[str, Any]:
+        logger, model = RecordingLogger(), Net("adamw", step_lr=0.97)
+        checkpoint = ModelCheckpoint(dirpath=folder, every_n_train_steps=4, save_top_k=-1)
+        trainer = quiet_trainer(
+            strategy=strategy,
+            logger=logger,
+            log_every_n_steps=1,
+            max_steps=12,
+            callbacks=[checkpoint],
+            enable_checkpointing=True,
+            **options,
+        )
+        with caplog.at_level("INFO"):
+            trainer.fit(model, shuffled())
+        return {
+            "model": model,
+            "trainer": trainer,
+            "points": logger.points,
+            "saved": sorted(p.name for p in folder.iterdir()),
+        }
+
+    stock = fit_with("auto", tmp_path / "stock", accumulate_grad_batches=2)
+    caplog.clear()
+    sink = fit_with(SinkStrategy(accumulation_steps=2, sink_size=12, graph_mode="compile"), tmp_path / "sink")
+    assert several_calls == [8, 4, 4, 8] and pair_calls == []
+    assert not [r for r in caplog.records if "programs of one micro-step compiled in" in r.getMessage()]
+    assert sink["trainer"].global_step == stock["trainer"].global_step == 12
+    # each update's logged step values (the epoch's come at a sink's end in sink mode: an epoch is a sink)
+    steps = [
+        [(step, values["train_loss"]) for step, values in run["points"] if "train_loss" in values]
+        for run in (sink, stock)
+    ]
+    assert [step for step, _ in steps[0]] == [step for step, _ in steps[1]] == list(range(12))
+    assert all(abs(a - b) <= 1e-5 for (_, a), (_, b) in zip(*steps))
+    assert len(sink["saved"]) == len(stock["saved"]) == 3
+    assert relative_error(flat(sink["model"].net), flat(stock["model"].net)) <= 1e-5
